@@ -1,0 +1,38 @@
+"""Tensor codecs, the AdaTopK policy and the wire frame.
+
+- frame.py:    ``pack_tensor`` / ``unpack_tensor``, the versioned msgpack frame
+- codecs.py:   ``IdentityCodec``, ``Float16Codec``, ``TopKCodec`` (encode, validating decode)
+- topk.py:     exact top-k selection faster than torch.topk on CPU; index bitmaps
+- feedback.py: ``ErrorFeedback``, residuals for compressed gradients
+- adaptive.py: ``AdaTopK`` (per-link ratio with hysteresis), ``target_ratio`` (pure)
+- limits.py:   ``FrameLimits``, what a receiver accepts
+- dtypes.py:   the dtypes allowed on the wire
+"""
+
+from fusionllm.common.errors import FrameError
+from fusionllm.compression.adaptive import AdaTopK, AdaTopKConfig, target_ratio, topk_wire_bytes
+from fusionllm.compression.codecs import Codec, Float16Codec, IdentityCodec, TopKCodec
+from fusionllm.compression.feedback import ErrorFeedback
+from fusionllm.compression.frame import FRAME_VERSION, pack_tensor, unpack_tensor
+from fusionllm.compression.limits import DEFAULT_LIMITS, FrameLimits
+from fusionllm.compression.topk import select_topk, topk_count
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "FRAME_VERSION",
+    "AdaTopK",
+    "AdaTopKConfig",
+    "Codec",
+    "ErrorFeedback",
+    "Float16Codec",
+    "FrameError",
+    "FrameLimits",
+    "IdentityCodec",
+    "TopKCodec",
+    "pack_tensor",
+    "select_topk",
+    "target_ratio",
+    "topk_count",
+    "topk_wire_bytes",
+    "unpack_tensor",
+]

@@ -1,0 +1,177 @@
+"""AdaTopK: compress a link only when it is the bottleneck, just enough to hide under compute.
+
+A link may spend ``time_budget_s`` (the slowest stage's compute time) moving a tensor, so it can
+carry ``bandwidth x budget`` bytes. The policy picks the most faithful encoding that fits:
+dense, then float16 (half the bytes of float32), then top-k with the largest ratio whose wire
+bytes fit, never below ``min_ratio``. ``target_ratio`` is the pure rule (the planner uses it);
+``AdaTopK`` is one link direction's stateful policy, which adds hysteresis so that a noisy
+bandwidth estimate does not make the ratio flap between steps.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.common.logs import get_logger
+from fusionllm.compression.codecs import Codec, Float16Codec, IdentityCodec, TopKCodec
+from fusionllm.compression.topk import bitmap_bytes, topk_count
+
+logger = get_logger(__name__)
+
+_VALUE_BYTES = 2  # top-k values travel as fp16/bf16
+_INDEX_BYTES = 4  # int32 indices, unless a bitmap (1 bit per element) is smaller
+_BITMAP_BYTES_PER_ELEMENT = 1 / 8
+# A top-k ratio is always below 1.0, which means "dense": keeping (nearly) every element in
+# fp16 + bitmap still costs about half of fp32's bytes, so it can fit where dense cannot.
+_MAX_TOPK_RATIO = 0.99
+
+
+def topk_wire_bytes(numel: int, ratio: float) -> int:
+    """Payload bytes of a TopKCodec frame of ``numel`` elements (frame header not counted)."""
+    k = topk_count(numel, ratio)
+    return _VALUE_BYTES * k + min(_INDEX_BYTES * k, bitmap_bytes(numel))
+
+
+def _topk_ratio_for_bytes_per_element(budget: float) -> float:
+    """Largest kept fraction whose top-k wire bytes per tensor element fit ``budget``."""
+    with_indices = budget / (_VALUE_BYTES + _INDEX_BYTES)
+    if _INDEX_BYTES * with_indices <= _BITMAP_BYTES_PER_ELEMENT:
+        return with_indices
+    return (budget - _BITMAP_BYTES_PER_ELEMENT) / _VALUE_BYTES
+
+
+def ratio_for_wire_fraction(
+    wire_fraction: float, *, element_size: int, min_ratio: float, allow_fp16: bool
+) -> float:
+    """Kept fraction for a link allowed ``wire_fraction`` of the dense bytes; 1.0 = dense."""
+    if wire_fraction >= 1.0 or (allow_fp16 and wire_fraction * element_size >= _VALUE_BYTES):
+        return 1.0
+    ratio = _topk_ratio_for_bytes_per_element(wire_fraction * element_size)
+    return min(_MAX_TOPK_RATIO, max(min_ratio, ratio))
+
+
+def target_ratio(
+    bandwidth_bytes_per_s: float,
+    dense_bytes: float,
+    time_budget_s: float,
+    *,
+    min_ratio: float = 0.001,
+    element_size: int = 4,
+    allow_fp16: bool = True,
+) -> float:
+    """The pure AdaTopK rule: fraction of elements to send so the transfer fits the budget.
+
+    1.0 means dense (float16 if that is what fits and ``allow_fp16``); otherwise the top-k ratio,
+    clamped to [min_ratio, 0.99].
+    """
+    wire_fraction = _wire_fraction(bandwidth_bytes_per_s, dense_bytes, time_budget_s)
+    return ratio_for_wire_fraction(
+        wire_fraction, element_size=element_size, min_ratio=min_ratio, allow_fp16=allow_fp16
+    )
+
+
+def _wire_fraction(bandwidth_bytes_per_s: float, dense_bytes: float, time_budget_s: float) -> float:
+    for name, value in (
+        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s),
+        ("dense_bytes", dense_bytes),
+        ("time_budget_s", time_budget_s),
+    ):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if dense_bytes == 0:
+        return 1.0
+    return bandwidth_bytes_per_s * time_budget_s / dense_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaTopKConfig:
+    """Settings of one link direction's policy.
+
+    hysteresis: the allowed wire fraction only moves when the measured one leaves
+    [current / (1 + h), current * (1 + h)]; it then snaps down to a ladder of
+    ``levels_per_octave`` steps per halving, so the link never overshoots its budget by more
+    than the band.
+    """
+
+    min_ratio: float = 0.001
+    hysteresis: float = 0.25
+    levels_per_octave: int = 2
+    allow_fp16: bool = True
+    value_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_ratio <= 1.0:
+            raise ConfigError(f"min_ratio must be in (0, 1], got {self.min_ratio}")
+        if not 0.0 <= self.hysteresis <= 4.0:
+            raise ConfigError(f"hysteresis must be in [0, 4], got {self.hysteresis}")
+        if not 1 <= self.levels_per_octave <= 64:
+            raise ConfigError(f"levels_per_octave must be in [1, 64], got {self.levels_per_octave}")
+        if self.value_dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"value_dtype must be float16 or bfloat16, got {self.value_dtype}")
+
+
+class AdaTopK:
+    """One link direction's compression policy, with hysteresis across calls."""
+
+    def __init__(self, config: AdaTopKConfig | None = None) -> None:
+        self.config = config if config is not None else AdaTopKConfig()
+        self._wire_fraction: float | None = None
+
+    def ratio_for(
+        self,
+        bandwidth_bytes_per_s: float,
+        dense_bytes: float,
+        time_budget_s: float,
+        *,
+        element_size: int = 4,
+    ) -> float:
+        """Fraction of elements to send, in (0, 1]; 1.0 means dense."""
+        wire_fraction = self._update(bandwidth_bytes_per_s, dense_bytes, time_budget_s)
+        return ratio_for_wire_fraction(
+            wire_fraction,
+            element_size=element_size,
+            min_ratio=self.config.min_ratio,
+            allow_fp16=self.config.allow_fp16,
+        )
+
+    def codec_for(
+        self,
+        bandwidth_bytes_per_s: float,
+        dense_bytes: float,
+        time_budget_s: float,
+        *,
+        element_size: int = 4,
+    ) -> Codec:
+        """The codec that fits the budget: IdentityCodec, Float16Codec or TopKCodec."""
+        ratio = self.ratio_for(
+            bandwidth_bytes_per_s, dense_bytes, time_budget_s, element_size=element_size
+        )
+        if ratio < 1.0:
+            return TopKCodec(ratio, value_dtype=self.config.value_dtype)
+        assert self._wire_fraction is not None
+        if self._wire_fraction >= 1.0 or not self.config.allow_fp16 or element_size <= 2:
+            return IdentityCodec()
+        return Float16Codec(self.config.value_dtype)
+
+    def _update(
+        self, bandwidth_bytes_per_s: float, dense_bytes: float, time_budget_s: float
+    ) -> float:
+        measured = _wire_fraction(bandwidth_bytes_per_s, dense_bytes, time_budget_s)
+        current = self._wire_fraction
+        band = 1.0 + self.config.hysteresis
+        if current is None or not current / band <= measured <= current * band:
+            snapped = self._snap_down(measured)
+            if snapped != current:
+                logger.debug("wire fraction %s -> %s (measured %.4g)", current, snapped, measured)
+            self._wire_fraction = snapped
+        return self._wire_fraction
+
+    def _snap_down(self, wire_fraction: float) -> float:
+        if wire_fraction >= 1.0:
+            return 1.0
+        if wire_fraction <= 0.0:
+            return 0.0
+        steps = math.ceil(-math.log2(wire_fraction) * self.config.levels_per_octave - 1e-9)
+        return 2.0 ** (-steps / self.config.levels_per_octave)

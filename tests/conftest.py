@@ -1,0 +1,41 @@
+"""Shared pytest setup: no test may leave a process behind."""
+
+import contextlib
+import os
+
+import psutil
+import pytest
+
+from fusionllm.common.logs import get_logger
+
+logger = get_logger("tests.conftest")
+
+_GRACE_S = 3.0
+
+
+def kill_process_tree(root: psutil.Process, *, include_root: bool = False) -> list[int]:
+    """Terminate, then kill, every descendant of ``root``; returns the pids found."""
+    try:
+        victims = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    if include_root:
+        victims.append(root)
+    for proc in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(victims, timeout=_GRACE_S)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=_GRACE_S)
+    return [proc.pid for proc in victims]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_leftover_processes():
+    """Kill whatever child processes the test session started and did not reap."""
+    yield
+    leftovers = kill_process_tree(psutil.Process(os.getpid()))
+    if leftovers:
+        logger.warning("killed %d leftover child processes: %s", len(leftovers), leftovers)

@@ -1,0 +1,60 @@
+"""The console script, run as a user would: a real process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+_TIMEOUT_S = 120
+
+
+def _fusionllm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fusionllm.node.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_help_lists_the_commands():
+    result = _fusionllm("--help")
+    assert result.returncode == 0
+    for command in ("version", "demo"):
+        assert command in result.stdout
+
+
+def test_no_command_prints_help_and_fails():
+    result = _fusionllm()
+    assert result.returncode == 2
+    assert "COMMAND" in result.stdout
+
+
+def test_version_json():
+    result = _fusionllm("version", "--json")
+    assert result.returncode == 0
+    info = json.loads(result.stdout)
+    assert info["fusionllm"].count(".") == 2
+    assert info["torch"].startswith("2.")
+
+
+def test_demo_reports_every_codec():
+    result = _fusionllm("--log-level", "WARNING", "demo", "--numel", "20000", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    codecs = [entry["codec"] for entry in report["codecs"]]
+    assert len(codecs) == 6
+    by_codec = {entry["codec"]: entry for entry in report["codecs"]}
+    assert by_codec["IdentityCodec()"]["relative_error"] == 0.0
+    topk = [entry for name, entry in by_codec.items() if name.startswith("TopKCodec(ratio=0.01")]
+    assert topk[0]["wire_bytes"] < 0.1 * topk[0]["dense_bytes"]
+
+
+def test_bad_arguments_give_a_clear_error():
+    result = _fusionllm("demo", "--numel", "0")
+    assert result.returncode == 1
+    assert "numel must be in" in result.stderr

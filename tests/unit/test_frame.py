@@ -1,0 +1,289 @@
+"""Round trips and refusals of the wire frame."""
+
+import math
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionllm.compression import (
+    FRAME_VERSION,
+    Float16Codec,
+    FrameError,
+    FrameLimits,
+    IdentityCodec,
+    TopKCodec,
+    pack_tensor,
+    unpack_tensor,
+)
+from fusionllm.compression import codecs as codecs_module
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+shapes = st.lists(st.integers(min_value=0, max_value=7), min_size=0, max_size=4).map(tuple)
+
+
+def _tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _frame(data: bytes) -> dict:
+    return msgpack.unpackb(data, raw=False)
+
+
+def _repack(frame: dict) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, dtype=st.sampled_from(FLOAT_DTYPES), seed=st.integers(0, 2**16))
+def test_identity_round_trip_is_exact(shape, dtype, seed):
+    tensor = _tensor(shape, dtype, seed)
+    decoded = unpack_tensor(pack_tensor(tensor))
+    assert decoded.dtype == dtype
+    assert decoded.shape == tensor.shape
+    assert torch.equal(decoded, tensor)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(12, dtype=torch.int64).view(3, 4),
+        torch.tensor([True, False, True]),
+        torch.tensor(7, dtype=torch.int32),
+        torch.zeros(0, 5, dtype=torch.uint8),
+        torch.randn(3, 2, dtype=torch.float64),
+    ],
+    ids=["int64", "bool", "int32-0d", "uint8-empty", "float64"],
+)
+def test_identity_carries_non_float_dtypes(tensor):
+    decoded = unpack_tensor(pack_tensor(tensor))
+    assert decoded.dtype == tensor.dtype
+    assert torch.equal(decoded, tensor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    wire=st.sampled_from([torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_float16_round_trip_within_wire_precision(shape, dtype, wire, seed):
+    tensor = _tensor(shape, dtype, seed)
+    decoded = unpack_tensor(pack_tensor(tensor, Float16Codec(wire)))
+    assert decoded.dtype == dtype
+    assert decoded.shape == tensor.shape
+    expected = tensor.to(wire).to(dtype)
+    assert torch.equal(decoded, expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    ratio=st.sampled_from([0.001, 0.05, 0.3, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_topk_round_trip_keeps_exactly_k_largest(shape, dtype, ratio, seed):
+    tensor = _tensor(shape, dtype, seed)
+    decoded = unpack_tensor(pack_tensor(tensor, TopKCodec(ratio)))
+    assert decoded.dtype == dtype
+    assert decoded.shape == tensor.shape
+    numel = tensor.numel()
+    k = min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+    flat, flat_decoded = tensor.reshape(-1).float(), decoded.reshape(-1).float()
+    kept = flat_decoded != 0
+    # Entries that are exactly 0 cannot be told apart from dropped ones, so count at most k.
+    assert int(kept.sum()) <= k
+    if k:
+        reference = torch.topk(flat.abs(), k).values
+        kept_magnitudes = torch.sort(flat.abs()[torch.topk(flat_decoded.abs(), k).indices]).values
+        assert torch.equal(kept_magnitudes, torch.sort(reference).values)
+        wire = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+        assert torch.equal(flat_decoded[kept], flat[kept].to(wire).float())
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.2])
+def test_topk_uses_the_smaller_index_format(ratio):
+    tensor = torch.randn(10_000)
+    frame = _frame(pack_tensor(tensor, TopKCodec(ratio)))
+    k = math.ceil(ratio * 10_000)
+    if 4 * k <= 10_000 // 8:
+        assert frame["ix"] == "i32"
+        assert len(frame["ixp"]) == 4 * k
+    else:
+        assert frame["ix"] == "bm"
+        assert len(frame["ixp"]) == 10_000 // 8
+
+
+def test_topk_switches_to_bfloat16_for_values_beyond_float16_range():
+    tensor = torch.tensor([1e6, -3.0, 2.0, 0.5])
+    frame = _frame(pack_tensor(tensor, TopKCodec(0.5)))
+    assert frame["wd"] == "bfloat16"
+    decoded = unpack_tensor(pack_tensor(tensor, TopKCodec(0.5)))
+    assert math.isclose(float(decoded[0]), 1e6, rel_tol=1e-2)
+
+
+def test_float16_refuses_values_it_cannot_represent():
+    with pytest.raises(ValueError, match="bfloat16"):
+        pack_tensor(torch.tensor([1e6]), Float16Codec(torch.float16))
+
+
+def test_lossy_codecs_refuse_integer_tensors():
+    with pytest.raises(ValueError, match="float"):
+        pack_tensor(torch.arange(4), TopKCodec(0.5))
+
+
+def test_non_contiguous_and_grad_tensors_are_packed_by_value():
+    base = torch.randn(4, 6, requires_grad=True)
+    view = base.t()[1:3]
+    assert torch.equal(unpack_tensor(pack_tensor(view)), view.detach())
+
+
+def test_frame_overhead_is_a_small_constant():
+    tensor = torch.randn(1 << 18)  # 1 MiB
+    data = pack_tensor(tensor)
+    assert len(data) - tensor.numel() * 4 < 64
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def _good_topk_frame() -> dict:
+    frame = _frame(pack_tensor(torch.randn(20, 20), TopKCodec(0.02)))  # k = 8, int32 indices
+    assert frame["ix"] == "i32"
+    return frame
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: f.update(v=FRAME_VERSION + 1), "version"),
+        (lambda f: f.update(v=True), "version"),
+        (lambda f: f.update(c="zstd"), "unknown codec"),
+        (lambda f: f.update(dt="complex64"), "dtype"),
+        (lambda f: f.update(sh=[6, -5]), "non-negative"),
+        (lambda f: f.update(sh=[6, 5.0]), "non-negative"),
+        (lambda f: f.update(sh=[1] * 9), "max_array_len"),
+        (lambda f: f.update(sh=[10**6, 10**6]), "exceeds"),
+        (lambda f: f.update(sh=[2, 2]), "outside"),
+        (lambda f: f.update(k=7), "bytes"),
+        (lambda f: f.update(k=-1), "outside"),
+        (lambda f: f.update(k=401), "outside"),
+        (lambda f: f.update(ix="csr"), "index format"),
+        (lambda f: f.update(wd="float32"), "dtype"),
+        (lambda f: f.update(p=b"\x00" * 11), "bytes"),
+        (lambda f: f.update(ixp=b"\x00" * 32), "not strictly increasing"),
+        (lambda f: f.update(extra=1), "keys"),
+        (lambda f: f.pop("ixp"), "keys"),
+    ],
+)
+def test_malformed_topk_frames_are_refused(mutate, message):
+    frame = _good_topk_frame()
+    mutate(frame)
+    with pytest.raises(FrameError, match=message):
+        unpack_tensor(_repack(frame))
+
+
+def test_out_of_range_and_duplicate_indices_are_refused():
+    frame = _good_topk_frame()
+    indices = torch.frombuffer(bytearray(frame["ixp"]), dtype=torch.int32).clone()
+    out_of_range = indices.clone()
+    out_of_range[-1] = 400
+    with pytest.raises(FrameError, match="outside"):
+        unpack_tensor(_repack({**frame, "ixp": out_of_range.numpy().tobytes()}))
+    duplicated = indices.clone()
+    duplicated[1] = duplicated[0]
+    with pytest.raises(FrameError, match="increasing"):
+        unpack_tensor(_repack({**frame, "ixp": duplicated.numpy().tobytes()}))
+
+
+def test_bitmap_with_wrong_count_or_stray_bits_is_refused():
+    frame = _frame(pack_tensor(torch.randn(21), TopKCodec(0.9)))
+    assert frame["ix"] == "bm"
+    bitmap = bytearray(frame["ixp"])
+    stray = bytearray(bitmap)
+    stray[-1] |= 0x80  # bit 23 of a 21-element tensor
+    with pytest.raises(FrameError):
+        unpack_tensor(_repack({**frame, "ixp": bytes(stray)}))
+    missing = bytearray(bitmap)
+    missing[0] &= 0xFE
+    missing[0] &= 0xFD
+    with pytest.raises(FrameError, match="marks"):
+        unpack_tensor(_repack({**frame, "ixp": bytes(missing)}))
+
+
+def test_truncated_frames_are_refused():
+    data = pack_tensor(torch.randn(100), TopKCodec(0.1))
+    for cut in range(len(data)):
+        with pytest.raises(FrameError):
+            unpack_tensor(data[:cut])
+
+
+@pytest.mark.parametrize("codec", [IdentityCodec(), Float16Codec(), TopKCodec(0.5)])
+def test_non_finite_values_are_refused_unless_allowed(codec):
+    frame = _frame(pack_tensor(torch.ones(4), codec))
+    wire = torch.float16 if codec.codec_id != "id" else torch.float32
+    nans = torch.full((len(frame["p"]) // wire.itemsize,), float("nan"), dtype=wire)
+    frame["p"] = nans.numpy().tobytes()
+    with pytest.raises(FrameError, match="NaN"):
+        unpack_tensor(_repack(frame))
+    decoded = unpack_tensor(_repack(frame), limits=FrameLimits(allow_nonfinite=True))
+    assert bool(decoded.isnan().any())
+
+
+def test_bool_payload_must_be_zero_or_one():
+    frame = _frame(pack_tensor(torch.tensor([True, False])))
+    frame["p"] = b"\x01\x02"
+    with pytest.raises(FrameError, match="bool"):
+        unpack_tensor(_repack(frame))
+
+
+def test_receiver_dtype_whitelist_applies():
+    data = pack_tensor(torch.arange(3))
+    with pytest.raises(FrameError, match="int64"):
+        unpack_tensor(data, limits=FrameLimits(allowed_dtypes=frozenset({"float32"})))
+
+
+def test_frame_over_the_size_limit_is_refused_before_parsing():
+    data = pack_tensor(torch.randn(64))
+    with pytest.raises(FrameError, match="exceeds"):
+        unpack_tensor(data, limits=FrameLimits(max_frame_bytes=128))
+
+
+def test_non_bytes_input_is_refused():
+    with pytest.raises(FrameError):
+        unpack_tensor("not bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        {"v": 1, "c": "id", "dt": "float32", "sh": [10**12], "p": b""},
+        {
+            "v": 1,
+            "c": "topk",
+            "dt": "float32",
+            "sh": [10**6, 10**6],
+            "wd": "float16",
+            "k": 0,
+            "ix": "i32",
+            "p": b"",
+            "ixp": b"",
+        },
+    ],
+    ids=["identity", "topk"],
+)
+def test_huge_claim_fails_before_any_allocation(monkeypatch, claim):
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoder allocated before validating")
+
+    for name in ("zeros", "empty"):
+        monkeypatch.setattr(codecs_module.torch, name, refuse)
+    data = _repack(claim)
+    assert len(data) < 80
+    with pytest.raises(FrameError, match="exceeds"):
+        unpack_tensor(data)
