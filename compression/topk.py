@@ -131,31 +131,40 @@ def _indices_at_least(flat: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def indices_to_bitmap(indices: torch.Tensor, numel: int) -> torch.Tensor:
-    """Little-endian bitmap (uint8, ceil(numel / 8) bytes) with a bit set at each index."""
-    mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
+    """Little-endian bitmap (uint8, ceil(numel / 8) bytes, indices' device), a bit per index."""
+    mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)  # (N,)
     mask[indices] = True
     if mask.device.type == "cpu":
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+    return pack_bits_torch(mask)
+
+
+def pack_bits_torch(mask: torch.Tensor) -> torch.Tensor:
+    """np.packbits(bitorder="little") in torch ops, for masks on an accelerator."""
+    numel = mask.numel()
     padded = torch.nn.functional.pad(mask, (0, (-numel) % 8)).view(-1, 8).to(torch.uint8)
     weights = torch.tensor([1 << bit for bit in range(8)], dtype=torch.uint8, device=mask.device)
     return (padded * weights).sum(dim=1, dtype=torch.uint8)
 
 
 def bitmap_to_indices(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
-    """Positions (int64, ascending, on the bitmap's device) of the set bits below numel."""
+    """Positions (int64, ascending, bitmap's device) of the set bits below numel."""
     if bitmap.device.type == "cpu":
         bits = np.unpackbits(bitmap.numpy(), count=numel, bitorder="little")
         return torch.from_numpy(np.flatnonzero(bits))
+    return unpack_bits_torch(bitmap, numel)
+
+
+def unpack_bits_torch(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
+    """Set positions of a little-endian bitmap in torch ops, for bitmaps on an accelerator."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
     bits = (bitmap.unsqueeze(1) >> shifts).bitwise_and_(1).view(-1)[:numel]  # (N,)
     return torch.nonzero(bits).view(-1)
 
 
 def bitmap_popcount(bitmap: torch.Tensor) -> int:
-    """Number of set bits."""
-    if bitmap.device.type == "cpu":
-        return int(np.bitwise_count(bitmap.numpy()).sum(dtype=np.int64))
-    return bitmap_to_indices(bitmap, bitmap.numel() * 8).numel()
+    """Number of set bits of a CPU bitmap."""
+    return int(np.bitwise_count(bitmap.numpy()).sum(dtype=np.int64))
 
 
 def bitmap_bytes(numel: int) -> int:

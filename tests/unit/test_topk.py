@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionllm.compression import select_topk, topk_count
-from fusionllm.compression.topk import bitmap_popcount, bitmap_to_indices, indices_to_bitmap
+from fusionllm.compression.topk import (
+    bitmap_popcount,
+    bitmap_to_indices,
+    indices_to_bitmap,
+    pack_bits_torch,
+    unpack_bits_torch,
+)
 
 
 def _assert_exact_topk(flat: torch.Tensor, k: int) -> None:
@@ -77,3 +83,16 @@ def test_bitmap_round_trip(data, numel):
     assert bitmap.numel() == (numel + 7) // 8
     assert bitmap_popcount(bitmap) == len(marked)
     assert torch.equal(bitmap_to_indices(bitmap, numel), indices)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), numel=st.integers(1, 100))
+def test_torch_bit_packing_matches_numpy(data, numel):
+    # The torch versions serve CUDA tensors; on CPU they must agree with numpy's bit for bit.
+    marked = data.draw(st.sets(st.integers(0, numel - 1), max_size=numel))
+    indices = torch.tensor(sorted(marked), dtype=torch.int64)
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[indices] = True
+    bitmap = indices_to_bitmap(indices, numel)
+    assert torch.equal(pack_bits_torch(mask), bitmap)
+    assert torch.equal(unpack_bits_torch(bitmap, numel), indices)
