@@ -1,0 +1,38 @@
+"""The device probe: plausible numbers, cached per device, robust to a damaged cache."""
+
+import json
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.node.probe import ProbeConfig, cached_measurement, measure_device
+
+TINY = ProbeConfig(matmul_size=64, copy_bytes=1 << 20, repeats=1)
+
+
+def test_measurement_is_plausible():
+    measurement = measure_device("cpu", TINY)
+    assert 1e6 < measurement.flops < 1e15
+    assert 1e7 < measurement.memory_bandwidth < 1e13
+    assert measurement.memory_bytes > 2**28
+
+
+def test_cache_is_reused_and_survives_damage(tmp_path):
+    cache = tmp_path / "probe.json"
+    first = cached_measurement("cpu", cache, TINY)
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1
+    # A second call must come from the cache: make the cached value recognisable.
+    key = next(iter(stored))
+    stored[key]["flops"] = 12345.0
+    cache.write_text(json.dumps(stored))
+    assert cached_measurement("cpu", cache, TINY).flops == 12345.0
+    cache.write_text("{not json")
+    again = cached_measurement("cpu", cache, TINY)
+    assert again.device_name == first.device_name
+    assert json.loads(cache.read_text())[key]["flops"] == again.flops
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="matmul_size"):
+        ProbeConfig(matmul_size=3)
