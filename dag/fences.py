@@ -21,6 +21,9 @@ logger = get_logger(__name__)
 
 DENSE_LIMIT = 512  # up to this many peers, unmeasured pairs (estimated) take part in clustering
 _EXHAUSTIVE_CHAIN = 6  # up to this many fences, try every chain order
+# Up to this many replicas an all-reduce is bounded by its best spanning tree's weakest link;
+# above, by the slowest member's access link (see group_allreduce_link).
+ALLREDUCE_TREE_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def _symmetric_edges(swarm: Swarm) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         u = np.minimum(swarm.src, swarm.dst)
         v = np.maximum(swarm.src, swarm.dst)
         _, first = np.unique(u * n + v, return_index=True)
-        u, v = u[first], v[first]
+        return u[first], v[first], swarm.symmetric_bandwidth[first], swarm.symmetric_rtt[first]
     forward_bw, forward_rtt = swarm.link_arrays(u, v)
     back_bw, back_rtt = swarm.link_arrays(v, u)
     return u, v, np.minimum(forward_bw, back_bw), np.maximum(forward_rtt, back_rtt)
@@ -111,14 +114,16 @@ def group_allreduce_link(swarm: Swarm, members: np.ndarray) -> LinkProfile:
     """The slowest link an all-reduce among ``members`` must use: the weakest edge of their
     maximum spanning tree (a ring or tree can be routed along it), with that tree's worst RTT.
 
-    Above DENSE_LIMIT members only measured links are used, and if they leave the group
-    disconnected the median estimated access bandwidth stands in for the missing edges.
+    Above ALLREDUCE_TREE_LIMIT members the group is bounded by its slowest access link: in a
+    ring or butterfly all-reduce over that many peers every member sends and receives about
+    twice the gradient through its own uplink and downlink, so the slowest one sets the pace
+    (and the spanning tree, a Python loop per member, dominated planning time at 1,000 peers).
     """
     members = np.asarray(members, dtype=np.int64)
     r = members.size
     if r <= 1:
         return LinkProfile(bandwidth=math.inf, rtt=0.0)
-    if r <= DENSE_LIMIT:
+    if r <= ALLREDUCE_TREE_LIMIT:
         bw, rtt = swarm.dense(members)
         sym = np.minimum(bw, bw.T)
         sym_rtt = np.maximum(rtt, rtt.T)
@@ -138,57 +143,8 @@ def group_allreduce_link(swarm: Swarm, members: np.ndarray) -> LinkProfile:
             best = np.where(better, sym[j], best)
             best_rtt = np.where(better, sym_rtt[j], best_rtt)
         return LinkProfile(bandwidth=weakest, rtt=worst_rtt)
-    inside = np.zeros(swarm.n, dtype=bool)
-    inside[members] = True
-    mask = inside[swarm.src] & inside[swarm.dst]
-    sub = _SubSwarmEdges(swarm, mask)
-    weakest, worst_rtt, components = sub.bottleneck(members)
-    if components > 1:
-        estimate = float(min(np.median(swarm.uplink[members]), np.median(swarm.downlink[members])))
-        weakest = min(weakest, estimate)
-        worst_rtt = max(worst_rtt, float(np.median(swarm.peer_rtt[members])))
-    return LinkProfile(bandwidth=weakest, rtt=worst_rtt)
-
-
-class _SubSwarmEdges:
-    """Measured links among a large group, for a Kruskal bottleneck without a dense matrix."""
-
-    def __init__(self, swarm: Swarm, mask: np.ndarray) -> None:
-        src, dst = swarm.src[mask], swarm.dst[mask]
-        forward_bw = swarm.bandwidth[mask]
-        back_bw, back_rtt = swarm.link_arrays(dst, src)
-        self.u = np.minimum(src, dst)
-        self.v = np.maximum(src, dst)
-        self.w = np.minimum(forward_bw, back_bw)
-        self.rtt = np.maximum(swarm.rtt[mask], back_rtt)
-
-    def bottleneck(self, members: np.ndarray) -> tuple[float, float, int]:
-        order = np.lexsort((self.v, self.u, -self.w))
-        parent = {int(m): int(m) for m in members}
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        components = members.size
-        weakest, worst_rtt = math.inf, 0.0
-        for a, b, w, rtt in zip(
-            self.u[order].tolist(),
-            self.v[order].tolist(),
-            self.w[order].tolist(),
-            self.rtt[order].tolist(),
-            strict=True,
-        ):
-            ra, rb = find(a), find(b)
-            if ra != rb:
-                parent[max(ra, rb)] = min(ra, rb)
-                components -= 1
-                weakest, worst_rtt = min(weakest, w), max(worst_rtt, rtt)
-                if components == 1:
-                    break
-        return weakest, worst_rtt, components
+    access = float(min(swarm.uplink[members].min(), swarm.downlink[members].min()))
+    return LinkProfile(bandwidth=access, rtt=float(np.median(swarm.peer_rtt[members])))
 
 
 def group_links(swarm: Swarm, groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,9 @@ class OpNode:
     node_id: stable across runs and processes (the fx node name of a deterministic trace).
     inputs: ids of the nodes, or names of graph inputs, whose values this node consumes.
     Costs are for the sample batch the graph was traced with; bytes are exact, FLOPs counted.
+    peak_activation_bytes: what autograd keeps from this op until its backward. Summed over a
+    stage it is the activation memory one in-flight micro-batch holds (the training peak is
+    at the end of a stage's forward); the largest single ``output_bytes`` adds a transient.
     """
 
     node_id: str

@@ -14,8 +14,9 @@ Search (every step deterministic; ties broken by peer index, which is peer-id or
    fastest wins (ties: lowest digest). Baselines use the same ``build_plan`` and simulator.
 
 Memory per device of a stage s of S: (params + grads + optimizer state) of the stage, plus
-min(S - s, M) in-flight micro-batches of stored activations (its share of each micro-batch),
-plus the stage's largest transient peak.
+min(S - s, M) in-flight micro-batches of saved activations (the sum of the stage's
+``peak_activation_bytes`` and its input cut, for its share of each micro-batch), plus the
+stage's largest single output as a transient.
 """
 
 import hashlib
@@ -51,6 +52,7 @@ from fusionllm.dag.swarm import Swarm
 logger = get_logger(__name__)
 
 _BALANCE_BAND = math.log(1.25)  # a stage within 25% of its fair share counts as balanced
+_PRUNE_SAFETY = 0.98  # bounds are compared with this slack against float noise
 GIB = 2**30
 
 
@@ -239,8 +241,9 @@ class _Model:
         self.total = fwd + bwd
         self.memory = np.array([d.memory_bytes * config.memory_fraction for d in self.profiles])
         self.params = np.concatenate([[0.0], np.cumsum([n.param_bytes for n in graph.nodes])])
+        # Saved for backward, per micro-batch (see OpNode.peak_activation_bytes).
         self.acts = np.concatenate(
-            [[0.0], np.cumsum([n.output_bytes * scale for n in graph.nodes])]
+            [[0.0], np.cumsum([n.peak_activation_bytes * scale for n in graph.nodes])]
         )
         self.cut = np.array(graph.cut_bytes(), dtype=np.float64) * scale
         if config.compression:
@@ -255,7 +258,8 @@ class _Model:
             )
         else:
             self.wire = self.cut.copy()
-        peak = np.array([n.peak_activation_bytes * scale for n in graph.nodes], dtype=np.float64)
+        # The largest single output a stage makes is live on top of what is saved.
+        peak = np.array([n.output_bytes * scale for n in graph.nodes], dtype=np.float64)
         # Sparse table for range max: row j holds max(peak[i : i + 2**j]), padded with 0.
         rows = [peak]
         width = 1
@@ -268,7 +272,7 @@ class _Model:
             self._peak_table[j, : row.size] = row
 
     def peak(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """max peak_activation_bytes over nodes[a:b] (b > a), vectorised sparse-table query."""
+        """max output_bytes over nodes[a:b] (b > a), vectorised sparse-table query."""
         length = np.maximum(b - a, 1)
         level = np.frexp(length)[1] - 1  # floor(log2(length)), exact for integers
         table = self._peak_table
@@ -450,7 +454,7 @@ def _solve_chain(chain: _Chain, tolerance: float = 1e-2) -> list[int] | None:
     hi_cuts = chain.boundaries(math.inf, sets)
     hi = chain.bottleneck(hi_cuts)
     speed = sum(float(chain._prefix_speed(k)[-1]) for k in range(chain.s))
-    lo = max(hi * 1e-4, 0.98 * chain.model.config.micro_batches / speed)
+    lo = max(hi * 1e-4, _PRUNE_SAFETY * chain.model.config.micro_batches / speed)
     if lo >= hi:
         return hi_cuts
     while hi > lo * (1 + tolerance):
@@ -618,6 +622,12 @@ def _best_pair(
     if a.size * b.size <= 65536:
         ii, jj = np.meshgrid(a, b, indexing="ij")
         ii, jj = ii.ravel(), jj.ravel()
+        score = np.minimum(swarm.link_arrays(ii, jj)[0], swarm.link_arrays(jj, ii)[0])
+        if np.all(a[1:] > a[:-1]) and np.all(b[1:] > b[:-1]):
+            # (ii, jj) ascend lexicographically, so the first maximum is the tie-break winner.
+            best = int(np.argmax(score))
+        else:
+            best = int(np.lexsort((jj, ii, -score))[0])
     else:
         inside_a = np.zeros(swarm.n, dtype=bool)
         inside_b = np.zeros(swarm.n, dtype=bool)
@@ -625,19 +635,23 @@ def _best_pair(
         mask = (inside_a[swarm.src] & inside_b[swarm.dst]) | (
             inside_b[swarm.src] & inside_a[swarm.dst]
         )
-        ii = np.where(inside_a[swarm.src[mask]], swarm.src[mask], swarm.dst[mask])
-        jj = np.where(inside_a[swarm.src[mask]], swarm.dst[mask], swarm.src[mask])
-        ii = np.append(ii, a[np.argmax(swarm.uplink[a])])
-        jj = np.append(jj, b[np.argmax(swarm.downlink[b])])
-    fwd_bw, fwd_rtt = swarm.link_arrays(ii, jj)
-    back_bw, back_rtt = swarm.link_arrays(jj, ii)
-    score = np.minimum(fwd_bw, back_bw)
-    best = np.lexsort((jj, ii, -score))[0]
+        src, dst = swarm.src[mask], swarm.dst[mask]
+        ii = np.append(np.where(inside_a[src], src, dst), a[np.argmax(swarm.uplink[a])])
+        jj = np.append(np.where(inside_a[src], dst, src), b[np.argmax(swarm.downlink[b])])
+        estimate_pair = (ii[-1:], jj[-1:])
+        estimate = min(
+            swarm.link_arrays(*estimate_pair)[0][0], swarm.link_arrays(*estimate_pair[::-1])[0][0]
+        )
+        score = np.append(swarm.symmetric_bandwidth[mask], estimate)
+        best = int(np.lexsort((jj, ii, -score))[0])
+    i, j = ii[best : best + 1], jj[best : best + 1]
+    fwd_bw, fwd_rtt = swarm.link_arrays(i, j)
+    back_bw, back_rtt = swarm.link_arrays(j, i)
     return (
-        int(ii[best]),
-        int(jj[best]),
-        LinkProfile(bandwidth=float(fwd_bw[best]), rtt=float(fwd_rtt[best])),
-        LinkProfile(bandwidth=float(back_bw[best]), rtt=float(back_rtt[best])),
+        int(i[0]),
+        int(j[0]),
+        LinkProfile(bandwidth=float(fwd_bw[0]), rtt=float(fwd_rtt[0])),
+        LinkProfile(bandwidth=float(back_bw[0]), rtt=float(back_rtt[0])),
     )
 
 
@@ -718,10 +732,11 @@ def plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig | None = None) -> P
         raise _infeasible(search.model, search.tried)
     best = search.best
     logger.debug(
-        "planned %d stages, step %.4gs over %d candidate chains",
+        "planned %d stages, step %.4gs over %d candidate chains (%d pruned unbuilt)",
         len(best.stages),
         best.estimated_step_time,
         search.tried,
+        search.pruned,
     )
     return best
 
@@ -735,6 +750,7 @@ class _Search:
         self.flops = np.array([p.device.flops for p in swarm.peers])
         self.best: Plan | None = None
         self.tried = 0
+        self.pruned = 0
         self.finalists: list[tuple[float, list[_Unit], list[np.ndarray]]] = []
 
     @property
@@ -776,10 +792,17 @@ class _Search:
         self, units: list[_Unit], chain_fences: list[np.ndarray], *, record: bool = True
     ) -> float | None:
         links = group_links(self.swarm, [u.members for u in units])
-        cuts = _solve_chain(_Chain(self.model, units, links))
+        chain = _Chain(self.model, units, links)
+        cuts = _solve_chain(chain)
         self.tried += 1
         if cuts is None:
             return None
+        # Every stage is busy at least its occupancy per step, and links carry at least their
+        # most compressed bytes: a chain whose bottleneck already loses is not worth a plan.
+        floor = _PRUNE_SAFETY * chain.bottleneck(cuts)
+        if floor > self.best_time:
+            self.pruned += 1
+            return floor
         ids = self.swarm.peer_ids
         candidate = build_plan(
             self.graph,
@@ -811,7 +834,7 @@ def _lower_bound(model: _Model, fences: list[np.ndarray], sym: np.ndarray) -> fl
     if len(fences) > 1 and model.n > 1:
         best_link = np.where(np.isinf(sym), 0.0, sym).max(axis=1).min()
         bound = max(bound, model.config.micro_batches * model.wire[1:-1].min() / best_link)
-    return 0.98 * bound
+    return _PRUNE_SAFETY * bound
 
 
 def _infeasible(model: _Model, tried: int) -> InfeasiblePlanError:

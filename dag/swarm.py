@@ -16,6 +16,8 @@ import numpy as np
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 
+DENSE_MATRIX_LIMIT = 2048
+
 
 @dataclass(frozen=True, kw_only=True)
 class Peer:
@@ -98,6 +100,19 @@ class Swarm:
         self.downlink = np.array([p.downlink for p in self.peers])
         self.peer_rtt = np.array([p.rtt for p in self.peers])
         self._index = {pid: i for i, pid in enumerate(ids)}
+        # Up to DENSE_MATRIX_LIMIT peers every lookup is a plain index into full matrices
+        # (2 x 32 MiB at the limit); above it, a binary search in the sorted link keys.
+        self._dense_bw: np.ndarray | None = None
+        self._dense_rtt: np.ndarray | None = None
+        if n <= DENSE_MATRIX_LIMIT:
+            self._dense_bw = np.minimum.outer(self.uplink, self.downlink)
+            self._dense_rtt = (self.peer_rtt[:, None] + self.peer_rtt[None, :]) / 2
+            self._dense_bw[self.src, self.dst] = self.bandwidth
+            self._dense_rtt[self.src, self.dst] = self.rtt
+        # Both directions of every measured link: what clustering and pairing compare.
+        back_bw, back_rtt = self.link_arrays(self.dst, self.src)
+        self.symmetric_bandwidth = np.minimum(self.bandwidth, back_bw)
+        self.symmetric_rtt = np.maximum(self.rtt, back_rtt)
 
     @classmethod
     def from_links(
@@ -144,6 +159,8 @@ class Swarm:
         """Bandwidth and RTT of links i[k] -> j[k], measured where known, else estimated."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
+        if self._dense_bw is not None and self._dense_rtt is not None:
+            return self._dense_bw[i, j], self._dense_rtt[i, j]
         bw = np.minimum(self.uplink[i], self.downlink[j])
         rtt = (self.peer_rtt[i] + self.peer_rtt[j]) / 2
         if self._key.size:
@@ -157,10 +174,14 @@ class Swarm:
     def dense(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth, rtt) matrices among ``members`` (peer indices); the diagonal is inf / 0."""
         members = np.asarray(members, dtype=np.int64)
-        ii, jj = np.meshgrid(members, members, indexing="ij")
-        bw, rtt = self.link_arrays(ii.ravel(), jj.ravel())
-        bw = bw.reshape(ii.shape)
-        rtt = rtt.reshape(ii.shape)
+        if self._dense_bw is not None and self._dense_rtt is not None:
+            block = np.ix_(members, members)
+            bw, rtt = self._dense_bw[block], self._dense_rtt[block]
+        else:
+            ii, jj = np.meshgrid(members, members, indexing="ij")
+            bw, rtt = self.link_arrays(ii.ravel(), jj.ravel())
+            bw = bw.reshape(ii.shape)
+            rtt = rtt.reshape(ii.shape)
         np.fill_diagonal(bw, np.inf)
         np.fill_diagonal(rtt, 0.0)
         return bw, rtt

@@ -44,7 +44,7 @@ def gpt2_costs(size: str = "small", *, batch: int = 1, seq: int = 1024) -> Graph
     nodes: list[OpNode] = []
 
     def add(node_id: str, op: str, inputs: tuple[str, ...], fwd: float, params: int, out: int,
-            peak: int = 0) -> None:  # fmt: skip
+            saved: int) -> None:  # fmt: skip
         nodes.append(
             OpNode(
                 node_id=node_id,
@@ -54,33 +54,35 @@ def gpt2_costs(size: str = "small", *, batch: int = 1, seq: int = 1024) -> Graph
                 backward_flops=int(2 * fwd),  # grads w.r.t. inputs and weights
                 param_bytes=int(params),
                 output_bytes=int(out),
-                peak_activation_bytes=int(max(peak, out)),
+                peak_activation_bytes=int(saved),
             )
         )
 
-    add("wte", "embedding", ("idx",), tokens * d, 4 * (v * d + shape.n_ctx * d), act)
+    # saved = what autograd keeps for backward (flops.py's rules): a linear or norm keeps its
+    # input, gelu its input, a fused attention q, k, v, output and log-sum-exp, an add nothing.
+    add("wte", "embedding", ("idx",), tokens * d, 4 * (v * d + shape.n_ctx * d), act, 8 * tokens)
     x = "wte"
     for i in range(shape.n_layer):
         p = f"h{i}"
-        add(f"{p}_ln_1", "layer_norm", (x,), 8 * tokens * d, 4 * 2 * d, act)
+        add(f"{p}_ln_1", "layer_norm", (x,), 8 * tokens * d, 4 * 2 * d, act, act)
         qkv_params = 4 * (3 * d * d + 3 * d)
-        add(f"{p}_c_attn", "linear", (f"{p}_ln_1",), 6 * tokens * d * d, qkv_params, 3 * act)
-        # (B, h, T, T) scores: QK^T and AV, softmax; the score matrix is the transient peak.
+        add(f"{p}_c_attn", "linear", (f"{p}_ln_1",), 6 * tokens * d * d, qkv_params, 3 * act, act)
         add(f"{p}_attn", "sdpa", (f"{p}_c_attn",), 4 * batch * seq * seq * d, 0, act,
-            peak=4 * batch * h * seq * seq)  # fmt: skip
-        add(f"{p}_attn_proj", "linear", (f"{p}_attn",), 2 * tokens * d * d, 4 * (d * d + d), act)
-        add(f"{p}_add_1", "add", (x, f"{p}_attn_proj"), tokens * d, 0, act)
-        add(f"{p}_ln_2", "layer_norm", (f"{p}_add_1",), 8 * tokens * d, 4 * 2 * d, act)
+            4 * act + 4 * batch * h * seq)  # fmt: skip
+        add(f"{p}_attn_proj", "linear", (f"{p}_attn",), 2 * tokens * d * d, 4 * (d * d + d), act,
+            act)  # fmt: skip
+        add(f"{p}_add_1", "add", (x, f"{p}_attn_proj"), tokens * d, 0, act, 0)
+        add(f"{p}_ln_2", "layer_norm", (f"{p}_add_1",), 8 * tokens * d, 4 * 2 * d, act, act)
         add(f"{p}_c_fc", "linear", (f"{p}_ln_2",), 2 * tokens * d * 4 * d, 4 * (4 * d * d + 4 * d),
-            4 * act)  # fmt: skip
-        add(f"{p}_gelu", "gelu", (f"{p}_c_fc",), 8 * tokens * 4 * d, 0, 4 * act)
+            4 * act, act)  # fmt: skip
+        add(f"{p}_gelu", "gelu", (f"{p}_c_fc",), 8 * tokens * 4 * d, 0, 4 * act, 4 * act)
         add(f"{p}_mlp_proj", "linear", (f"{p}_gelu",), 2 * tokens * 4 * d * d,
-            4 * (4 * d * d + d), act)  # fmt: skip
-        add(f"{p}_add_2", "add", (f"{p}_add_1", f"{p}_mlp_proj"), tokens * d, 0, act)
+            4 * (4 * d * d + d), act, 4 * act)  # fmt: skip
+        add(f"{p}_add_2", "add", (f"{p}_add_1", f"{p}_mlp_proj"), tokens * d, 0, act, 0)
         x = f"{p}_add_2"
-    add("ln_f", "layer_norm", (x,), 8 * tokens * d, 4 * 2 * d, act)
-    add("lm_head", "linear", ("ln_f",), 2 * tokens * d * v, 4 * v * d, 4 * tokens * v)
-    add("loss", "cross_entropy", ("lm_head", "idx"), 5 * tokens * v, 0, 4)
+    add("ln_f", "layer_norm", (x,), 8 * tokens * d, 4 * 2 * d, act, act)
+    add("lm_head", "linear", ("ln_f",), 2 * tokens * d * v, 4 * v * d, 4 * tokens * v, act)
+    add("loss", "cross_entropy", ("lm_head", "idx"), 5 * tokens * v, 0, 4, 4 * tokens * v)
     return GraphCosts(nodes=tuple(nodes), input_bytes={"idx": 8 * tokens}, output_names=("loss",))
 
 
