@@ -97,7 +97,7 @@ def compute_balanced_plan(
 def _blind(unit: _Unit) -> _Unit:
     """The unit with free gradient averaging: the compute-balanced split ignores networks."""
     free = LinkProfile(bandwidth=math.inf, rtt=0.0)
-    return _Unit(unit.members, unit.fence, unit.profiles, unit.counts, free)
+    return replace(unit, allreduce=free)
 
 
 def _without_compression(config: PlanConfig) -> PlanConfig:

@@ -6,7 +6,9 @@ Search (every step deterministic; ties broken by peer index, which is peer-id or
    aggregate FLOP/s and the top ``keep`` of them are ordered into a chain (max bottleneck link).
 3. A fence may host several consecutive stages (a site whose devices cannot hold the whole
    model pipelines inside itself); stages are allotted to fences in proportion to compute.
-4. For each such chain of stage groups, ``_solve_chain`` finds the cut minimising the bottleneck
+4. For each such chain of stage groups, in both directions (stage 0 holds the most micro-batches
+   in flight, the ends hold the embedding and the head), ``_solve_chain`` finds the cut
+   minimising the bottleneck
    max(M * stage compute + all-reduce, M * link serialisation) under the per-device memory
    constraint, by bisection on the bottleneck with a reachable-boundaries sweep (exact for a
    bottleneck objective because a stage's cost only grows when it takes more nodes).
@@ -309,11 +311,21 @@ class _Unit:
     profiles: np.ndarray  # distinct profile ids present
     counts: np.ndarray  # members per profile
     allreduce: LinkProfile
+    total: np.ndarray  # (P, N + 1) prefix sums of fwd+bwd time per present profile
+    memory: np.ndarray  # (P, 1) usable bytes per present profile
 
 
 def _make_unit(model: _Model, members: np.ndarray, fence: int) -> _Unit:
     profiles, counts = np.unique(model.peer_profile[members], return_counts=True)
-    return _Unit(members, fence, profiles, counts.astype(np.float64), model.allreduce_link(members))
+    return _Unit(
+        members,
+        fence,
+        profiles,
+        counts.astype(np.float64),
+        model.allreduce_link(members),
+        model.total[profiles],
+        model.memory[profiles][:, None],
+    )
 
 
 # ----------------------------------------------------------------------------- the cut DP
@@ -344,11 +356,10 @@ class _Chain:
         """(per-step occupancy, feasible, per-micro-batch compute) of unit k on nodes[a:b]."""
         model, unit, cfg = self.model, self.units[k], self.model.config
         inflight = min(self.s - k, cfg.micro_batches)
-        t = model.total[unit.profiles][:, b] - model.total[unit.profiles][:, a]  # (P, L)
-        t = np.maximum(t, 1e-300)
+        t = np.maximum(unit.total[:, b] - unit.total[:, a], 1e-300)  # (P, L)
         static = (model.params[b] - model.params[a]) * cfg.static_factor
         stored = (model.acts[b] - model.acts[a] + model.cut[a]) * inflight + model.peak(a, b)
-        mem = model.memory[unit.profiles][:, None]
+        mem = unit.memory
         fit = static[None, :] <= mem
         counts = unit.counts[:, None]
         for _ in range(len(unit.profiles)):
@@ -430,7 +441,7 @@ class _Chain:
     def _prefix_speed(self, k: int) -> np.ndarray:
         """Micro-batches per second unit k would do on nodes[:b], for every b."""
         unit = self.units[k]
-        t = self.model.total[unit.profiles] - self.model.total[unit.profiles, :1]
+        t = unit.total - unit.total[:, :1]
         with np.errstate(divide="ignore"):
             return (unit.counts[:, None] / t).sum(axis=0)
 
@@ -620,8 +631,8 @@ def _best_pair(
     Consistent with fences.group_links on measured pairs; large groups only look at their
     measured links (and the best estimate if none was measured)."""
     if a.size * b.size <= 65536:
-        ii, jj = np.meshgrid(a, b, indexing="ij")
-        ii, jj = ii.ravel(), jj.ravel()
+        ii = np.repeat(a, b.size)
+        jj = np.broadcast_to(b, (a.size, b.size)).reshape(-1)
         score = np.minimum(swarm.link_arrays(ii, jj)[0], swarm.link_arrays(jj, ii)[0])
         if np.all(a[1:] > a[:-1]) and np.all(b[1:] > b[:-1]):
             # (ii, jj) ascend lexicographically, so the first maximum is the tie-break winner.
@@ -727,7 +738,6 @@ def plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig | None = None) -> P
         if bound >= search.best_time:
             break
         search.try_fences(chosen)
-    search.try_reversed()
     if search.best is None:
         raise _infeasible(search.model, search.tried)
     best = search.best
@@ -751,7 +761,6 @@ class _Search:
         self.best: Plan | None = None
         self.tried = 0
         self.pruned = 0
-        self.finalists: list[tuple[float, list[_Unit], list[np.ndarray]]] = []
 
     @property
     def best_time(self) -> float:
@@ -774,6 +783,11 @@ class _Search:
                 for group in _split(members, self.flops, int(parts)):
                     units.append(_make_unit(self.model, group, f))
             step = self._try_units(units, chain_fences)
+            # The other direction: stage 0 holds the most micro-batches in flight and the
+            # ends hold the embedding and the head, so which unit goes first matters.
+            reversed_step = self._try_units(units[::-1], chain_fences)
+            if step is None or (reversed_step is not None and reversed_step < step):
+                step = reversed_step
             if step is None:
                 continue  # too few stages to fit in memory: more stages may fit
             # Step time is roughly unimodal in the stage count (more compute and memory vs
@@ -783,14 +797,7 @@ class _Search:
             if worse >= 2:
                 break
 
-    def try_reversed(self) -> None:
-        """The best few chains run the other way round (stage 0 holds the most activations)."""
-        for _, units, chain_fences in sorted(self.finalists, key=lambda x: x[0])[:3]:
-            self._try_units(units[::-1], chain_fences, record=False)
-
-    def _try_units(
-        self, units: list[_Unit], chain_fences: list[np.ndarray], *, record: bool = True
-    ) -> float | None:
+    def _try_units(self, units: list[_Unit], chain_fences: list[np.ndarray]) -> float | None:
         links = group_links(self.swarm, [u.members for u in units])
         chain = _Chain(self.model, units, links)
         cuts = _solve_chain(chain)
@@ -814,8 +821,6 @@ class _Search:
             _model=self.model,
         )
         step = candidate.estimated_step_time
-        if record:
-            self.finalists.append((step, units, chain_fences))
         if step < self.best_time or (
             step == self.best_time and self.best is not None
             and candidate.digest() < self.best.digest()
