@@ -104,7 +104,9 @@ def _without_compression(config: PlanConfig) -> PlanConfig:
     return replace(config, compression=False)
 
 
-def brute_force_plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> Plan:
+def brute_force_plan(
+    graph: GraphCosts, swarm: Swarm, config: PlanConfig, *, incumbent: Plan | None = None
+) -> Plan:
     """The best plan over every sequence of disjoint peer groups (branch and bound).
 
     Sequences are grown from the last stage backwards, so a stage's in-flight micro-batches
@@ -113,6 +115,9 @@ def brute_force_plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> Pla
     the best simulated step so far is cut like OP-Fence cuts its chains and simulated; a
     suffix whose best value already reaches it is not extended (values only grow). Exact over
     this plan space up to the cut (bottleneck-optimal, as in OP-Fence), in simulated time.
+
+    ``incumbent`` (any valid plan for the same inputs, e.g. OP-Fence's) only sets the bar to
+    beat from the start, so pruning bites at once; it is returned if nothing beats it.
     """
     if swarm.n > BRUTE_FORCE_MAX_PEERS:
         raise ConfigError(f"brute force is for <= {BRUTE_FORCE_MAX_PEERS} peers, got {swarm.n}")
@@ -144,7 +149,7 @@ def brute_force_plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> Pla
         return link_cache[(src, dst)]
 
     ids = swarm.peer_ids
-    best: list[Plan] = []
+    best: list[Plan] = [incumbent] if incumbent is not None else []
 
     def bar() -> float:
         return best[0].estimated_step_time if best else math.inf

@@ -1,0 +1,19 @@
+"""Typed errors of the data plane: what the transport raises to its callers."""
+
+from fusionllm.common.errors import ConfigError, PeerError
+
+
+class TransportError(PeerError):
+    """A peer could not be reached, refused us, or broke a stream; the node keeps running."""
+
+
+class DeadlineError(TransportError, TimeoutError):
+    """A dial, read, write or wait ran past its configured deadline."""
+
+
+class TransportClosedError(TransportError):
+    """The transport was closed (or never started) while the call needed it."""
+
+
+class IdentityError(ConfigError):
+    """The identity key file is missing, unreadable, of the wrong type or too permissive."""

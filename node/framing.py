@@ -1,0 +1,216 @@
+"""Length-prefixed frames on a byte stream: a fixed prefix, a small msgpack header, a body.
+
+    prefix  (7 bytes, big-endian): version u8 | header length u16 | body length u32
+    header  msgpack map {"step": int, "micro_batch": int, "kind": str, "stage": int}
+    body    the bytes of one ``pack_tensor`` frame (validated later by ``unpack_tensor``)
+
+The prefix is checked against the limits before the header or the body is read, so a peer
+cannot make us allocate or wait for more than ``max_body_bytes``. py-libp2p's ``read(n)``
+returns at most one muxer frame (~64 KiB), so every read here loops until it has exactly the
+bytes it needs, each read under a stall deadline.
+"""
+
+import enum
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import trio
+
+from fusionllm.common.errors import FrameError
+from fusionllm.node.errors import DeadlineError
+
+FRAMING_VERSION = 1
+PREFIX = struct.Struct(">BHI")
+PREFIX_BYTES = PREFIX.size
+MAX_HEADER_BYTES = 256
+MAX_BODY_BYTES = 2**32 - 1  # what the u32 length can say
+MAX_STEP = 2**63 - 1
+MAX_MICRO_BATCH = 2**32 - 1
+MAX_STAGE = 2**16 - 1
+_HEADER_KEYS = frozenset({"step", "micro_batch", "kind", "stage"})
+
+
+class FrameKind(enum.StrEnum):
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    CONTROL = "control"
+
+
+_KINDS = {kind.value: kind for kind in FrameKind}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameHeader:
+    """What a frame is about; the tensor itself travels in the body."""
+
+    step: int
+    micro_batch: int
+    kind: FrameKind
+    stage: int
+
+    def __post_init__(self) -> None:
+        problem = _header_problem(self.step, self.micro_batch, self.kind, self.stage)
+        if problem is not None:
+            raise ValueError(problem)
+        # Accept the plain string too, but always hold the enum.
+        object.__setattr__(self, "kind", _KINDS[self.kind])
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb(
+            {
+                "step": self.step,
+                "micro_batch": self.micro_batch,
+                "kind": self.kind.value,
+                "stage": self.stage,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes | bytearray | memoryview) -> "FrameHeader":
+        """The header a peer sent; FrameError for anything but the exact expected map."""
+        if len(data) > MAX_HEADER_BYTES:
+            raise FrameError(f"frame header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            fields = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=True,
+                max_str_len=32,
+                max_bin_len=0,
+                max_array_len=0,
+                max_map_len=len(_HEADER_KEYS),
+                max_ext_len=0,
+            )
+        except Exception as exc:  # msgpack raises many types for bad input; all mean the same
+            raise FrameError(f"frame header is not valid msgpack: {exc}") from exc
+        if not isinstance(fields, dict) or fields.keys() != _HEADER_KEYS:
+            keys = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
+            raise FrameError(f"frame header must be a map of {sorted(_HEADER_KEYS)}, got {keys}")
+        problem = _header_problem(
+            fields["step"], fields["micro_batch"], fields["kind"], fields["stage"]
+        )
+        if problem is not None:
+            raise FrameError(f"bad frame header: {problem}")
+        return cls(
+            step=fields["step"],
+            micro_batch=fields["micro_batch"],
+            kind=_KINDS[fields["kind"]],
+            stage=fields["stage"],
+        )
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; a peer sending True for a step is malformed, not step 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _header_problem(step: Any, micro_batch: Any, kind: Any, stage: Any) -> str | None:
+    for name, value, top in (
+        ("step", step, MAX_STEP),
+        ("micro_batch", micro_batch, MAX_MICRO_BATCH),
+        ("stage", stage, MAX_STAGE),
+    ):
+        if not _is_int(value) or not 0 <= value <= top:
+            return f"{name} must be an integer in [0, {top}], got {value!r}"
+    if not isinstance(kind, str) or kind not in _KINDS:
+        return f"kind must be one of {sorted(_KINDS)}, got {kind!r}"
+    return None
+
+
+def encode_head(header: FrameHeader, body_len: int) -> bytes:
+    """The prefix and header to write before a body of ``body_len`` bytes."""
+    if not 1 <= body_len <= MAX_BODY_BYTES:
+        raise ValueError(f"body length must be in [1, {MAX_BODY_BYTES}], got {body_len}")
+    head = header.to_wire()
+    return PREFIX.pack(FRAMING_VERSION, len(head), body_len) + head
+
+
+def parse_prefix(prefix: bytes | bytearray, *, max_body_bytes: int) -> tuple[int, int]:
+    """(header length, body length) from a prefix, checked before either is read."""
+    if len(prefix) != PREFIX_BYTES:
+        raise FrameError(f"frame prefix must be {PREFIX_BYTES} bytes, got {len(prefix)}")
+    version, header_len, body_len = PREFIX.unpack(prefix)
+    if version != FRAMING_VERSION:
+        raise FrameError(f"framing version {version}; this node speaks {FRAMING_VERSION}")
+    if not 1 <= header_len <= MAX_HEADER_BYTES:
+        raise FrameError(f"frame header length {header_len} not in [1, {MAX_HEADER_BYTES}]")
+    if not 1 <= body_len <= max_body_bytes:
+        raise FrameError(f"frame body length {body_len} not in [1, {max_body_bytes}]")
+    return header_len, body_len
+
+
+class Reader(Protocol):
+    """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream."""
+
+    async def read(self, n: int) -> bytes: ...
+
+
+async def read_exactly(
+    stream: Reader,
+    n: int,
+    *,
+    stall_timeout_s: float,
+    what: str = "frame",
+    into: bytearray | None = None,
+) -> bytearray | memoryview:
+    """Exactly ``n`` bytes; FrameError if the stream ends first, DeadlineError if it stalls.
+
+    The deadline is per read, not per frame: a large frame on a slow link is fine as long as
+    bytes keep arriving; a peer that stops sending mid-frame is cut off after stall_timeout_s.
+    With ``into`` (at least ``n`` bytes) the bytes land there and a view of them is returned:
+    copying 64 MB into fresh memory costs ~60 ms of page faults here, into warm memory ~6 ms.
+    """
+    if into is not None and len(into) >= n:
+        view = memoryview(into)[:n]
+        result: bytearray | memoryview = view
+    else:
+        result = bytearray(n)
+        view = memoryview(result)
+    got = 0
+    # One cancel scope whose deadline moves with progress: a 64 MB body is ~1000 reads.
+    with trio.CancelScope() as scope:
+        while got < n:
+            scope.deadline = trio.current_time() + stall_timeout_s
+            chunk = await stream.read(n - got)
+            if not chunk:
+                raise FrameError(f"stream ended after {got} of {n} {what} bytes")
+            if len(chunk) > n - got:
+                raise FrameError(f"stream returned {len(chunk)} bytes where {n - got} were asked")
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+    if got < n:
+        raise DeadlineError(f"peer stalled for {stall_timeout_s}s after {got} of {n} {what} bytes")
+    return result
+
+
+async def read_head(
+    stream: Reader,
+    *,
+    max_body_bytes: int,
+    stall_timeout_s: float,
+    idle_timeout_s: float = math.inf,
+) -> tuple[FrameHeader, int] | None:
+    """The next frame's header and body length, or None at a clean end (EOF or idle).
+
+    Waiting for the first byte of a frame is idle time (bounded by ``idle_timeout_s``); once
+    it arrives, the rest of the frame is under the stall deadline.
+    """
+    first = b""
+    with trio.move_on_after(idle_timeout_s):
+        first = await stream.read(PREFIX_BYTES)
+    if not first:
+        return None
+    if len(first) > PREFIX_BYTES:
+        raise FrameError(f"stream returned {len(first)} bytes where {PREFIX_BYTES} were asked")
+    rest = b""
+    if len(first) < PREFIX_BYTES:
+        rest = await read_exactly(
+            stream, PREFIX_BYTES - len(first), stall_timeout_s=stall_timeout_s, what="prefix"
+        )
+    header_len, body_len = parse_prefix(bytes(first) + rest, max_body_bytes=max_body_bytes)
+    head = await read_exactly(stream, header_len, stall_timeout_s=stall_timeout_s, what="header")
+    return FrameHeader.from_wire(head), body_len

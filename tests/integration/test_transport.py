@@ -1,0 +1,400 @@
+"""The tensor transport between real node processes on 127.0.0.1.
+
+Each test starts ``python -m fusionllm.node.transport_main`` (an echo node), talks to it
+through an in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
+that writes whatever bytes the test wants on the tensor protocol. Every bad frame must reset
+only its own stream, be counted against the peer, and leave the node serving good frames.
+"""
+
+import json
+import math
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import multiaddr
+import pytest
+import torch
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.exceptions import SwarmException
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from fusionllm.compression import pack_tensor
+from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.framing import PREFIX, FrameHeader, encode_head
+from fusionllm.node.host import TENSOR_PROTOCOL, new_secure_host
+from fusionllm.node.identity import peer_id_of
+from fusionllm.node.transport import Transport, TransportConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+
+_START_S = 15.0
+_WAIT_S = 8.0
+# py-libp2p reports a peer's RST as a reset or, depending on timing, as EOF.
+ENDED = ("reset", "eof")
+HEADER = FrameHeader(step=3, micro_batch=1, kind="activation", stage=0)
+
+
+class NodeProcess:
+    """A transport_main process; JSON commands on its stdin, JSON events on its stdout."""
+
+    def __init__(self, key: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fusionllm.node.transport_main", "--key", str(key), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        ready = self.next_event(_START_S)
+        assert ready["event"] == "ready", ready
+        self.peer_id: str = ready["peer_id"]
+        self.addr: str = ready["addrs"][0]
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def next_event(self, timeout: float = _WAIT_S) -> dict:
+        try:
+            return json.loads(self._lines.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"node said nothing for {timeout}s") from None
+
+    def command(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.next_event()
+
+    def errors_of(self, peer: str) -> dict[str, int]:
+        return self.command(cmd="stats")["peers"].get(peer, {}).get("errors", {})
+
+    def wait_for_error(self, peer: str, name: str, count: int = 1) -> dict[str, int]:
+        deadline = time.monotonic() + _WAIT_S
+        while time.monotonic() < deadline:
+            errors = self.errors_of(peer)
+            if errors.get(name, 0) >= count:
+                return errors
+            time.sleep(0.05)
+        raise AssertionError(f"node never counted a {name} for {peer}: {errors}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # the node exits when its stdin closes
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+@pytest.fixture
+def start_node(tmp_path) -> Iterator:
+    nodes: list[NodeProcess] = []
+
+    def start(*args: str, key: str = "node.key") -> NodeProcess:
+        node = NodeProcess(tmp_path / key, *args)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        node.stop()
+        assert node.proc.returncode == 0, f"node exited with {node.proc.returncode}"
+
+
+@pytest.fixture
+def client(tmp_path) -> Iterator[Transport]:
+    config = TransportConfig(key_path=tmp_path / "client.key", dial_timeout_s=5.0)
+    transport = Transport(config).start()
+    yield transport
+    started = time.monotonic()
+    transport.close()
+    assert time.monotonic() - started < config.close_timeout_s + 1
+
+
+def echo(client: Transport, node: NodeProcess, tensor: torch.Tensor, header=HEADER):
+    client.send(node.peer_id, header, pack_tensor(tensor), timeout=_WAIT_S)
+    received = client.recv(timeout=_WAIT_S)
+    assert received.peer == node.peer_id
+    assert received.header == header
+    return received.tensor
+
+
+def assert_node_still_echoes(client: Transport, node: NodeProcess) -> None:
+    tensor = torch.arange(12, dtype=torch.float32).view(3, 4)
+    assert torch.equal(echo(client, node, tensor), tensor)
+
+
+def wait_for_reset_seen(client: Transport, node: NodeProcess, count: int = 1) -> None:
+    """Wait until the client noticed the node reset its stream (frames after would be lost)."""
+    deadline = time.monotonic() + _WAIT_S
+    while client.stats()[node.peer_id].streams_ended_by_peer < count:
+        assert time.monotonic() < deadline, client.stats()
+        time.sleep(0.02)
+
+
+def raw_session(addr: str, chunks: list[bytes], *, half_close: bool = False) -> tuple[str, str]:
+    """Write ``chunks`` on a fresh tensor stream to ``addr`` from a throwaway peer.
+
+    Returns (our peer id, how the node ended the stream: "reset", "eof" or "open").
+    """
+    key_pair = create_new_key_pair()
+
+    async def main() -> str:
+        host = new_secure_host(key_pair, negotiate_timeout_s=5)
+        with trio.fail_after(_WAIT_S + 5):
+            async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+                await host.connect(info)
+                stream = await host.new_stream(info.peer_id, [TENSOR_PROTOCOL])
+                outcome = "open"
+                try:
+                    for chunk in chunks:
+                        await stream.write(chunk)
+                    if half_close:
+                        await stream.close_write()
+                    with trio.move_on_after(_WAIT_S):
+                        data = await stream.read(1 << 16)
+                        outcome = "eof" if not data else "data"
+                except StreamReset:
+                    outcome = "reset"
+                except StreamEOF:
+                    outcome = "eof"
+                return outcome
+
+    return peer_id_of(key_pair), trio.run(main)
+
+
+def test_tensors_cross_both_ways(start_node, client):
+    node = start_node()
+    assert client.connect(node.addr) == node.peer_id
+    for tensor in (
+        torch.randn(2, 3, 5),
+        torch.randn(1000).to(torch.bfloat16),
+        torch.arange(-5, 5, dtype=torch.int64),
+        torch.zeros(0, 4),
+        torch.tensor(True),
+    ):
+        back = echo(client, node, tensor)
+        assert back.dtype == tensor.dtype
+        assert torch.equal(back, tensor)
+    big = torch.randn(1 << 20)  # 4 MB: many muxer frames, decoded off the trio thread
+    assert torch.equal(echo(client, node, big), big)
+    stats = client.stats()[node.peer_id]
+    assert stats.frames_out == stats.frames_in == 6
+    assert stats.errors == {}
+
+
+def test_identity_survives_a_restart(start_node):
+    first = start_node(key="same.key")
+    first.stop()
+    assert start_node(key="same.key").peer_id == first.peer_id
+
+
+def test_garbage_on_the_protocol_resets_the_stream(start_node, client):
+    node = start_node()
+    client.connect(node.addr)
+    peer, outcome = raw_session(node.addr, [b"\xde\xad\xbe\xef" * 64])
+    assert outcome in ENDED
+    assert node.wait_for_error(peer, "FrameError") == {"FrameError": 1}
+    assert_node_still_echoes(client, node)
+
+
+def test_truncated_frame_resets_the_stream(start_node, client):
+    node = start_node()
+    client.connect(node.addr)
+    frame = encode_head(HEADER, 1000) + bytes(10)
+    peer, outcome = raw_session(node.addr, [frame], half_close=True)
+    assert outcome in ENDED
+    assert node.wait_for_error(peer, "FrameError")
+    assert_node_still_echoes(client, node)
+
+
+def test_oversize_length_prefix_is_refused_before_the_body(start_node, client):
+    node = start_node("--max-frame-bytes", "4096")
+    client.connect(node.addr)
+    head = encode_head(HEADER, 1 << 30)  # claims 1 GiB, sends none of it
+    peer, outcome = raw_session(node.addr, [head])
+    assert outcome in ENDED
+    assert node.wait_for_error(peer, "FrameError")
+    assert_node_still_echoes(client, node)
+
+
+def test_header_with_unknown_kind_is_refused(start_node, client):
+    node = start_node()
+    client.connect(node.addr)
+    import msgpack
+
+    bad = msgpack.packb({"step": 0, "micro_batch": 0, "kind": "weights", "stage": 0})
+    peer, outcome = raw_session(node.addr, [PREFIX.pack(1, len(bad), 8) + bad + bytes(8)])
+    assert outcome in ENDED
+    assert node.wait_for_error(peer, "FrameError")
+    assert_node_still_echoes(client, node)
+
+
+def test_wrong_shape_or_dtype_against_the_spec_is_refused(start_node, client):
+    node = start_node("--expect-dtype", "float32", "--expect-shape", "3,4")
+    client.connect(node.addr)
+    client.send(node.peer_id, HEADER, pack_tensor(torch.zeros(4, 3)), timeout=_WAIT_S)
+    assert node.wait_for_error(client.peer_id, "FrameError") == {"FrameError": 1}
+    wait_for_reset_seen(client, node, 1)
+    client.send(node.peer_id, HEADER, pack_tensor(torch.zeros(3, 4).double()), timeout=_WAIT_S)
+    assert node.wait_for_error(client.peer_id, "FrameError", 2) == {"FrameError": 2}
+    wait_for_reset_seen(client, node, 2)
+    # The node reset our stream each time; the client opens a fresh one and is served.
+    assert_node_still_echoes(client, node)
+
+
+def test_nan_tensor_is_refused(start_node, client):
+    node = start_node()
+    client.connect(node.addr)
+    client.send(node.peer_id, HEADER, pack_tensor(torch.tensor([1.0, math.nan])), timeout=5)
+    assert node.wait_for_error(client.peer_id, "FrameError")
+    wait_for_reset_seen(client, node)
+    assert_node_still_echoes(client, node)
+
+
+def test_a_peer_stalling_mid_frame_is_cut_off_at_the_read_deadline(start_node, client):
+    node = start_node("--read-timeout", "1")
+    client.connect(node.addr)
+    started = time.monotonic()
+    peer, outcome = raw_session(node.addr, [encode_head(HEADER, 4096) + bytes(100)])
+    assert outcome in ENDED
+    assert time.monotonic() - started < 1 + _WAIT_S / 2
+    assert node.wait_for_error(peer, "DeadlineError")
+    assert_node_still_echoes(client, node)
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[str]:
+    """A TCP port that accepts connections and never says a byte."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    fake_peer = peer_id_of(create_new_key_pair())
+    yield f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/{fake_peer}"
+    stop.set()
+    thread.join(2)
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+def test_dial_to_a_silent_listener_fails_within_the_timeout(client, silent_listener):
+    started = time.monotonic()
+    with pytest.raises(DeadlineError):
+        client.connect(silent_listener, timeout=1.5)
+    assert time.monotonic() - started < 3.0
+
+
+def test_sends_block_at_max_in_flight(tmp_path, silent_listener):
+    config = TransportConfig(key_path=tmp_path / "k", max_in_flight=1, dial_timeout_s=2.0)
+    with Transport(config) as transport:
+        peer = silent_listener.rsplit("/", 1)[1]
+        with pytest.raises(DeadlineError):
+            transport.connect(silent_listener, timeout=0.5)  # leaves the address known
+        stuck = transport.send_async(peer, HEADER, pack_tensor(torch.ones(1)), timeout=2.0)
+        started = time.monotonic()
+        with pytest.raises(DeadlineError, match="in flight"):
+            transport.send_async(peer, HEADER, pack_tensor(torch.ones(1)), timeout=0.3)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(DeadlineError):
+            stuck.result(timeout=5)
+
+
+def test_receiver_stops_reading_when_its_inbox_slots_are_full(tmp_path):
+    slow = TransportConfig(key_path=tmp_path / "slow.key", max_in_flight=2)
+    with Transport(slow) as receiver, Transport(TransportConfig(key_path=tmp_path / "f")) as sender:
+        sender.connect(receiver.addrs[0])
+        for step in range(4):
+            header = FrameHeader(step=step, micro_batch=0, kind="gradient", stage=1)
+            sender.send(receiver.peer_id, header, pack_tensor(torch.full((8,), step)), timeout=5)
+        time.sleep(0.3)  # give the receiver time to (wrongly) read more than its slots
+        assert receiver.stats()[sender.peer_id].frames_in == 2
+        steps = [receiver.recv(timeout=5).header.step for _ in range(4)]
+        assert steps == [0, 1, 2, 3]
+
+
+def test_a_plaintext_only_dialer_is_refused(start_node, client):
+    node = start_node()
+    key_pair = create_new_key_pair()
+
+    async def dial_in_plaintext() -> Exception | None:
+        host = new_host(
+            key_pair=key_pair,
+            sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)},
+            muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+            negotiate_timeout=5,
+        )
+        with trio.fail_after(_WAIT_S + 5):
+            async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                try:
+                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(node.addr)))
+                except SwarmException as exc:
+                    return exc
+        return None
+
+    refusal = trio.run(dial_in_plaintext)
+    assert isinstance(refusal, SwarmException), "a plaintext dialer got connected"
+    client.connect(node.addr)
+    assert_node_still_echoes(client, node)
+
+
+def test_close_is_bounded_and_later_calls_fail_typed(tmp_path):
+    transport = Transport(TransportConfig(key_path=tmp_path / "k", close_timeout_s=2.0)).start()
+    started = time.monotonic()
+    transport.close()
+    assert time.monotonic() - started < 2.5
+    with pytest.raises(TransportClosedError):
+        transport.send(transport.peer_id, HEADER, pack_tensor(torch.ones(1)))
+    with pytest.raises(TransportClosedError):
+        transport.recv(timeout=1)
+    transport.close()  # idempotent
+
+
+def test_a_bad_peer_id_is_the_callers_error_and_the_transport_lives_on(client, start_node):
+    for bad in ("", "not-base58!"):
+        with pytest.raises(ValueError, match="not a peer id"):
+            client.send(bad, HEADER, pack_tensor(torch.ones(1)))
+    unknown = peer_id_of(create_new_key_pair())  # valid, but no address known
+    with pytest.raises(TransportError):
+        client.send(unknown, HEADER, pack_tensor(torch.ones(1)), timeout=3)
+    node = start_node()
+    client.connect(node.addr)
+    assert_node_still_echoes(client, node)
+
+
+def test_a_fixed_port_in_use_is_refused(tmp_path, start_node):
+    node = start_node()
+    port = int(node.addr.split("/tcp/")[1].split("/")[0])
+    config = TransportConfig(key_path=tmp_path / "k", listen_port=port)
+    with pytest.raises(TransportError, match="cannot listen"):
+        Transport(config).start()
+    assert node.command(cmd="stats")["event"] == "stats"
