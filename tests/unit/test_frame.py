@@ -235,6 +235,15 @@ def test_non_finite_values_are_refused_unless_allowed(codec):
     assert bool(decoded.isnan().any())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("position", [0, 123_457, (1 << 20) - 1])
+def test_one_non_finite_value_anywhere_in_a_large_tensor_is_refused(bad, position):
+    tensor = torch.randn(1 << 20)
+    tensor[position] = bad
+    with pytest.raises(FrameError, match="NaN"):
+        unpack_tensor(pack_tensor(tensor))
+
+
 def test_bool_payload_must_be_zero_or_one():
     frame = _frame(pack_tensor(torch.tensor([True, False])))
     frame["p"] = b"\x01\x02"
