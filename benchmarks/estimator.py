@@ -2,9 +2,9 @@
 
     python benchmarks/estimator.py [--models tiny small] [--stages 4] [--repeats 3] [--json PATH]
 
-The device profile comes from the node's own probe (a matmul and a copy, as a node measures
-itself when it joins); every stage is then run for real (forward, then backward from ones) and
-timed, and the estimate is compared with the median measurement.
+The device profile comes from the node's own probe (a matmul, element-wise and tiny layers, as
+a node measures itself when it joins); every stage is then run for real (forward, then backward
+from ones) and timed, and the estimate is compared with the median measurement.
 """
 
 import argparse
@@ -90,11 +90,13 @@ def main() -> int:
         flops=measurement.flops,
         memory_bandwidth=measurement.memory_bandwidth,
         memory_bytes=measurement.memory_bytes,
+        op_overhead=measurement.op_overhead,
     )
     rows = [r for m in args.models for r in measure_model(m, args.stages, device, args.repeats)]
     print(
         f"device {device.name}: {device.flops / 1e9:.1f} GFLOP/s (fp32 matmul), "
-        f"{device.memory_bandwidth / 1e9:.1f} GB/s copy, {torch.get_num_threads()} threads\n"
+        f"{device.memory_bandwidth / 1e9:.1f} GB/s element-wise, "
+        f"{device.op_overhead * 1e6:.1f} us per op and pass, {torch.get_num_threads()} threads\n"
     )
     print(
         f"{'model':<7} {'B x T':>8} {'stages':>6} {'stage':>5} {'nodes':>5} "

@@ -1,8 +1,8 @@
-"""Measure what this machine's device can do: matmul FLOP/s, memory bandwidth, capacity.
+"""Measure what this machine's device can do: matmul FLOP/s, memory bandwidth, per-op overhead.
 
-The planner needs achievable numbers, not datasheet peaks, so a node times a short matmul and a
-large copy on its own device. Results are cached per device (name, torch version) in a JSON
-file so restarts do not pay for the measurement again.
+The planner needs achievable numbers, not datasheet peaks, so a node times a short matmul,
+element-wise training layers and tiny layers on its own device. Results are cached per device
+(name, torch version) in a JSON file so restarts do not pay for the measurement again.
 """
 
 import json
@@ -21,33 +21,40 @@ from fusionllm.common.logs import get_logger
 
 logger = get_logger(__name__)
 
-_PROBE_VERSION = 1
+_PROBE_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceMeasurement:
-    """What one device measured: FLOP/s on fp32 matmuls, copy bandwidth, memory size."""
+    """What one device measured: FLOP/s on fp32 matmuls, the bandwidth element-wise training
+    kernels achieve, memory size, and the fixed cost of one operator."""
 
     device_name: str
     flops: float
     memory_bandwidth: float
     memory_bytes: int
+    op_overhead: float  # seconds per operator per pass (forward or backward) on tiny layers
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProbeConfig:
     matmul_size: int = 1024
-    copy_bytes: int = 64 << 20
+    elementwise_bytes: int = 16 << 20
     repeats: int = 5
     dtype: torch.dtype = torch.float32
+    overhead_ops: int = 64
 
     def __post_init__(self) -> None:
         if not 64 <= self.matmul_size <= 16384:
             raise ConfigError(f"matmul_size must be in [64, 16384], got {self.matmul_size}")
-        if not 1 << 20 <= self.copy_bytes <= 4 << 30:
-            raise ConfigError(f"copy_bytes must be in [1 MiB, 4 GiB], got {self.copy_bytes}")
+        if not 1 << 16 <= self.elementwise_bytes <= 4 << 30:
+            raise ConfigError(
+                f"elementwise_bytes must be in [64 KiB, 4 GiB], got {self.elementwise_bytes}"
+            )
         if not 1 <= self.repeats <= 100:
             raise ConfigError(f"repeats must be in [1, 100], got {self.repeats}")
+        if not 1 <= self.overhead_ops <= 10_000:
+            raise ConfigError(f"overhead_ops must be in [1, 10000], got {self.overhead_ops}")
 
 
 def device_name(device: torch.device) -> str:
@@ -73,20 +80,46 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _tiny_layers(device: torch.device, ops: int) -> torch.nn.Module:
+    """Linear, LayerNorm and GELU in turn, as in a transformer: a plain multiply chain costs
+    4 us per op here, these 16 us, which is what a traced model's operators pay."""
+    kinds = (
+        lambda: torch.nn.Linear(8, 8),
+        lambda: torch.nn.LayerNorm(8),
+        torch.nn.GELU,
+    )
+    return torch.nn.Sequential(*(kinds[i % 3]() for i in range(ops))).to(device)
+
+
+def _forward_backward(layers: torch.nn.Module, x: torch.Tensor) -> None:
+    layers(x).sum().backward()
+
+
 def measure_device(
     device: torch.device | str, config: ProbeConfig | None = None
 ) -> DeviceMeasurement:
-    """Time a square matmul and a large copy on ``device`` (about a second on a CPU)."""
+    """Time a square matmul, element-wise layers and tiny layers on ``device`` (~1 s on a CPU)."""
     config = config if config is not None else ProbeConfig()
     device = torch.device(device)
     n = config.matmul_size
     a = torch.randn(n, n, device=device, dtype=config.dtype)  # (n, n)
     b = torch.randn(n, n, device=device, dtype=config.dtype)  # (n, n)
     matmul_s = _median_seconds(lambda: torch.mm(a, b), device, config.repeats)
-    numel = config.copy_bytes // 4
-    source = torch.ones(numel, device=device)  # touched: untouched pages read as the zero page
-    target = torch.empty_like(source)
-    copy_s = _median_seconds(lambda: target.copy_(source), device, config.repeats)
+    # Memory-bound work as training does it (a norm and an activation, forward and backward),
+    # counted the way the estimator counts traffic: a pass moves an op's output once forward
+    # and twice backward. A bare copy reads 3-6x faster than these kernels achieve.
+    width = 4096
+    rows = max(1, config.elementwise_bytes // (4 * width))
+    x = torch.randn(rows, width, device=device, requires_grad=True)  # (R, W)
+    norm = torch.nn.LayerNorm(width).to(device)
+    activation = torch.nn.GELU()
+    elementwise_s = _median_seconds(
+        lambda: activation(norm(x)).sum().backward(), device, config.repeats
+    )
+    elementwise_traffic = 2 * 3 * x.numel() * 4
+    layers = _tiny_layers(device, config.overhead_ops)
+    tiny = torch.ones(4, 8, device=device)  # (B, C): too small for the arithmetic to count
+    overhead_s = _median_seconds(lambda: _forward_backward(layers, tiny), device, config.repeats)
     if device.type == "cuda":
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -94,15 +127,17 @@ def measure_device(
     measurement = DeviceMeasurement(
         device_name=device_name(device),
         flops=2 * n**3 / matmul_s,
-        memory_bandwidth=2 * numel * 4 / copy_s,  # read + write
+        memory_bandwidth=elementwise_traffic / elementwise_s,
         memory_bytes=int(memory_bytes),
+        op_overhead=overhead_s / (2 * config.overhead_ops),
     )
     logger.info(
-        "%s: %.1f GFLOP/s fp32 matmul, %.1f GB/s copy, %.1f GiB memory",
+        "%s: %.1f GFLOP/s fp32 matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op",
         measurement.device_name,
         measurement.flops / 1e9,
         measurement.memory_bandwidth / 1e9,
         measurement.memory_bytes / 2**30,
+        measurement.op_overhead * 1e6,
     )
     return measurement
 

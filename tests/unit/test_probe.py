@@ -7,7 +7,7 @@ import pytest
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.probe import ProbeConfig, cached_measurement, measure_device
 
-TINY = ProbeConfig(matmul_size=64, copy_bytes=1 << 20, repeats=1)
+TINY = ProbeConfig(matmul_size=64, elementwise_bytes=1 << 16, repeats=1, overhead_ops=3)
 
 
 def test_measurement_is_plausible():
@@ -15,6 +15,7 @@ def test_measurement_is_plausible():
     assert 1e6 < measurement.flops < 1e15
     assert 1e7 < measurement.memory_bandwidth < 1e13
     assert measurement.memory_bytes > 2**28
+    assert 1e-8 < measurement.op_overhead < 1e-1
 
 
 def test_cache_is_reused_and_survives_damage(tmp_path):
