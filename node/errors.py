@@ -1,6 +1,6 @@
 """Typed errors of the data plane: what the transport raises to its callers."""
 
-from fusionllm.common.errors import ConfigError, PeerError
+from fusionllm.common.errors import ConfigError, FusionError, PeerError
 
 
 class TransportError(PeerError):
@@ -17,3 +17,11 @@ class TransportClosedError(TransportError):
 
 class IdentityError(ConfigError):
     """The identity key file is missing, unreadable, of the wrong type or too permissive."""
+
+
+class PipelineError(FusionError):
+    """The pipeline cannot go on: a bad layout, a missing micro-batch, a stage that failed."""
+
+
+class PeerProtocolError(PeerError):
+    """A pipeline peer sent a frame we did not ask for (wrong step, stage, kind or shape)."""
