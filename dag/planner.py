@@ -631,14 +631,11 @@ def _best_pair(
     Consistent with fences.group_links on measured pairs; large groups only look at their
     measured links (and the best estimate if none was measured)."""
     if a.size * b.size <= 65536:
-        ii = np.repeat(a, b.size)
-        jj = np.broadcast_to(b, (a.size, b.size)).reshape(-1)
-        score = np.minimum(swarm.link_arrays(ii, jj)[0], swarm.link_arrays(jj, ii)[0])
-        if np.all(a[1:] > a[:-1]) and np.all(b[1:] > b[:-1]):
-            # (ii, jj) ascend lexicographically, so the first maximum is the tie-break winner.
-            best = int(np.argmax(score))
-        else:
-            best = int(np.lexsort((jj, ii, -score))[0])
+        # Sorted so that the first maximum in row-major order is the (i, j) tie-break winner.
+        a, b = np.sort(a), np.sort(b)
+        score = np.minimum(swarm.bandwidth_block(a, b), swarm.bandwidth_block(b, a).T)
+        row, col = divmod(int(np.argmax(score)), b.size)
+        i, j = a[row : row + 1], b[col : col + 1]
     else:
         inside_a = np.zeros(swarm.n, dtype=bool)
         inside_b = np.zeros(swarm.n, dtype=bool)
@@ -655,7 +652,7 @@ def _best_pair(
         )
         score = np.append(swarm.symmetric_bandwidth[mask], estimate)
         best = int(np.lexsort((jj, ii, -score))[0])
-    i, j = ii[best : best + 1], jj[best : best + 1]
+        i, j = ii[best : best + 1], jj[best : best + 1]
     fwd_bw, fwd_rtt = swarm.link_arrays(i, j)
     back_bw, back_rtt = swarm.link_arrays(j, i)
     return (
@@ -778,16 +775,15 @@ class _Search:
             alloc = _allot(fence_compute, sizes, total)
             if alloc is None:
                 continue
-            units: list[_Unit] = []
-            for f, (members, parts) in enumerate(zip(chain_fences, alloc, strict=True)):
-                for group in _split(members, self.flops, int(parts)):
-                    units.append(_make_unit(self.model, group, f))
-            step = self._try_units(units, chain_fences)
-            # The other direction: stage 0 holds the most micro-batches in flight and the
-            # ends hold the embedding and the head, so which unit goes first matters.
-            reversed_step = self._try_units(units[::-1], chain_fences)
-            if step is None or (reversed_step is not None and reversed_step < step):
-                step = reversed_step
+            step = None
+            for groups in self._stage_groups(chain_fences, alloc):
+                units = [_make_unit(self.model, g, f) for f, g in groups]
+                # Both directions: stage 0 holds the most micro-batches in flight and the
+                # ends hold the embedding and the head, so which unit goes first matters.
+                for candidate in (units, units[::-1]):
+                    result = self._try_units(candidate, chain_fences)
+                    if result is not None and (step is None or result < step):
+                        step = result
             if step is None:
                 continue  # too few stages to fit in memory: more stages may fit
             # Step time is roughly unimodal in the stage count (more compute and memory vs
@@ -796,6 +792,31 @@ class _Search:
             previous = min(previous, step)
             if worse >= 2:
                 break
+
+    def _stage_groups(
+        self, chain_fences: list[np.ndarray], alloc: np.ndarray
+    ) -> list[list[tuple[int, np.ndarray]]]:
+        """Ways to deal each fence's members into its stages: all of them, speed-balanced;
+        and, where replicas would be thin (fewer than two per stage), only the fastest member
+        per stage, the rest left in backup: a slow replica and its gradient averaging can
+        cost more than it adds (found by brute force on 6-peer swarms)."""
+        dealt = [
+            (f, group)
+            for f, (members, parts) in enumerate(zip(chain_fences, alloc, strict=True))
+            for group in _split(members, self.flops, int(parts))
+        ]
+        options = [dealt]
+        if any(
+            parts < members.size < 2 * parts
+            for members, parts in zip(chain_fences, alloc, strict=True)
+        ):
+            fastest = [
+                (f, np.array([m], dtype=np.int64))
+                for f, (members, parts) in enumerate(zip(chain_fences, alloc, strict=True))
+                for m in sorted(members[np.lexsort((members, -self.flops[members]))][:parts])
+            ]
+            options.append(fastest)
+        return options
 
     def _try_units(self, units: list[_Unit], chain_fences: list[np.ndarray]) -> float | None:
         links = group_links(self.swarm, [u.members for u in units])

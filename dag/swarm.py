@@ -171,6 +171,16 @@ class Swarm:
             rtt = np.where(hit, self.rtt[at], rtt)
         return bw, rtt
 
+    def bandwidth_block(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(A, B) bandwidth of the links a[i] -> b[j], measured or estimated."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        if self._dense_bw is not None:
+            return self._dense_bw[np.ix_(a, b)]
+        ii = np.repeat(a, b.size)
+        jj = np.tile(b, a.size)
+        return self.link_arrays(ii, jj)[0].reshape(a.size, b.size)
+
     def dense(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth, rtt) matrices among ``members`` (peer indices); the diagonal is inf / 0."""
         members = np.asarray(members, dtype=np.int64)
