@@ -10,6 +10,7 @@ compression, OP-Fence with AdaTopK, and the brute-force optimum for small swarms
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import replace
 
@@ -112,6 +113,11 @@ def main() -> None:
         ).estimated_step_time
         bf_time += time.perf_counter() - t0
         ratios.append(ours / best)
+        print(
+            f"  swarm {seed + 1}/{args.small}: {swarm.n} peers, {topology}, "
+            f"OP-Fence/optimum {ours / best:.4f} ({time.perf_counter() - t0:.1f}s)",
+            file=sys.stderr,
+        )
     within = sum(r <= 1.05 for r in ratios)
     print(f"\n== OP-Fence / brute force, {args.small} swarms of {lo}-{hi} peers, gpt2-small ==")
     print(

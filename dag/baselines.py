@@ -170,10 +170,9 @@ def brute_force_plan(
             return
         groups = [[ids[i] for i in u.members] for u in units]
         plan = build_plan(graph, swarm, config, groups, cuts, method="brute-force", _model=model)
-        if not best or (plan.estimated_step_time, plan.digest()) < (
-            bar(),
-            best[0].digest(),
-        ):
+        step = plan.estimated_step_time
+        # Digests (canonical JSON of the whole plan) only break exact ties: they are costly.
+        if not best or step < bar() or (step == bar() and plan.digest() < best[0].digest()):
             best[:] = [plan]
 
     def extend(seq: tuple[int, ...], used: int, value: np.ndarray) -> None:
