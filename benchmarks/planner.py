@@ -1,6 +1,6 @@
 """OP-Fence vs baselines on generated swarms: simulated step time, speedups, planning time.
 
-    python benchmarks/planner.py [--json PATH] [--small 100] [--small-peers 3-8] [--mid 10]
+    python benchmarks/planner.py [--json PATH] [--small 100] [--small-peers 3-6] [--mid 10]
 
 Methods (all timed by fusionllm.dag.simulate on equal terms): naive (random order, even layer
 split, dense), compute-balanced (same groups, compute-balanced cut, dense), OP-Fence without
@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--small", type=int, default=100, help="small swarms vs brute force")
-    parser.add_argument("--small-peers", default="3-8", help="peer counts of small swarms, a-b")
+    parser.add_argument("--small-peers", default="3-6", help="peer counts of small swarms, a-b")
     parser.add_argument("--mid", type=int, default=10, help="swarms per topology for speedups")
     parser.add_argument("--mid-peers", type=int, default=32)
     parser.add_argument("--model", default="medium", choices=["small", "medium", "large", "xl"])
