@@ -1,6 +1,6 @@
 """The node: transport, daemon, command line, hardware/bandwidth probes, planning glue.
 
-- cli.py:  the ``fusionllm`` console script (``version``, ``demo``)
+- cli.py:  the ``fusionllm`` console script (``version``, ``demo``, ``train``)
 - demo.py: the compression demo the README's main command runs until the daemon exists
 - transport.py:      ``Transport`` (trio thread + bridge: send/recv/connect/stats/close),
                      ``TransportConfig``, ``TensorSpec``, ``Received``, ``PeerStats``
@@ -10,4 +10,23 @@
 - errors.py:         ``TransportError``, ``DeadlineError``, ``TransportClosedError``,
                      ``IdentityError``
 - transport_main.py: a bare transport node as a process (tests, benchmarks)
+
+Training (the stage runtime):
+
+- data.py:          ``TokenDataset`` (stdlib source bytes or a uint16/uint32 token file),
+                    ``BatchConfig``, ``DataError``; batches seeded by (seed, step, micro-batch)
+- train_config.py:  ``TrainConfig`` (one run, JSON round-trip), ``build_model``,
+                    ``build_layout``, ``load_dataset``
+- layout.py:        ``PipelineLayout`` (stages, ``LinkSpec`` per cut, tied parameters),
+                    ``balanced_cuts``, ``crossing_values``, ``cut_problem``
+- schedule.py:      ``one_f_one_b``, ``replica_schedule``, ``replica_micro_batches``, ``owner``
+- stage.py:         ``StageWorker`` (forward/backward per micro-batch, AdamW, clipping),
+                    ``OptimizerConfig``, ``clip_coefficient``
+- local_train.py:   ``train_local``, the one-process reference run
+- mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``
+- pipeline.py:      ``PipelineRunner`` (one process's steps over the transport),
+                    ``Expectations`` (what each peer may send), ``StepReport``, ``roles_of``
+- pipeline_main.py: one stage replica as a process (stdin/stdout JSON lines)
+- swarm_local.py:   ``run_swarm``: every stage replica as a process on 127.0.0.1
+- errors.py also:   ``PipelineError``, ``PeerProtocolError``
 """

@@ -58,6 +58,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from fusionllm.node.swarm_local import run_swarm
+    from fusionllm.node.train_config import TrainConfig
+
+    links = args.stages - 1
+    ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
+    config = TrainConfig(
+        model=args.model,
+        stages=args.stages,
+        replicas=tuple(args.replicas) if args.replicas else None,
+        micro_batches=args.micro_batches,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        data_path=args.data,
+        data_dtype=args.data_dtype,
+        vocab_size=args.vocab_size,
+        activation_ratios=ratio if args.topk_activations else (),
+        gradient_ratios=ratio,
+    )
+    processes = sum(config.stage_replicas)
+    if not args.json:
+        print(
+            f"training GPT-2 {config.model} in {config.stages} stages ({processes} processes on "
+            f"127.0.0.1), {config.micro_batches} micro-batches x {config.batch_size} x "
+            f"{config.seq_len} tokens per step, data: {config.data_path or 'stdlib source'}",
+            flush=True,
+        )
+
+    def on_step(event: dict) -> None:
+        tokens_per_s = config.tokens_per_step / max(event["seconds"], 1e-9)
+        if args.json:
+            print(json.dumps({"step": event["step"], "loss": event["loss"],
+                              "tokens_per_s": tokens_per_s}), flush=True)  # fmt: skip
+        elif event["step"] % args.every == 0 or event["step"] == config.steps - 1:
+            print(
+                f"step {event['step']:>5}  loss {event['loss']:.4f}  "
+                f"grad norm {event['grad_norm']:.3f}  {tokens_per_s:,.0f} tokens/s",
+                flush=True,
+            )
+
+    # The stages log to this terminal too: only warnings, unless debugging.
+    stage_log_level = "DEBUG" if args.log_level == "DEBUG" else "WARNING"
+    result = run_swarm(config, on_step=on_step, log_level=stage_log_level)
+    if not args.json:
+        print(
+            f"done: {config.steps} steps in {result.seconds:.1f}s, "
+            f"final loss {result.losses[-1]:.4f}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusionllm",
@@ -94,6 +148,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     demo.add_argument("--json", action="store_true", help="machine-readable output")
     demo.set_defaults(handler=_cmd_demo)
+
+    train = commands.add_parser(
+        "train",
+        help="train GPT-2 in a local swarm of stage processes on 127.0.0.1",
+        description="Starts one process per pipeline stage (and replica) on this machine, "
+        "connected over the real transport, and trains a byte-level GPT-2 on the Python "
+        "standard library's source (or your token file). Ctrl-C stops every process.",
+    )
+    train.add_argument("--model", default="tiny", help="GPT-2 preset (default: %(default)s)")
+    train.add_argument("--stages", type=int, default=2, help="(default: %(default)s)")
+    train.add_argument(
+        "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
+    )
+    train.add_argument("--steps", type=int, default=200, help="(default: %(default)s)")
+    train.add_argument("--micro-batches", type=int, default=4, help="(default: %(default)s)")
+    train.add_argument(
+        "--batch-size", type=int, default=4, help="per micro-batch (default: %(default)s)"
+    )
+    train.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
+    train.add_argument("--lr", type=float, default=3e-3, help="(default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
+    train.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"])
+    train.add_argument("--vocab-size", type=int, default=256, help="(default: %(default)s)")
+    train.add_argument(
+        "--topk-ratio",
+        type=float,
+        default=1.0,
+        help="top-k ratio on every link's gradients, with error feedback (default: dense)",
+    )
+    train.add_argument(
+        "--topk-activations", action="store_true", help="apply --topk-ratio to activations too"
+    )
+    train.add_argument("--every", type=int, default=10, help="print every N steps")
+    train.add_argument("--json", action="store_true", help="one JSON line per step")
+    train.set_defaults(handler=_cmd_train)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""Pipeline training throughput: 1, 2 and 4 stage processes on loopback beside one process.
+
+    python benchmarks/pipeline.py [--stages 1 2 4] [--steps 30] [--micro-batches 8] [--json PATH]
+
+Each row trains GPT-2 (tiny by default: byte-level, the stdlib's source as text) with the
+same seed, data and batch: ``local`` is the whole model in this process (no transport);
+``S stages`` is one ``pipeline_main`` process per stage over the real transport (py-libp2p,
+noise + yamux) on 127.0.0.1, 1F1B with M micro-batches. Per row: median step time, tokens/s
+and the measured bubble fraction = 1 - (sum over processes of forward+backward compute) /
+(processes x step time), medians over the steps after the warm-up, beside the ideal 1F1B
+bubble (S - 1) / (M + S - 1) for equal stages and free links. The first steps are warm-up.
+
+On a small CPU host the processes share the cores, so more stages cannot be faster here;
+what the rows show is the cost of the pipeline machinery (frames, control all-gathers,
+schedule stalls) for a given model size.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fusionllm.node.data import TokenDataset
+from fusionllm.node.local_train import train_local
+from fusionllm.node.swarm_local import run_swarm
+from fusionllm.node.train_config import TrainConfig
+
+_WARMUP_STEPS = 3
+
+
+def _config(args: argparse.Namespace, stages: int) -> TrainConfig:
+    return TrainConfig(
+        model=args.model,
+        stages=stages,
+        micro_batches=args.micro_batches,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        seed=0,
+    )
+
+
+def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
+    config = _config(args, 1)
+    times: list[float] = []
+    last = [0.0]
+
+    def on_step(step: int, _loss: float) -> None:
+        now = time.perf_counter()
+        if step > 0:
+            times.append(now - last[0])
+        last[0] = now
+
+    last[0] = time.perf_counter()
+    run = train_local(config, dataset=dataset, on_step=on_step)
+    step_s = statistics.median(times[_WARMUP_STEPS - 1 :] or times)
+    return {
+        "name": "local",
+        "stages": 1,
+        "processes": 1,
+        "step_s": step_s,
+        "tokens_per_s": config.tokens_per_step / step_s,
+        "bubble": 0.0,
+        "ideal_bubble": 0.0,
+        "final_loss": run.losses[-1],
+    }
+
+
+def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
+    config = _config(args, stages)
+    result = run_swarm(config, threads=args.threads)
+    by_step: dict[int, list[dict]] = {}
+    for event in result.steps:
+        by_step.setdefault(event["step"], []).append(event)
+    measured = [s for s in sorted(by_step) if s >= _WARMUP_STEPS] or sorted(by_step)
+    step_times, bubbles = [], []
+    for step in measured:
+        events = by_step[step]
+        wall = max(e["seconds"] for e in events)
+        step_times.append(wall)
+        bubbles.append(1.0 - sum(e["busy_s"] for e in events) / (len(events) * wall))
+    step_s = statistics.median(step_times)
+    m = config.micro_batches
+    return {
+        "name": f"{stages} stages",
+        "stages": stages,
+        "processes": len(result.done),
+        "step_s": step_s,
+        "tokens_per_s": config.tokens_per_step / step_s,
+        "bubble": statistics.median(bubbles),
+        "ideal_bubble": (stages - 1) / (m + stages - 1),
+        "final_loss": result.losses[-1],
+        "bytes_out_per_step": sum(d["bytes_out"] for d in result.done) / config.steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dataset = TokenDataset.from_stdlib(max_bytes=_config(args, 1).stdlib_bytes)
+    rows = [bench_local(args, dataset)]
+    for stages in args.stages:
+        rows.append(bench_pipeline(args, stages))
+    tokens = _config(args, 1).tokens_per_step
+    print(
+        f"GPT-2 {args.model}, {args.micro_batches} micro-batches x {args.batch_size} x "
+        f"{args.seq_len} tokens = {tokens} tokens/step, {args.steps} steps "
+        f"(first {_WARMUP_STEPS} are warm-up), {os.cpu_count()} CPU cores, loopback\n"
+    )
+    print(
+        f"{'run':<10} {'step ms':>8} {'tokens/s':>9} {'bubble':>7} {'1F1B ideal':>10} {'loss':>6}"
+    )
+    for row in rows:
+        print(
+            f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['tokens_per_s']:9.0f} "
+            f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} {row['final_loss']:6.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

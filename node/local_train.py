@@ -1,0 +1,63 @@
+"""The reference: the same run in one process on the whole model, no pipeline.
+
+What the pipeline must reproduce: same seeded init, same micro-batches, loss = mean over the
+micro-batches of each one's mean token cross-entropy, gradients clipped by their global norm
+(torch's ``clip_grad_norm_``), one AdamW step per step.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from fusionllm.common.logs import get_logger
+from fusionllm.node.data import TokenDataset
+from fusionllm.node.train_config import TrainConfig, build_model, load_dataset
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    losses: list[float]  # per step
+    parameters: dict[str, torch.Tensor]  # canonical names (a tied parameter once)
+    seconds: float  # wall time of the steps (no setup)
+
+
+def train_local(
+    config: TrainConfig,
+    *,
+    dataset: TokenDataset | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> LocalRun:
+    dataset = load_dataset(config) if dataset is None else dataset
+    model = build_model(config)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+    )
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(config.steps):
+        total = 0.0
+        for mb in range(config.micro_batches):
+            idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
+            logits = model(idx)  # (B, T, V)
+            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            (loss / config.micro_batches).backward()
+            total += float(loss.detach())
+        if 0 < config.max_grad_norm < float("inf"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / config.micro_batches)
+        if on_step is not None:
+            on_step(step, losses[-1])
+    seconds = time.perf_counter() - started
+    parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return LocalRun(losses, parameters, seconds)

@@ -1,0 +1,405 @@
+"""One pipeline process at work: a StageWorker, its 1F1B schedule, frames to and from peers.
+
+Per step a process (stage s, replica r) runs, in order:
+
+1. its schedule: a forward takes the micro-batch from the data (stage 0) or an activation
+   frame from stage s - 1, and sends its outgoing link's values to the replica of stage s + 1
+   that owns the micro-batch; a backward takes the gradient frame from stage s + 1 (or the
+   loss, on the last stage) and sends the input gradients back to stage s - 1;
+2. the data-parallel all-reduce inside its fence: every replica sends its flat gradients to the
+   others and all sum the R copies in replica order (losses are scaled by 1 / M over the whole
+   step's micro-batches, so that sum is the average of the replicas' mean-loss gradients);
+3. tied parameters (GPT-2's wte / lm_head): each holder sends its gradient to the other holder
+   stages and every holder sums them in stage order, so the copies stay bit-identical;
+4. a control all-gather of (squared gradient norm, loss sum, loss count): every process gets
+   the global norm (a tied parameter counted once, replicas once) and the step's loss;
+5. ``clip_and_step``.
+
+Why an all-gather over our own transport for steps 2 and 4 rather than hivemind's averager:
+the members of a fence and the ranks of the run are fixed by the plan, the step must wait for
+the exact sum anyway (synchronous SGD), and the streams to those peers are already open;
+hivemind's DecentralizedAverager forms groups by matchmaking over the DHT (asyncio, seconds of
+latency, a group may come out partial), which suits asynchronous volunteers, not a lock-step
+pipeline that must match a single process to 1e-4. Deterministic summation order makes every
+replica compute the same bits.
+
+Frame headers: ``stage`` is always the sender's stage (checked against the sender's peer id);
+``micro_batch`` is the micro-batch for activations/gradients and a tag for control frames.
+Compression per link and direction: top-k (``TopKCodec``) for activations, top-k with error
+feedback (``ErrorFeedback``, one residual per link and receiver) for gradients.
+"""
+
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionllm.common.logs import get_logger
+from fusionllm.compression import Codec, ErrorFeedback, IdentityCodec, TopKCodec, pack_tensor
+from fusionllm.node.data import TokenDataset
+from fusionllm.node.errors import PipelineError
+from fusionllm.node.framing import FrameHeader, FrameKind
+from fusionllm.node.layout import WIRE_DTYPE, PipelineLayout
+from fusionllm.node.mailbox import Mailbox, Role, pump
+from fusionllm.node.schedule import owner, replica_schedule
+from fusionllm.node.stage import StageWorker
+from fusionllm.node.train_config import TrainConfig
+from fusionllm.node.transport import TensorSpec, Transport
+
+logger = get_logger(__name__)
+
+# Control-frame tags (the header's micro_batch field).
+TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count]
+TAG_DP = 1  # float32 flat gradients of the whole stage
+TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
+
+_CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
+
+_NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: refuses the frame
+
+
+def roles_of(config: TrainConfig) -> list[Role]:
+    """Every process of the run, in rank order (stage-major)."""
+    return [Role(s, r) for s, n in enumerate(config.stage_replicas) for r in range(n)]
+
+
+class Expectations:
+    """What each peer may send one process: the transport's ``expect`` hook and the mailbox's
+    admission check. Needs only the run's config and layout, so the transport can use it
+    before the runner (which needs the transport) exists.
+    """
+
+    def __init__(self, config: TrainConfig, layout: PipelineLayout, role: Role) -> None:
+        self.config = config
+        self.layout = layout
+        self.role = role
+        self.roles = roles_of(config)
+        self.replicas = config.stage_replicas
+        module = layout.stage_module(role.stage)
+        canonical = layout.stage_parameter_names(role.stage)
+        self._shapes = {canonical[n]: tuple(p.shape) for n, p in module.named_parameters()}
+        self._num_parameters = sum(p.numel() for _, p in module.named_parameters())
+
+    def expect(self, header: FrameHeader) -> TensorSpec | None:
+        """The transport's ``expect`` hook: dtype and shape by header, before we keep a frame."""
+        s = self.role.stage
+        if header.kind is FrameKind.ACTIVATION and header.stage == s - 1:
+            return TensorSpec(WIRE_DTYPE, (self.layout.links[s - 1].numel,))
+        if (
+            header.kind is FrameKind.GRADIENT
+            and header.stage == s + 1
+            and s + 1 < len(self.replicas)
+        ):
+            return TensorSpec(WIRE_DTYPE, (self.layout.links[s].numel,))
+        if header.kind is FrameKind.CONTROL:
+            if header.micro_batch == TAG_SUMMARY:
+                return TensorSpec(torch.float64, (3,))
+            if header.micro_batch == TAG_DP and header.stage == s:
+                return TensorSpec(torch.float32, (self._num_parameters,))
+            tied = sorted(self.layout.tied)
+            i = header.micro_batch - TAG_TIED
+            if 0 <= i < len(tied) and tied[i] in self._shapes:
+                return TensorSpec(torch.float32, self._shapes[tied[i]])
+        return _NEVER
+
+    def admit(self, rank: int, header: FrameHeader) -> str | None:
+        """Why the process of ``rank`` may not send this frame, or None (the mailbox's check)."""
+        sender = self.roles[rank]
+        if header.stage != sender.stage:
+            return f"header says stage {header.stage}, the sender is stage {sender.stage}"
+        s, m = self.role.stage, self.config.micro_batches
+        if header.kind in (FrameKind.ACTIVATION, FrameKind.GRADIENT):
+            step_dir = -1 if header.kind is FrameKind.ACTIVATION else 1
+            if sender.stage != s + step_dir:
+                return f"{header.kind.value} from stage {sender.stage} to stage {s}"
+            mb = header.micro_batch
+            if not (mb < m and owner(mb, self.replicas[s]) == self.role.replica):
+                return f"micro-batch {mb} is not ours"
+            if owner(mb, self.replicas[sender.stage]) != sender.replica:
+                return f"micro-batch {mb} is not the sender's"
+            return None
+        tag = header.micro_batch
+        if tag == TAG_SUMMARY:
+            return None
+        if tag == TAG_DP:
+            return None if sender.stage == s else "gradients from another stage's replica"
+        tied = sorted(self.layout.tied)
+        i = tag - TAG_TIED
+        if 0 <= i < len(tied) and {s, sender.stage} <= set(self.layout.tied[tied[i]]):
+            return None
+        return f"unexpected control tag {tag}"
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    grad_norm: float
+    seconds: float  # wall time of the whole step
+    busy_s: float  # forward + backward compute of this process
+    wait_s: float  # blocked on frames during the schedule
+
+
+@dataclass
+class _Sends:
+    futures: list[Future] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise the error of a send that already failed (the root cause of a missing reply)."""
+        for future in self.futures:
+            if future.done() and future.exception() is not None:
+                raise PipelineError(f"a send failed: {future.exception()!r}")
+
+    def wait(self, timeout: float) -> None:
+        for future in self.futures:
+            future.result(timeout)
+        self.futures.clear()
+
+
+class PipelineRunner:
+    """Drives one process's part of every step; the transport must already be started."""
+
+    def __init__(
+        self,
+        *,
+        config: TrainConfig,
+        layout: PipelineLayout,
+        role: Role,
+        dataset: TokenDataset,
+        transport: Transport,
+        peers: dict[Role, str],  # every other process's peer id
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.role = role
+        self.dataset = dataset
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.roles = roles_of(config)
+        if role not in self.roles:
+            raise PipelineError(f"{role} is not part of this run")
+        self.rank = self.roles.index(role)
+        self.peer_of = dict(peers)
+        missing = [r for r in self.roles if r != role and r not in self.peer_of]
+        if missing:
+            raise PipelineError(f"no peer id for {missing}")
+        self.worker = StageWorker(
+            layout, role.stage, optimizer=config.optimizer, micro_batches=config.micro_batches
+        )
+        self.replicas = config.stage_replicas
+        self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
+        self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
+        self._feedback = ErrorFeedback()
+        self.expectations = Expectations(config, layout, role)
+        self.mailbox = Mailbox(
+            ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != role},
+            admit=self.expectations.admit,
+            max_frames=4 * (config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
+        )
+        self._stop = threading.Event()
+        self._pump = threading.Thread(
+            target=pump,
+            args=(transport, self.mailbox, self._stop),
+            name="pipeline-recv",
+            daemon=True,
+        )
+
+    # ----- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._pump.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pump.join(2.0)
+
+    # ----- one step ---------------------------------------------------------------------------
+
+    def run_step(self, step: int) -> StepReport:
+        started = time.perf_counter()
+        self.mailbox.advance(step)
+        sends = _Sends()
+        busy, wait = 0.0, 0.0
+        loss_sum, loss_count = 0.0, 0
+        s, worker = self.role.stage, self.worker
+        order = replica_schedule(
+            s, len(self.replicas), self.config.micro_batches, self.replicas[s], self.role.replica
+        )
+        for kind, mb in order:
+            if kind == "F":
+                t0 = time.perf_counter()
+                if worker.is_first:
+                    inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
+                else:
+                    flat = self._take(
+                        FrameKind.ACTIVATION,
+                        step,
+                        mb,
+                        Role(s - 1, owner(mb, self.replicas[s - 1])),
+                        sends,
+                    )
+                    inputs = self.layout.links[s - 1].unpack(flat)
+                targets = (
+                    self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
+                )
+                t1 = time.perf_counter()
+                out = worker.forward(step, mb, inputs, targets)
+                busy += time.perf_counter() - t1
+                wait += t1 - t0
+                if worker.is_last:
+                    loss_sum += out  # type: ignore[operator]
+                    loss_count += 1
+                else:
+                    target = Role(s + 1, owner(mb, self.replicas[s + 1]))
+                    flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
+                    codec = _codec(self.config.activation_ratio(s))
+                    sends.futures.append(
+                        self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
+                    )
+            else:
+                t0 = time.perf_counter()
+                grads = None
+                if not worker.is_last:
+                    flat = self._take(
+                        FrameKind.GRADIENT,
+                        step,
+                        mb,
+                        Role(s + 1, owner(mb, self.replicas[s + 1])),
+                        sends,
+                    )
+                    grads = self.layout.links[s].unpack(flat)
+                t1 = time.perf_counter()
+                input_grads = worker.backward(step, mb, grads)
+                busy += time.perf_counter() - t1
+                wait += t1 - t0
+                if not worker.is_first:
+                    target = Role(s - 1, owner(mb, self.replicas[s - 1]))
+                    flat = self.layout.links[s - 1].pack(input_grads)
+                    body = self._pack_gradient(s - 1, target, flat)
+                    sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+        self._all_reduce_replicas(step, sends)
+        self._sum_tied(step, sends)
+        sq, loss_sum, loss_count = self._summary(step, sends, loss_sum, loss_count)
+        norm = math.sqrt(sq)
+        worker.clip_and_step(norm)
+        sends.wait(self.timeout_s)
+        if loss_count != self.config.micro_batches:
+            raise PipelineError(
+                f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
+            )
+        return StepReport(
+            step=step,
+            loss=loss_sum / loss_count,
+            grad_norm=norm,
+            seconds=time.perf_counter() - started,
+            busy_s=busy,
+            wait_s=wait,
+        )
+
+    # ----- the exchanges after the schedule ----------------------------------------------------
+
+    def _all_reduce_replicas(self, step: int, sends: _Sends) -> None:
+        s, count = self.role.stage, self.replicas[self.role.stage]
+        if count == 1:
+            return
+        mine = self.worker.flat_grads()
+        body = pack_tensor(mine)
+        for r in range(count):
+            if r != self.role.replica:
+                sends.futures.append(self._send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
+        total = None
+        for r in range(count):  # the same order on every replica: the same bits
+            part = (
+                mine
+                if r == self.role.replica
+                else self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+            )
+            total = part.clone() if total is None else total + part
+        self.worker.set_flat_grads(total)
+
+    def _sum_tied(self, step: int, sends: _Sends) -> None:
+        s, r = self.role.stage, self.role.replica
+        for name in self.tied_names:
+            tag = TAG_TIED + self._tied_index[name]
+            holders = self.layout.tied[name]
+            mine = self.worker.grad(name)
+            body = pack_tensor(mine)
+            # Replica r of a holder stage hears from replica r mod R of every other holder.
+            for other in holders:
+                if other == s:
+                    continue
+                for rr in range(self.replicas[other]):
+                    if rr % self.replicas[s] == r:
+                        sends.futures.append(
+                            self._send(Role(other, rr), FrameKind.CONTROL, step, tag, body)
+                        )
+            total = None
+            for other in holders:  # stage order on every holder
+                if other == s:
+                    part = mine
+                else:
+                    sender = Role(other, r % self.replicas[other])
+                    part = self._take(FrameKind.CONTROL, step, tag, sender, sends)
+                total = part.clone() if total is None else total + part
+            self.worker.set_grad(name, total)
+
+    def _summary(
+        self, step: int, sends: _Sends, loss_sum: float, loss_count: int
+    ) -> tuple[float, float, int]:
+        """All-gather of (squared norm, loss sum, loss count); sums in rank order everywhere."""
+        sq = 0.0
+        if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
+            sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
+        mine = torch.tensor([sq, loss_sum, float(loss_count)], dtype=torch.float64)
+        body = pack_tensor(mine)
+        for other in self.roles:
+            if other != self.role:
+                sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
+        total = torch.zeros(3, dtype=torch.float64)
+        for other in self.roles:
+            part = (
+                mine
+                if other == self.role
+                else self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends)
+            )
+            if not torch.isfinite(part).all() or part[0] < 0 or part[2] < 0:
+                raise PipelineError(f"step {step}: bad summary {part.tolist()} from {other}")
+            total += part
+        return float(total[0]), float(total[1]), round(float(total[2]))
+
+    # ----- frames -----------------------------------------------------------------------------
+
+    def _pack_gradient(self, link: int, target: Role, flat: torch.Tensor) -> bytes:
+        ratio = self.config.gradient_ratio(link)
+        if ratio >= 1.0:
+            return pack_tensor(flat)
+        return self._feedback.pack(("gradient", link, target), flat, TopKCodec(ratio))
+
+    def _send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
+        header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)
+        return self.transport.send_async(self.peer_of[target], header, body, timeout=self.timeout_s)
+
+    def _take(
+        self, kind: FrameKind, step: int, tag: int, sender: Role, sends: _Sends
+    ) -> torch.Tensor:
+        key = (kind.value, step, tag, self.roles.index(sender))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            sends.check()
+            left = deadline - time.monotonic()
+            try:
+                return self.mailbox.take(key, timeout=min(max(left, 0.0), _CHECK_S))
+            except PipelineError:
+                if left <= _CHECK_S:
+                    raise PipelineError(
+                        f"{self.role}: {kind.value} frame (step {step}, tag {tag}) from {sender} "
+                        f"did not arrive within {self.timeout_s}s"
+                    ) from None
+
+
+def _codec(ratio: float) -> Codec:
+    return IdentityCodec() if ratio >= 1.0 else TopKCodec(ratio)

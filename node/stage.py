@@ -1,0 +1,234 @@
+"""One pipeline stage's compute: forward and backward per micro-batch, optimizer step. No network.
+
+A ``StageWorker`` owns a deep copy of its stage module and an AdamW over its parameters.
+``forward`` keeps the autograd state of a micro-batch keyed by (step, micro-batch) until
+``backward`` gets the gradient of what the forward sent on, and returns the gradients of what
+it received. The last stage turns the logits into the loss itself: cross-entropy averaged over
+the micro-batch's tokens and divided by the number of micro-batches M, so the gradients
+accumulated over a step equal those of the mean loss over the whole batch.
+
+The cross-stage parts of a step are the caller's: summing a tied parameter's gradients over
+the stages that hold it (``tied_grad`` / ``set_tied_grad``), averaging over data-parallel
+replicas (``flat_grads`` / ``set_flat_grads``) and the global gradient norm
+(``local_grad_sq_norm``, then ``clip_and_step``).
+"""
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.common.logs import get_logger
+from fusionllm.node.errors import PipelineError
+from fusionllm.node.layout import PipelineLayout
+
+logger = get_logger(__name__)
+
+Key = tuple[int, int]  # (step, micro-batch)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0  # 0 or inf: no clipping
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError(
+                f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "
+                f"{self.weight_decay}, {self.max_grad_norm}"
+            )
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """What torch.nn.utils.clip_grad_norm_ multiplies the gradients by."""
+    if max_norm <= 0 or math.isinf(max_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@dataclass
+class _Saved:
+    leaves: dict[str, torch.Tensor]  # what the stage received, as autograd leaves
+    roots: dict[str, torch.Tensor]  # what it sent on (or the loss), still in the graph
+
+
+class StageWorker:
+    """Stage ``stage`` of ``layout``: its own parameters, optimizer and in-flight micro-batches."""
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        stage: int,
+        *,
+        optimizer: OptimizerConfig,
+        micro_batches: int,
+    ) -> None:
+        if not 0 <= stage < layout.num_stages:
+            raise ValueError(f"stage must be in [0, {layout.num_stages}), got {stage}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.layout = layout
+        self.stage = stage
+        self.is_first = stage == 0
+        self.is_last = stage == layout.num_stages - 1
+        self.micro_batches = micro_batches
+        self.module = copy.deepcopy(layout.stage_module(stage))
+        self.module.train()
+        canonical = layout.stage_parameter_names(stage)
+        # named_parameters lists a parameter tied inside the stage once: one entry per tensor.
+        self.parameters: dict[str, torch.nn.Parameter] = {
+            canonical[name]: p for name, p in self.module.named_parameters()
+        }
+        self.config = optimizer
+        self.optimizer = torch.optim.AdamW(
+            list(self.parameters.values()),
+            lr=optimizer.lr,
+            betas=optimizer.betas,
+            weight_decay=optimizer.weight_decay,
+        )
+        self.in_link = layout.links[stage - 1] if not self.is_first else None
+        self.out_link = layout.links[stage] if not self.is_last else None
+        self._saved: dict[Key, _Saved] = {}
+
+    # ----- per micro-batch -------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._saved)
+
+    def forward(
+        self,
+        step: int,
+        micro_batch: int,
+        inputs: dict[str, torch.Tensor],
+        targets: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor] | float:
+        """Run the stage on one micro-batch.
+
+        inputs: the model inputs (first stage) or the incoming link's values. Returns the
+        outgoing link's values (detached), or on the last stage the micro-batch's mean loss
+        (unscaled, for reporting); ``targets`` (B, T) is needed there.
+        """
+        key = (step, micro_batch)
+        if key in self._saved:
+            raise PipelineError(f"stage {self.stage}: forward of {key} ran twice")
+        leaves = {
+            name: value.detach().requires_grad_(value.is_floating_point())
+            for name, value in inputs.items()
+        }
+        values: dict[str, torch.Tensor] = dict(leaves)
+        values.update(self.module(leaves))
+        if self.is_last:
+            if targets is None:
+                raise PipelineError("the last stage needs the targets to compute the loss")
+            (output,) = self.layout.graph.output_names
+            logits = values[output]  # (B, T, V)
+            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            self._saved[key] = _Saved(leaves, {"loss": loss / self.micro_batches})
+            return float(loss.detach())
+        assert self.out_link is not None
+        roots = {name: values[name] for name in self.out_link.names}
+        self._saved[key] = _Saved(leaves, roots)
+        return {name: value.detach() for name, value in roots.items()}
+
+    def backward(
+        self, step: int, micro_batch: int, output_grads: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Backward of one micro-batch; returns the gradients of the incoming link's values.
+
+        Parameter gradients accumulate in ``.grad`` over the micro-batches of a step. The first
+        stage returns {} (its inputs are token ids).
+        """
+        saved = self._saved.pop((step, micro_batch), None)
+        if saved is None:
+            raise PipelineError(
+                f"stage {self.stage}: backward of {(step, micro_batch)} before its forward"
+            )
+        if self.is_last:
+            roots, grads = [saved.roots["loss"]], [None]
+        else:
+            if output_grads is None:
+                raise PipelineError(f"stage {self.stage} needs the gradients of its outputs")
+            roots, grads = [], []
+            for name, root in saved.roots.items():
+                if root.requires_grad:
+                    roots.append(root)
+                    grads.append(output_grads[name])
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if self.in_link is None:
+            return {}
+        return {
+            name: saved.leaves[name].grad
+            if saved.leaves[name].grad is not None
+            else torch.zeros_like(saved.leaves[name])
+            for name in self.in_link.names
+        }
+
+    def drop(self, step: int) -> None:
+        """Forget every micro-batch of ``step`` still in flight (an aborted step)."""
+        for key in [k for k in self._saved if k[0] == step]:
+            del self._saved[key]
+
+    # ----- per step ---------------------------------------------------------------------------
+
+    def grad(self, name: str) -> torch.Tensor:
+        """The accumulated gradient of a parameter (zeros if it got none this step)."""
+        p = self.parameters[name]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def set_grad(self, name: str, grad: torch.Tensor) -> None:
+        p = self.parameters[name]
+        if grad.shape != p.shape:
+            raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for {tuple(p.shape)}")
+        p.grad = grad.to(p.dtype).clone()
+
+    def flat_grads(self) -> torch.Tensor:
+        """Every parameter's gradient, flattened and concatenated in ``parameters`` order."""
+        return torch.cat([self.grad(name).reshape(-1) for name in self.parameters])
+
+    def set_flat_grads(self, flat: torch.Tensor) -> None:
+        sizes = [p.numel() for p in self.parameters.values()]
+        if tuple(flat.shape) != (sum(sizes),):
+            raise ValueError(f"expected {sum(sizes)} gradient values, got {tuple(flat.shape)}")
+        for (name, p), part in zip(self.parameters.items(), torch.split(flat, sizes), strict=True):
+            self.set_grad(name, part.view(p.shape))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters.values())
+
+    def local_grad_sq_norm(self, skip: frozenset[str] = frozenset()) -> float:
+        """Sum of squared gradient entries, leaving out ``skip`` (tied copies counted elsewhere)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for name in self.parameters:
+            if name not in skip:
+                total += self.grad(name).double().pow(2).sum()
+        return float(total)
+
+    def clip_and_step(self, global_norm: float) -> float:
+        """Scale the gradients for the global norm, step AdamW, zero the gradients.
+
+        Returns the clip coefficient used.
+        """
+        if self._saved:
+            raise PipelineError(
+                f"stage {self.stage}: {len(self._saved)} micro-batches still in flight at the step"
+            )
+        coefficient = clip_coefficient(global_norm, self.config.max_grad_norm)
+        if coefficient < 1.0:
+            for p in self.parameters.values():
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return coefficient
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under their canonical names (detached copies)."""
+        return {name: p.detach().clone() for name, p in self.parameters.items()}

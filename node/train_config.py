@@ -1,0 +1,170 @@
+"""What a training run is: model, data, batch, optimizer, stages, replicas, link compression.
+
+One kw-only dataclass, validated on construction, serialisable to JSON so a launcher can
+hand the same run to every stage process. ``build`` makes the model, graph and layout the
+same way in every process (seeded init, same trace), which is what lets stages that never
+exchange parameters start from identical weights.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.common.logs import get_logger
+from fusionllm.dag import OpGraph, trace
+from fusionllm.dag.models import gpt2
+from fusionllm.node.data import BatchConfig, TokenDataset
+from fusionllm.node.layout import PipelineLayout, balanced_cuts
+from fusionllm.node.stage import OptimizerConfig
+
+if TYPE_CHECKING:
+    from fusionllm.dag.planner import Plan
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "tiny"  # a GPT-2 preset
+    stages: int = 2
+    cuts: tuple[int, ...] | None = None  # node positions; None: balanced by forward FLOPs
+    replicas: tuple[int, ...] | None = None  # per stage; None: one each
+    micro_batches: int = 4
+    batch_size: int = 4  # sequences per micro-batch
+    seq_len: int = 32
+    steps: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0  # 0 or inf: no clipping
+    seed: int = 0
+    data_path: str | None = None  # a uint16/uint32 token file; None: stdlib source bytes
+    data_dtype: str = "uint16"
+    vocab_size: int = 256  # byte-level for the stdlib text; a token file's ids must be below it
+    stdlib_bytes: int = 2 << 20
+    # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32.
+    activation_ratios: tuple[float, ...] = ()
+    gradient_ratios: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.data_path is None and self.vocab_size != 256:
+            raise ConfigError(
+                f"the stdlib text is bytes: vocab_size must be 256, not {self.vocab_size}"
+            )
+        for name in ("stages", "micro_batches", "batch_size", "seq_len", "steps", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuts is not None and len(self.cuts) != self.stages - 1:
+            raise ConfigError(f"{self.stages} stages need {self.stages - 1} cuts, got {self.cuts}")
+        if self.replicas is not None:
+            if len(self.replicas) != self.stages or min(self.replicas) < 1:
+                raise ConfigError(
+                    f"replicas must be {self.stages} counts >= 1, got {self.replicas}"
+                )
+            if max(self.replicas) > self.micro_batches:
+                raise ConfigError(
+                    f"{max(self.replicas)} replicas need at least as many micro-batches, "
+                    f"got {self.micro_batches}"
+                )
+        for name in ("activation_ratios", "gradient_ratios"):
+            ratios = getattr(self, name)
+            if ratios and len(ratios) != self.stages - 1:
+                raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(ratios)}")
+            if any(not 0.0 < r <= 1.0 for r in ratios):
+                raise ConfigError(f"{name} must be in (0, 1], got {ratios}")
+        if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError(
+                f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "
+                f"{self.weight_decay}, {self.max_grad_norm}"
+            )
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+
+    @property
+    def batch(self) -> BatchConfig:
+        return BatchConfig(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        return OptimizerConfig(
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+    @property
+    def stage_replicas(self) -> tuple[int, ...]:
+        return self.replicas if self.replicas is not None else (1,) * self.stages
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batches * self.batch_size * self.seq_len
+
+    def activation_ratio(self, link: int) -> float:
+        return self.activation_ratios[link] if self.activation_ratios else 1.0
+
+    def gradient_ratio(self, link: int) -> float:
+        return self.gradient_ratios[link] if self.gradient_ratios else 1.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ConfigError("a TrainConfig must be a JSON object")
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ConfigError(f"bad TrainConfig: {exc}") from exc
+
+
+def build_model(config: TrainConfig) -> torch.nn.Module:
+    """The model with the run's seeded initialisation (identical in every process)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = gpt2(config.model, vocab_size=config.vocab_size)
+    if config.seq_len > model.config.block_size:
+        raise ConfigError(
+            f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"
+        )
+    return model
+
+
+def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
+    """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
+    example = torch.zeros(config.batch_size, config.seq_len, dtype=torch.int64)  # (B, T)
+    # A real forward of one micro-batch: the model is allocated anyway, and propagating meta
+    # tensors first imports torch's meta kernels (~1.5 s per stage process here).
+    graph: OpGraph = trace(model, (example,), meta=False)
+    cuts = config.cuts if config.cuts is not None else balanced_cuts(graph, config.stages)
+    return PipelineLayout(graph, cuts)
+
+
+def load_dataset(config: TrainConfig) -> TokenDataset:
+    if config.data_path is None:
+        return TokenDataset.from_stdlib(max_bytes=config.stdlib_bytes)
+    return TokenDataset.from_file(
+        config.data_path, dtype=config.data_dtype, vocab_size=config.vocab_size
+    )
+
+
+def ratios_from_plan(plan: "Plan") -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(activation_ratios, gradient_ratios) per link from an OP-Fence plan's AdaTopK choice.
+
+    A link the plan sends as fp16 runs dense here (the runtime knows top-k and dense only).
+    """
+    forward, backward = [], []
+    for link in sorted(plan.links, key=lambda lp: lp.src_stage):
+        forward.append(link.forward_ratio if link.forward_codec == "topk" else 1.0)
+        backward.append(link.backward_ratio if link.backward_codec == "topk" else 1.0)
+    return tuple(forward), tuple(backward)

@@ -1,0 +1,32 @@
+"""``fusionllm train``: a local swarm of stage processes, run as a user would."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def test_train_prints_progress_and_leaves_no_process() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fusionllm.node.cli", "--log-level", "WARNING", "train",
+         "--stages", "2", "--steps", "3", "--micro-batches", "2", "--batch-size", "2",
+         "--seq-len", "16", "--json"],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(s["loss"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+
+
+def test_train_rejects_a_bad_configuration() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fusionllm.node.cli", "train", "--stages", "2",
+         "--replicas", "1", "2", "3"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "replicas" in result.stderr
