@@ -156,22 +156,54 @@ def build_parser() -> argparse.ArgumentParser:
         "connected over the real transport, and trains a byte-level GPT-2 on the Python "
         "standard library's source (or your token file). Ctrl-C stops every process.",
     )
-    train.add_argument("--model", default="tiny", help="GPT-2 preset (default: %(default)s)")
-    train.add_argument("--stages", type=int, default=2, help="(default: %(default)s)")
+    train.add_argument(
+        "--model",
+        default="tiny",
+        help="GPT-2 preset: tiny, small, medium, large, xl (default: %(default)s)",
+    )
+    train.add_argument(
+        "--stages",
+        type=int,
+        default=2,
+        help="pipeline stages, a process each (default: %(default)s)",
+    )
     train.add_argument(
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
-    train.add_argument("--steps", type=int, default=200, help="(default: %(default)s)")
-    train.add_argument("--micro-batches", type=int, default=4, help="(default: %(default)s)")
+    train.add_argument(
+        "--steps", type=int, default=200, help="optimizer steps (default: %(default)s)"
+    )
+    train.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="micro-batches per step, scheduled 1F1B (default: %(default)s)",
+    )
     train.add_argument(
         "--batch-size", type=int, default=4, help="per micro-batch (default: %(default)s)"
     )
-    train.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
-    train.add_argument("--lr", type=float, default=3e-3, help="(default: %(default)s)")
-    train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    train.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)"
+    )
+    train.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)"
+    )
+    train.add_argument(
+        "--seed", type=int, default=0, help="model init and data order (default: %(default)s)"
+    )
     train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
-    train.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"])
-    train.add_argument("--vocab-size", type=int, default=256, help="(default: %(default)s)")
+    train.add_argument(
+        "--data-dtype",
+        default="uint16",
+        choices=["uint16", "uint32"],
+        help="element type of --data (default: %(default)s)",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="model vocabulary; --data token ids must be below it (default: %(default)s, bytes)",
+    )
     train.add_argument(
         "--topk-ratio",
         type=float,
@@ -181,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--topk-activations", action="store_true", help="apply --topk-ratio to activations too"
     )
-    train.add_argument("--every", type=int, default=10, help="print every N steps")
+    train.add_argument(
+        "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
+    )
     train.add_argument("--json", action="store_true", help="one JSON line per step")
     train.set_defaults(handler=_cmd_train)
     return parser
