@@ -37,6 +37,7 @@ from fusionllm.compression.topk import (
 
 COMMON_KEYS = frozenset({"v", "c", "dt", "sh"})
 _HALF_NAMES = frozenset(wire_name(d) for d in HALF_DTYPES)
+_NUMPY_FLOATS = frozenset({torch.float32, torch.float64, torch.float16})
 _INDEX_INT32 = "i32"
 _INDEX_BITMAP = "bm"
 
@@ -219,8 +220,12 @@ class TopKCodec(Codec):
             out.index_copy_(0, indices.to(device=target.device, dtype=torch.int64), values)
         elif index_format == _INDEX_BITMAP:
             mask = _mask_from_bitmap(frame["ixp"], target.numel, k)
-            # The popcount check above makes k == len(values) the number of set bits.
-            out.masked_scatter_(mask.to(target.device), values)
+            # The popcount check made k == len(values) the number of set bits.
+            if out.device.type == "cpu" and out.dtype in _NUMPY_FLOATS:
+                # np.place fills in mask order at copy speed; masked_scatter_ took twice as long.
+                np.place(out.numpy(), mask.numpy(), values.numpy())
+            else:
+                out.masked_scatter_(mask.to(target.device), values)
         else:
             raise FrameError(f"unknown top-k index format {index_format!r}")
         return out.view(target.shape)
