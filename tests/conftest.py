@@ -5,6 +5,7 @@ import os
 
 import psutil
 import pytest
+import torch
 from hypothesis import settings
 
 from fusionllm.common.logs import get_logger
@@ -36,6 +37,16 @@ def kill_process_tree(root: psutil.Process, *, include_root: bool = False) -> li
             proc.kill()
     psutil.wait_procs(alive, timeout=_GRACE_S)
     return [proc.pid for proc in victims]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of many tiny ops, or that run a reference next to stage processes: a second
+    intra-op thread only adds barrier waits, and on a busy host made a 4 s run take minutes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, scope="session")

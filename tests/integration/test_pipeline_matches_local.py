@@ -13,20 +13,10 @@ from fusionllm.node.local_train import train_local
 from fusionllm.node.swarm_local import run_swarm
 from fusionllm.node.train_config import TrainConfig
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 EXACT_ATOL = 1e-5
 DP_ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The reference runs here while stage processes compete for the cores: a second
-    intra-op thread spinning on a busy host made a 4 s reference run take minutes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

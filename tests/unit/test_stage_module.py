@@ -15,13 +15,7 @@ from fusionllm.dag.models import gpt2, resnet
 ATOL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These ops are tiny: a second intra-op thread only adds sync cost, a lot on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Case(NamedTuple):
