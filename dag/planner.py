@@ -82,6 +82,9 @@ class PlanConfig:
     optimizer_bytes_per_param_byte: float = 2.0  # AdamW: two fp32 moments per fp32 param
     memory_fraction: float = 0.9  # leave room for the CUDA context and allocator slack
     max_stages: int = 64
+    # Data-parallel width cap per stage (each replica needs whole samples of a micro-batch,
+    # and adds gradient averaging); the slowest members beyond it wait in backup.
+    max_replicas: int = 64
     min_relative_speed: float = 0.05  # slower than this x the fence's fastest -> backup
     fence_levels: int = 6  # clustering thresholds tried (widest log-bandwidth gaps)
 
@@ -107,6 +110,8 @@ class PlanConfig:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_stages < 1:
             raise ConfigError(f"max_stages must be >= 1, got {self.max_stages}")
+        if self.max_replicas < 1:
+            raise ConfigError(f"max_replicas must be >= 1, got {self.max_replicas}")
         if not 0.0 <= self.min_relative_speed < 1.0:
             raise ConfigError(
                 f"min_relative_speed must be in [0, 1), got {self.min_relative_speed}"
@@ -800,6 +805,11 @@ class _Search:
         and, where replicas would be thin (fewer than two per stage), only the fastest member
         per stage, the rest left in backup: a slow replica and its gradient averaging can
         cost more than it adds (found by brute force on 6-peer swarms)."""
+        cap = self.config.max_replicas
+        chain_fences = [
+            members[np.lexsort((members, -self.flops[members]))][: int(parts) * cap]
+            for members, parts in zip(chain_fences, alloc, strict=True)
+        ]
         dealt = [
             (f, group)
             for f, (members, parts) in enumerate(zip(chain_fences, alloc, strict=True))

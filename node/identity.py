@@ -1,8 +1,10 @@
 """The node's identity: one Ed25519 private key in a file, created once, reused after.
 
-The file holds the key in libp2p's protobuf private-key encoding (what go-libp2p's
-``MarshalPrivateKey`` and py-libp2p's ``save_identity`` write), so the same file can serve any
-libp2p stack that reads that format and the peer id stays the same across restarts.
+The file holds the key in libp2p's standard protobuf private-key encoding (go-libp2p's
+``MarshalPrivateKey``: Ed25519 data = 32-byte seed + 32-byte public key), so the same file
+serves py-libp2p (the data plane) and hivemind's Go daemon (the DHT) and the node has one peer
+id everywhere, stable across restarts. py-libp2p itself serializes only the 32-byte seed,
+which the Go daemon refuses; such files are read and rewritten in the standard form.
 """
 
 import contextlib
@@ -13,7 +15,7 @@ from pathlib import Path
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.ed25519 import create_new_key_pair as new_ed25519_key_pair
 from libp2p.crypto.keys import KeyPair
-from libp2p.crypto.serialization import deserialize_private_key
+from libp2p.crypto.pb import crypto_pb2
 from libp2p.peer.id import ID
 
 from fusionllm.common.logs import get_logger
@@ -42,8 +44,22 @@ def peer_id_of(key_pair: KeyPair) -> str:
 
 def _create(path: Path) -> None:
     key_pair = new_ed25519_key_pair()
-    data = key_pair.private_key.serialize()
     path.parent.mkdir(parents=True, exist_ok=True)
+    if _write_private(path, standard_encoding(key_pair)):
+        logger.info("created identity key %s (peer id %s)", path, peer_id_of(key_pair))
+    else:
+        logger.debug("identity key %s appeared concurrently; using it", path)
+
+
+def standard_encoding(key_pair: KeyPair) -> bytes:
+    """libp2p's canonical PrivateKey protobuf: {Type: Ed25519, Data: seed || public key}."""
+    seed = key_pair.private_key.to_bytes()
+    public = key_pair.public_key.to_bytes()
+    return bytes([0x08, 0x01, 0x12, 64]) + seed + public
+
+
+def _write_private(path: Path, data: bytes, *, replace: bool = False) -> bool:
+    """Write ``data`` to ``path`` with mode 0600; False if it exists (and not ``replace``)."""
     # Write a private temp file, then link it into place: the key is never visible half
     # written or with a looser mode, and two nodes starting at once keep the first key.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -53,11 +69,14 @@ def _create(path: Path) -> None:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
+        if replace:
+            os.replace(tmp, path)
+            return True
         try:
             os.link(tmp, path)
-            logger.info("created identity key %s (peer id %s)", path, peer_id_of(key_pair))
         except FileExistsError:
-            logger.debug("identity key %s appeared concurrently; using it", path)
+            return False
+        return True
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -78,11 +97,22 @@ def _load(path: Path) -> KeyPair:
     if info.st_size > _MAX_KEY_FILE_BYTES:
         raise IdentityError(f"identity key {path} is {info.st_size} bytes; not a key file")
     try:
-        private_key = deserialize_private_key(path.read_bytes())
-    except Exception as exc:  # protobuf and key parsers raise assorted types
+        message = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+    except Exception as exc:  # protobuf raises assorted types
         raise IdentityError(f"identity key {path} is not a libp2p private key: {exc}") from exc
-    if not isinstance(private_key, Ed25519PrivateKey):
-        raise IdentityError(
-            f"identity key {path} is {type(private_key).__name__}; fusionllm uses Ed25519"
-        )
-    return KeyPair(private_key, private_key.get_public_key())
+    if message.key_type != crypto_pb2.KeyType.Ed25519:
+        raise IdentityError(f"identity key {path} is not Ed25519; fusionllm uses Ed25519 keys")
+    data = bytes(message.data)
+    if len(data) not in (32, 64):
+        raise IdentityError(f"identity key {path}: Ed25519 data of {len(data)} bytes")
+    try:
+        private_key = Ed25519PrivateKey.from_bytes(data[:32])
+    except Exception as exc:
+        raise IdentityError(f"identity key {path} is not a valid Ed25519 key: {exc}") from exc
+    key_pair = KeyPair(private_key, private_key.get_public_key())
+    if len(data) == 64 and data[32:] != key_pair.public_key.to_bytes():
+        raise IdentityError(f"identity key {path}: the public half does not match the seed")
+    if len(data) == 32:
+        _write_private(path, standard_encoding(key_pair), replace=True)
+        logger.info("rewrote identity key %s in libp2p's standard encoding", path)
+    return key_pair

@@ -1,0 +1,331 @@
+"""What a node says about itself on the DHT, and the plans nodes propose: strict wire schemas.
+
+Every record from a peer is untrusted. ``from_wire`` checks the exact key set, every type,
+every range and every length before building anything, and raises ``RecordError`` (a
+``PeerError``) for anything else, including a schema version it does not know: a reader logs
+and skips such an entry, it never crashes on it.
+"""
+
+import enum
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fusionllm.common.errors import ConfigError, PeerError
+
+NODE_INFO_VERSION = 1
+PLAN_PROPOSAL_VERSION = 1
+
+MAX_ADDRS = 8
+MAX_ADDR_CHARS = 256
+MAX_LINKS = 32
+MAX_NAME_CHARS = 128
+MAX_PEER_ID_CHARS = 128
+MAX_PLAN_BYTES = 512 << 10
+_MAX_BYTES_PER_S = 1e15  # 8 Pb/s: anything above is a lie or a bug
+_MAX_FLOPS = 1e18
+_MAX_MEMORY = 1 << 50
+
+
+class RecordError(PeerError):
+    """A record from the DHT or gossip is malformed, unsigned, misattributed or unsupported."""
+
+
+class NodeState(enum.StrEnum):
+    JOINING = "joining"
+    BACKUP = "backup"
+    SERVING = "serving"
+    LEAVING = "leaving"
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+def _fields(wire: Any, required: set[str], what: str) -> Mapping[str, Any]:
+    if not isinstance(wire, Mapping):
+        raise RecordError(f"{what} must be a map, got {type(wire).__name__}")
+    keys = set(wire)
+    if keys != required:
+        missing, extra = sorted(required - keys, key=str), sorted(keys - required, key=str)
+        raise RecordError(f"{what}: missing fields {missing}, unexpected fields {extra}")
+    return wire
+
+
+def _str(value: Any, what: str, max_chars: int, *, empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise RecordError(f"{what} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars or (not value and not empty):
+        raise RecordError(f"{what} must have 1..{max_chars} characters, got {len(value)}")
+    if not value.isprintable():
+        raise RecordError(f"{what} has non-printable characters")
+    return value
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RecordError(f"{what} must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RecordError(f"{what} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _float(value: Any, what: str, low: float, high: float, *, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RecordError(f"{what} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise RecordError(f"{what} must be a finite number in {'(' if low_open else '['}"
+                          f"{low}, {high}], got {value}")  # fmt: skip
+    return value
+
+
+def _list(value: Any, what: str, max_items: int) -> list:
+    if not isinstance(value, list | tuple):
+        raise RecordError(f"{what} must be a list, got {type(value).__name__}")
+    if len(value) > max_items:
+        raise RecordError(f"{what} has {len(value)} items, at most {max_items} allowed")
+    return list(value)
+
+
+def _digest(value: Any) -> str:
+    text = _str(value, "digest", 64)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise RecordError("digest must be 64 lowercase hex characters")
+    return text
+
+
+def _version(wire: Any, what: str, supported: int) -> None:
+    if not isinstance(wire, Mapping) or "v" not in wire:
+        raise RecordError(f"{what} has no schema version")
+    version = wire["v"]
+    if version != supported:
+        raise RecordError(
+            f"{what} schema version {version!r} is not supported (we speak v{supported})"
+        )
+
+
+# ----------------------------------------------------------------------------- node records
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """The device a node trains on, as measured by the node itself (node/probe.py)."""
+
+    name: str
+    kind: str  # "cpu", "cuda", ...
+    memory_bytes: int
+    flops: float  # achieved fp32 matmul FLOP/s
+    memory_bandwidth: float  # bytes/s achieved by element-wise training kernels
+    op_overhead: float  # s per operator per pass
+    cpu_cores: int
+    ram_bytes: int
+
+    def __post_init__(self) -> None:
+        try:
+            DeviceInfo.from_wire(self.to_wire())
+        except RecordError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "mem": self.memory_bytes,
+            "flops": self.flops,
+            "membw": self.memory_bandwidth,
+            "ovh": self.op_overhead,
+            "cores": self.cpu_cores,
+            "ram": self.ram_bytes,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "DeviceInfo":
+        w = _fields(
+            wire, {"name", "kind", "mem", "flops", "membw", "ovh", "cores", "ram"}, "device"
+        )
+        values = {
+            "name": _str(w["name"], "device name", MAX_NAME_CHARS),
+            "kind": _str(w["kind"], "device kind", 16),
+            "memory_bytes": _int(w["mem"], "device memory", 1, _MAX_MEMORY),
+            "flops": _float(w["flops"], "device flops", 0.0, _MAX_FLOPS, low_open=True),
+            "memory_bandwidth": _float(w["membw"], "memory bandwidth", 0, 1e15, low_open=True),
+            "op_overhead": _float(w["ovh"], "op overhead", 0.0, 1.0),
+            "cpu_cores": _int(w["cores"], "cpu cores", 1, 1 << 16),
+            "ram_bytes": _int(w["ram"], "ram", 1, _MAX_MEMORY),
+        }
+        obj = object.__new__(cls)
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkReport:
+    """One link this node measured itself: this node -> ``peer``."""
+
+    peer: str
+    bandwidth: float  # bytes/s
+    rtt: float  # s
+    age: float  # s since the measurement, at the record's time
+
+    def to_wire(self) -> list:
+        return [self.peer, self.bandwidth, self.rtt, self.age]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "LinkReport":
+        items = _list(wire, "link", 4)
+        if len(items) != 4:
+            raise RecordError(f"link must have 4 fields, got {len(items)}")
+        return cls(
+            peer=_str(items[0], "link peer", MAX_PEER_ID_CHARS),
+            bandwidth=_float(items[1], "link bandwidth", 0.0, _MAX_BYTES_PER_S, low_open=True),
+            rtt=_float(items[2], "link rtt", 0.0, 600.0),
+            age=_float(items[3], "link age", 0.0, 1e7),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """A node's record under the swarm's key, subkey = its peer id, refreshed by a heartbeat."""
+
+    peer_id: str
+    swarm: str
+    addrs: tuple[str, ...]  # data-plane (py-libp2p) multiaddrs, /p2p/<peer id> included
+    dht_addrs: tuple[str, ...]  # where its DHT node listens: a newcomer may bootstrap from it
+    device: DeviceInfo
+    uplink: float  # bytes/s, best measured (or configured) estimate
+    downlink: float
+    links: tuple[LinkReport, ...]
+    software: str
+    config_digest: str  # the swarm settings it runs with: nodes plan only with matching peers
+    state: NodeState
+    stage: int | None  # the stage it serves when state is SERVING
+    adopted: tuple[int, str] | None  # (epoch, plan digest) of the plan it follows
+    time: float  # wall clock when written
+
+    def __post_init__(self) -> None:
+        try:
+            NodeInfo.from_wire(self.to_wire())
+        except RecordError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": NODE_INFO_VERSION,
+            "id": self.peer_id,
+            "swarm": self.swarm,
+            "addrs": list(self.addrs),
+            "dht": list(self.dht_addrs),
+            "dev": self.device.to_wire(),
+            "up": self.uplink,
+            "down": self.downlink,
+            "links": [link.to_wire() for link in self.links],
+            "sw": self.software,
+            "cfg": self.config_digest,
+            "state": str(self.state),
+            "stage": self.stage,
+            "plan": list(self.adopted) if self.adopted is not None else None,
+            "t": self.time,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "NodeInfo":
+        _version(wire, "node record", NODE_INFO_VERSION)
+        keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
+        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record")
+        try:
+            state = NodeState(w["state"])
+        except ValueError:
+            raise RecordError(
+                f"node state {w['state']!r} is not one of {list(NodeState)}"
+            ) from None
+        stage = None if w["stage"] is None else _int(w["stage"], "stage", 0, 1 << 16)
+        adopted = None
+        if w["plan"] is not None:
+            pair = _list(w["plan"], "adopted plan", 2)
+            if len(pair) != 2:
+                raise RecordError("adopted plan must be [epoch, digest]")
+            adopted = (_int(pair[0], "adopted epoch", 0, 1 << 62), _digest(pair[1]))
+        obj = object.__new__(cls)
+        values = {
+            "peer_id": _str(w["id"], "peer id", MAX_PEER_ID_CHARS),
+            "swarm": _str(w["swarm"], "swarm", MAX_NAME_CHARS),
+            "addrs": tuple(
+                _str(a, "addr", MAX_ADDR_CHARS) for a in _list(w["addrs"], "addrs", MAX_ADDRS)
+            ),
+            "dht_addrs": tuple(
+                _str(a, "dht addr", MAX_ADDR_CHARS) for a in _list(w["dht"], "dht", MAX_ADDRS)
+            ),
+            "device": DeviceInfo.from_wire(w["dev"]),
+            "uplink": _float(w["up"], "uplink", 0.0, _MAX_BYTES_PER_S, low_open=True),
+            "downlink": _float(w["down"], "downlink", 0.0, _MAX_BYTES_PER_S, low_open=True),
+            "links": tuple(LinkReport.from_wire(x) for x in _list(w["links"], "links", MAX_LINKS)),
+            "software": _str(w["sw"], "software", MAX_NAME_CHARS),
+            "config_digest": _str(w["cfg"], "config digest", 64),
+            "state": state,
+            "stage": stage,
+            "adopted": adopted,
+            "time": _float(w["t"], "time", 0.0, 1e11),
+        }
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
+
+# ----------------------------------------------------------------------------- plan proposals
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanProposal:
+    """One node's plan for one epoch, stored under the epoch's key, subkey = the proposer.
+
+    ``plan`` is the canonical JSON of the planner's ``Plan.to_dict()``; ``digest`` its sha256,
+    which every node recomputes (it is the plan's identity and the tie-breaker).
+    """
+
+    swarm: str
+    epoch: int
+    proposer: str
+    estimate: float  # estimated step time, s
+    plan: bytes
+
+    def __post_init__(self) -> None:
+        try:
+            PlanProposal.from_wire(self.to_wire())
+        except RecordError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.plan).hexdigest()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": PLAN_PROPOSAL_VERSION,
+            "swarm": self.swarm,
+            "epoch": self.epoch,
+            "by": self.proposer,
+            "est": self.estimate,
+            "plan": self.plan,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "PlanProposal":
+        _version(wire, "plan proposal", PLAN_PROPOSAL_VERSION)
+        w = _fields(wire, {"v", "swarm", "epoch", "by", "est", "plan"}, "plan proposal")
+        plan = w["plan"]
+        if not isinstance(plan, bytes) or not 0 < len(plan) <= MAX_PLAN_BYTES:
+            raise RecordError(f"plan must be 1..{MAX_PLAN_BYTES} bytes")
+        obj = object.__new__(cls)
+        values = {
+            "swarm": _str(w["swarm"], "swarm", MAX_NAME_CHARS),
+            "epoch": _int(w["epoch"], "epoch", 0, 1 << 62),
+            "proposer": _str(w["by"], "proposer", MAX_PEER_ID_CHARS),
+            "estimate": _float(w["est"], "estimate", 0.0, 1e9, low_open=True),
+            "plan": plan,
+        }
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+        return obj

@@ -1,0 +1,135 @@
+"""Leaderless plan agreement: pure rules every node applies to the same DHT contents.
+
+Time is cut into epochs of ``epoch_s`` seconds (wall clock; nodes are assumed NTP-close, as
+hivemind's DHT itself assumes). In each epoch every node proposes one plan; after a settle
+delay every node reads all proposals of the epoch, keeps those valid *in its own view*
+(``check_proposal``: the plan covers our model, every peer in it is alive and has the memory
+its stage needs, the claimed estimate is the plan's own) and adopts the best: lowest estimated
+step time, ties broken by the lowest digest (``choose``). Equal inputs give equal choices, so
+no coordinator is needed.
+
+A node re-proposes the plan it follows (its bytes unchanged, hence its digest) unless that plan
+became invalid or its own fresh plan is better by more than ``switch_margin``: plans do not
+flap with measurement noise, yet a crash or a clearly better swarm re-plans at once.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dag.plan_wire import plan_from_json
+from fusionllm.dag.planner import Plan
+from fusionllm.dht.records import NodeInfo, PlanProposal, RecordError
+
+
+def epoch_at(now: float, epoch_s: float) -> int:
+    return math.floor(now / epoch_s)
+
+
+def epoch_start(epoch: int, epoch_s: float) -> float:
+    return epoch * epoch_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    proposal: PlanProposal
+    plan: Plan
+
+    @property
+    def digest(self) -> str:
+        return self.proposal.digest
+
+    @property
+    def estimate(self) -> float:
+        return self.proposal.estimate
+
+
+def check_proposal(
+    proposal: PlanProposal,
+    *,
+    swarm: str,
+    epoch: int,
+    members: Mapping[str, NodeInfo],
+    node_ids: Sequence[str],
+    memory_fraction: float,
+) -> Candidate:
+    """The proposal as a Candidate if it is valid in this view; RecordError says why not."""
+    if proposal.swarm != swarm or proposal.epoch != epoch:
+        raise RecordError(f"proposal is for {proposal.swarm!r} epoch {proposal.epoch}")
+    try:
+        plan = plan_from_json(proposal.plan)
+    except ConfigError as exc:
+        raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
+    if not math.isclose(plan.estimated_step_time, proposal.estimate, rel_tol=1e-9):
+        raise RecordError("proposal's estimate is not its plan's estimated step time")
+    check_plan(plan, members=members, node_ids=node_ids, memory_fraction=memory_fraction)
+    return Candidate(proposal, plan)
+
+
+def check_plan(
+    plan: Plan,
+    *,
+    members: Mapping[str, NodeInfo],
+    node_ids: Sequence[str],
+    memory_fraction: float,
+) -> None:
+    """RecordError unless ``plan`` runs our model on live members that can hold it."""
+    if not plan.stages:
+        raise RecordError("plan has no stages")
+    position = 0
+    seen: set[str] = set()
+    for k, stage in enumerate(plan.stages):
+        if stage.index != k or stage.start != position or not stage.start < stage.stop:
+            raise RecordError(f"stage {k} does not continue the previous one")
+        if tuple(stage.node_ids) != tuple(node_ids[stage.start : stage.stop]):
+            raise RecordError(f"stage {k} names nodes that are not our model's")
+        position = stage.stop
+        if not stage.peers or not len(stage.peers) == len(stage.shares) == len(stage.memory_bytes):
+            raise RecordError(f"stage {k} has mismatched peers/shares/memory")
+        if not math.isclose(sum(stage.shares), 1.0, abs_tol=1e-6) or min(stage.shares) <= 0:
+            raise RecordError(f"stage {k} shares do not split the micro-batch")
+        for peer, need in zip(stage.peers, stage.memory_bytes, strict=True):
+            info = members.get(peer)
+            if info is None:
+                raise RecordError(f"stage {k} peer {peer[:16]}... is not alive in our view")
+            if peer in seen:
+                raise RecordError(f"peer {peer[:16]}... serves two stages")
+            seen.add(peer)
+            if need > info.device.memory_bytes * memory_fraction:
+                raise RecordError(
+                    f"stage {k} needs {need} bytes on {peer[:16]}..., which has "
+                    f"{info.device.memory_bytes} x {memory_fraction}"
+                )
+    if position != len(node_ids):
+        raise RecordError(f"plan covers {position} of {len(node_ids)} nodes")
+    if len(plan.links) != len(plan.stages) - 1:
+        raise RecordError("plan needs one link per cut")
+    for link in plan.links:
+        stage = link.src_stage
+        if not 0 <= stage < len(plan.stages) - 1:
+            raise RecordError(f"link after stage {stage} is outside the pipeline")
+        if link.src_peer not in plan.stages[stage].peers:
+            raise RecordError(f"link after stage {stage} starts outside the stage")
+        if link.dst_peer not in plan.stages[stage + 1].peers:
+            raise RecordError(f"link after stage {stage} ends outside the next stage")
+
+
+def choose(candidates: Iterable[Candidate]) -> Candidate | None:
+    """The best valid candidate: lowest estimate, then lowest digest."""
+    return min(candidates, key=lambda c: (c.estimate, c.digest), default=None)
+
+
+def keep_incumbent(incumbent_estimate: float, fresh_estimate: float, switch_margin: float) -> bool:
+    """Whether a node should re-propose the plan it follows rather than its fresh one."""
+    return fresh_estimate >= incumbent_estimate * (1.0 - switch_margin)
+
+
+def serving_peers(plan: Plan) -> set[str]:
+    return {peer for stage in plan.stages for peer in stage.peers}
+
+
+def backup_pool(plan: Plan, members: Iterable[str]) -> list[str]:
+    """Live members the plan does not use: the backup pool."""
+    used = serving_peers(plan)
+    return sorted(set(members) - used)
