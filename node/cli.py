@@ -112,6 +112,87 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_node(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
+    from fusionllm.dht.records import DeviceInfo
+    from fusionllm.node.daemon import NodeConfig, NodeDaemon
+    from fusionllm.node.swarm_settings import SwarmSettings
+
+    settings = SwarmSettings(
+        swarm=args.swarm,
+        model=args.model,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        max_stages=args.max_stages,
+        max_replicas=args.max_replicas,
+        heartbeat_s=args.heartbeat,
+        ttl_s=args.ttl,
+        epoch_s=args.epoch,
+    )
+    device = None
+    if args.device_json:
+        try:
+            device = DeviceInfo(**json.loads(Path(args.device_json).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise FusionError(f"--device-json {args.device_json}: {exc}") from exc
+    config = NodeConfig(
+        settings=settings,
+        key_path=Path(args.key).expanduser(),
+        bootstrap=tuple(args.bootstrap or ()),
+        listen_host=args.host,
+        dht_port=args.dht_port,
+        control_port=args.port,
+        probe_interval_s=args.probe_interval,
+        probe_fanout=args.probe_fanout,
+        probe_bytes=int(args.probe_kib * 1024),
+        device=device,
+        uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
+        downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
+    )
+
+    def on_event(event: dict) -> None:
+        if args.events:
+            print(json.dumps(event), flush=True)
+        elif event["event"] == "ready":
+            print(f"node {event['peer_id']} joined swarm {settings.swarm}", flush=True)
+            print(f"  others can bootstrap from: {' '.join(event['dht_addrs'])}", flush=True)
+        elif event["event"] == "epoch" and event["changed"]:
+            print(
+                f"epoch {event['epoch']}: plan {event['digest'][:12]} with "
+                f"{len(event['stages'])} stages, {len(event['backup'])} in backup, "
+                f"{len(event['members'])} members; this node: {event['state']}",
+                flush=True,
+            )
+
+    daemon = NodeDaemon(config, on_event=on_event)
+    # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
+    daemon.start()
+    try:
+        daemon.run(duration_s=args.duration)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        daemon.leave()
+        daemon.close()
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from fusionllm.node.status import format_status, gather
+
+    status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusionllm",
@@ -218,6 +299,100 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--json", action="store_true", help="one JSON line per step")
     train.set_defaults(handler=_cmd_train)
+
+    node = commands.add_parser(
+        "node",
+        help="run a node: join a swarm over the DHT, measure links, agree on plans",
+        description="Joins (or starts, without --bootstrap) a swarm: publishes this node's "
+        "signed record on the DHT, measures bandwidth to a sample of peers and gossips it, and "
+        "every epoch proposes and adopts the swarm's plan with the other nodes (no "
+        "coordinator). Nodes not in the plan wait in the backup pool. Every node of a swarm "
+        "must use the same model/batch/timing options. Ctrl-C or SIGTERM leaves politely.",
+    )
+    _add_swarm_options(node)
+    node.add_argument(
+        "--bootstrap",
+        nargs="+",
+        metavar="MADDR",
+        help="DHT multiaddr(s) of any node in the swarm (printed by that node); omit to "
+        "start a new swarm",
+    )
+    node.add_argument(
+        "--key",
+        default="~/.fusionllm/identity.key",
+        help="identity key file, created (mode 0600) if missing (default: %(default)s)",
+    )
+    node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
+    node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
+    node.add_argument("--model", default="tiny", help="GPT-2 preset (default: %(default)s)")
+    node.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
+    node.add_argument("--batch-size", type=int, default=8, help="per step (default: %(default)s)")
+    node.add_argument("--micro-batches", type=int, default=4, help="(default: %(default)s)")
+    node.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
+    node.add_argument(
+        "--max-replicas",
+        type=int,
+        default=64,
+        help="data-parallel replicas per stage at most (default: %(default)s)",
+    )
+    node.add_argument(
+        "--heartbeat", type=float, default=5.0, help="record refresh, s (default: %(default)s)"
+    )
+    node.add_argument(
+        "--ttl", type=float, default=15.0, help="record lifetime, s (default: %(default)s)"
+    )
+    node.add_argument(
+        "--epoch", type=float, default=10.0, help="plan epoch, s (default: %(default)s)"
+    )
+    node.add_argument(
+        "--probe-interval",
+        type=float,
+        default=10.0,
+        help="s between probe rounds (default: %(default)s)",
+    )
+    node.add_argument(
+        "--probe-fanout", type=int, default=3, help="peers probed per round (default: %(default)s)"
+    )
+    node.add_argument(
+        "--probe-kib", type=float, default=1024, help="bytes per probe, KiB (default: %(default)s)"
+    )
+    node.add_argument(
+        "--uplink-mbps", type=float, help="advertise this uplink instead of measuring"
+    )
+    node.add_argument("--downlink-mbps", type=float, help="advertise this downlink")
+    node.add_argument(
+        "--device-json",
+        help="advertise this device (JSON of fusionllm.dht.records.DeviceInfo fields) instead "
+        "of measuring it",
+    )
+    node.add_argument("--duration", type=float, help="leave after this many seconds")
+    node.add_argument("--events", action="store_true", help="print events as JSON lines")
+    node.set_defaults(handler=_cmd_node)
+
+    status = commands.add_parser(
+        "status",
+        help="show a swarm: peers, devices, measured links, fences, stages, backups",
+        description="Reads the swarm's records from the DHT as a client (it joins nothing "
+        "and stores nothing) and prints what the nodes published and the plan most of them "
+        "follow.",
+    )
+    _add_swarm_options(status)
+    status.add_argument(
+        "--bootstrap",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="DHT multiaddr(s) of any node in the swarm",
+    )
+    status.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="give up after this many s (default: %(default)s)",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(handler=_cmd_status)
     return parser
 
 

@@ -25,3 +25,11 @@ class PipelineError(FusionError):
 
 class PeerProtocolError(PeerError):
     """A pipeline peer sent a frame we did not ask for (wrong step, stage, kind or shape)."""
+
+
+class ControlError(TransportError):
+    """A control-plane call (gossip, bandwidth probe) failed; the node keeps running."""
+
+
+class ProbeRefusedError(ControlError):
+    """A peer refused our bandwidth probe: too large for it, too frequent, or it is busy."""

@@ -1,0 +1,495 @@
+"""The node daemon: join a swarm, keep its record alive, measure links, agree on plans.
+
+One ``NodeDaemon`` per node, four activities:
+
+- heartbeat (main loop): refresh our NodeInfo on the DHT every ``heartbeat_s`` (expiring after
+  ``ttl_s``), and run the plan epochs (agreement.py): propose at an epoch's start, adopt the
+  best valid proposal ``settle_fraction`` into it.
+- probes (thread): every ``probe_interval_s``, connect to peers we know from the DHT and
+  measure throughput/RTT to a bounded sample of them, then gossip what we measured.
+- gossip (thread): take peers' bandwidth reports into our BandwidthBook.
+- the DHT worker (process) and the control host (thread) underneath.
+
+Events (``ready``, ``epoch``, ``left``) go to an ``on_event`` callback; the CLI prints them as
+JSON lines with ``--events`` (tests and benchmarks read those), and logs a summary otherwise.
+"""
+
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from fusionllm.common.errors import ConfigError, FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.dag.models import gpt2
+from fusionllm.dag.plan_wire import plan_to_json
+from fusionllm.dag.planner import InfeasiblePlanError, plan
+from fusionllm.dag.trace import trace
+from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
+from fusionllm.dht.directory import SwarmDirectory
+from fusionllm.dht.records import (
+    MAX_LINKS,
+    DeviceInfo,
+    NodeInfo,
+    NodeState,
+    PlanProposal,
+    RecordError,
+)
+from fusionllm.node.agreement import (
+    Candidate,
+    backup_pool,
+    check_plan,
+    check_proposal,
+    choose,
+    epoch_at,
+    epoch_start,
+    keep_incumbent,
+)
+from fusionllm.node.bandwidth import (
+    BandwidthBook,
+    BandwidthReport,
+    LinkSample,
+    choose_probe_targets,
+)
+from fusionllm.node.control_host import ControlConfig, ControlHost
+from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.swarm_settings import SwarmSettings
+
+logger = get_logger(__name__)
+
+_DEFAULT_LINK_BYTES_PER_S = 12.5e6  # 100 Mbit/s until we have measured anything
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    settings: SwarmSettings = field(default_factory=SwarmSettings)
+    key_path: Path
+    bootstrap: tuple[str, ...] = ()  # DHT multiaddrs of any node already in the swarm
+    listen_host: str = "127.0.0.1"
+    dht_port: int = 0
+    control_port: int = 0
+    probe_interval_s: float = 10.0
+    probe_fanout: int = 3  # peers probed per interval
+    probe_bytes: int = 1 << 20
+    max_connections: int = 32
+    device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
+    device_cache: Path | None = None
+    uplink: float | None = None  # bytes/s; None: our best measurement
+    downlink: float | None = None
+    dht_log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_path", Path(self.key_path))
+        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
+        if not self.probe_interval_s > 0:
+            raise ConfigError(f"probe_interval_s must be > 0, got {self.probe_interval_s}")
+        if not 0 <= self.probe_fanout <= 64:
+            raise ConfigError(f"probe_fanout must be in [0, 64], got {self.probe_fanout}")
+        if not 1024 <= self.probe_bytes <= 64 << 20:
+            raise ConfigError(f"probe_bytes must be in [1 KiB, 64 MiB], got {self.probe_bytes}")
+        for name in ("uplink", "downlink"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 bytes/s, got {value}")
+
+
+def software_version() -> str:
+    try:
+        return metadata.version("fusionllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def local_device(cache: Path | None) -> DeviceInfo:
+    """This machine's device, measured once and cached (a few seconds on first start)."""
+    from fusionllm.node.probe import cached_measurement
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
+    measured = cached_measurement(device, cache)
+    return DeviceInfo(
+        name=measured.device_name[:128],
+        kind=device.type,
+        memory_bytes=measured.memory_bytes,
+        flops=measured.flops,
+        memory_bandwidth=measured.memory_bandwidth,
+        op_overhead=measured.op_overhead,
+        cpu_cores=os.cpu_count() or 1,
+        ram_bytes=psutil.virtual_memory().total,
+    )
+
+
+class NodeDaemon:
+    def __init__(self, config: NodeConfig, *, on_event: Callable[[dict], None] | None = None):
+        self.config = config
+        self.settings = config.settings
+        self._on_event = on_event or (lambda event: None)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        self._threads: list[threading.Thread] = []
+        self.control: ControlHost | None = None
+        self.dht: DhtClient | None = None
+        self.directory: SwarmDirectory | None = None
+        self.book = BandwidthBook(max_age_s=max(6 * config.probe_interval_s, 60.0))
+        self.members: dict[str, NodeInfo] = {}
+        self.adopted: Candidate | None = None
+        self.adopted_epoch: int | None = None
+        self.state = NodeState.JOINING
+        self.counters = {"invalid_proposals": 0, "plans_failed": 0, "probes_failed": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "NodeDaemon":
+        cfg, settings = self.config, self.settings
+        key_pair = load_or_create_identity(cfg.key_path)
+        self.peer_id = peer_id_of(key_pair)
+        self.device = cfg.device or local_device(cfg.device_cache)
+        with torch.device("meta"):  # only shapes are needed: allocate nothing, even for xl
+            model = gpt2(settings.model)
+        graph = trace(model, (torch.zeros(1, settings.seq_len, dtype=torch.long),))
+        self.costs = graph.costs()
+        self.node_ids = tuple(graph.node_ids)
+        self.plan_config = settings.plan_config()
+        self.topic = f"fusionllm/{settings.swarm}/bandwidth"
+        try:
+            self.control = ControlHost(
+                ControlConfig(
+                    key_path=cfg.key_path,
+                    listen_host=cfg.listen_host,
+                    listen_port=cfg.control_port,
+                    probe_bytes=cfg.probe_bytes,
+                ),
+                validate=self._valid_gossip,
+            ).start()
+            self.control.subscribe(self.topic)
+            self.dht = DhtClient(
+                DhtConfig(
+                    swarm=settings.swarm,
+                    initial_peers=cfg.bootstrap,
+                    listen_host=cfg.listen_host,
+                    listen_port=cfg.dht_port,
+                    identity_path=cfg.key_path,
+                    max_ttl_s=max(4 * settings.ttl_s, 8 * settings.epoch_s),
+                    log_level=cfg.dht_log_level,
+                )
+            ).start()
+        except BaseException:
+            self.close()
+            raise
+        if self.dht.peer_id != self.peer_id:
+            logger.warning("DHT peer id %s differs from ours %s", self.dht.peer_id, self.peer_id)
+        self.directory = SwarmDirectory(
+            self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
+        )
+        self._heartbeat()
+        for name, target in (("probes", self._probe_loop), ("gossip", self._gossip_loop)):
+            thread = threading.Thread(target=target, name=f"node-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._emit(
+            "ready",
+            addrs=self.control.listen_addrs,
+            dht_addrs=self.dht.maddrs,
+            device=self.device.to_wire(),
+        )
+        return self
+
+    def run(self, *, duration_s: float | None = None) -> None:
+        """Heartbeats and epochs until ``stop()`` (or ``duration_s``)."""
+        settings = self.settings
+        end = time.time() + duration_s if duration_s is not None else float("inf")
+        now = time.time()
+        next_heartbeat = now + settings.heartbeat_s
+        epoch = epoch_at(now, settings.epoch_s)
+        # A newcomer follows the plan the swarm settled on last epoch until it can vote.
+        self._adopt(epoch - 1)
+        proposed = (
+            epoch
+            if now - epoch_start(epoch, settings.epoch_s) > 0.25 * settings.epoch_s
+            else epoch - 1
+        )
+        adopted_for = epoch - 1
+        while not self._stop.is_set() and time.time() < end:
+            now = time.time()
+            epoch = epoch_at(now, settings.epoch_s)
+            settle_at = (
+                epoch_start(epoch, settings.epoch_s) + settings.settle_fraction * settings.epoch_s
+            )
+            try:
+                if proposed < epoch:
+                    proposed = epoch
+                    self._propose(epoch)
+                if adopted_for < epoch and now >= settle_at:
+                    adopted_for = epoch
+                    self._adopt(epoch)
+                if now >= next_heartbeat:
+                    next_heartbeat = now + settings.heartbeat_s
+                    self._heartbeat()
+            except (DhtError, RecordError) as exc:
+                logger.warning("control plane step failed (will retry): %s", exc)
+            now = time.time()
+            deadlines = [next_heartbeat, end]
+            deadlines.append(
+                settle_at if adopted_for < epoch else epoch_start(epoch + 1, settings.epoch_s)
+            )
+            self._stop.wait(max(0.01, min(deadlines) - now))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def leave(self) -> None:
+        """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
+        self.state = NodeState.LEAVING
+        with contextlib.suppress(FusionError):
+            if self.directory is not None:
+                self.directory.announce(self._info(), ttl_s=self.settings.heartbeat_s)
+        self._emit("left")
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self.control is not None:
+            self.control.close()
+        if self.dht is not None:
+            self.dht.close()
+
+    # ------------------------------------------------------------------ records and plans
+
+    def _info(self) -> NodeInfo:
+        now = time.time()
+        report = self.book.own_report(self.peer_id, self.settings.swarm, now=now)
+        stage = None
+        if self.adopted is not None:
+            for s in self.adopted.plan.stages:
+                if self.peer_id in s.peers:
+                    stage = s.index
+        return NodeInfo(
+            peer_id=self.peer_id,
+            swarm=self.settings.swarm,
+            addrs=tuple(self.control.listen_addrs[:8]),
+            dht_addrs=tuple(self.dht.maddrs[:8]),
+            device=self.device,
+            uplink=self._uplink(report),
+            downlink=self._downlink(now),
+            links=report.links[:MAX_LINKS],
+            software=software_version()[:128],
+            config_digest=self.settings.digest(),
+            state=self.state,
+            stage=stage if self.state is NodeState.SERVING else None,
+            adopted=(self.adopted_epoch, self.adopted.digest) if self.adopted else None,
+            time=now,
+        )
+
+    def _uplink(self, report: BandwidthReport) -> float:
+        if self.config.uplink is not None:
+            return self.config.uplink
+        return max((link.bandwidth for link in report.links), default=_DEFAULT_LINK_BYTES_PER_S)
+
+    def _downlink(self, now: float) -> float:
+        if self.config.downlink is not None:
+            return self.config.downlink
+        return max(self.book.towards(self.peer_id, now), default=_DEFAULT_LINK_BYTES_PER_S)
+
+    def _heartbeat(self) -> None:
+        if not self.directory.announce(self._info(), ttl_s=self.settings.ttl_s):
+            logger.warning("the DHT did not store our record (no reachable DHT peers?)")
+
+    def _snapshot(self) -> dict[str, NodeInfo]:
+        """Live members that run our settings (and ourselves, even before our record shows)."""
+        found = self.directory.members()
+        digest = self.settings.digest()
+        members = {pid: info for pid, info in found.items() if info.config_digest == digest}
+        if len(members) < len(found):
+            logger.debug("%d members run other settings", len(found) - len(members))
+        members[self.peer_id] = self._info()
+        with self._lock:
+            self.members = members
+        return members
+
+    def _propose(self, epoch: int) -> None:
+        members = self._snapshot()
+        swarm = self.book.swarm(sorted(members.values(), key=lambda m: m.peer_id), now=time.time())
+        try:
+            fresh = plan(self.costs, swarm, self.plan_config)
+        except InfeasiblePlanError as exc:
+            self.counters["plans_failed"] += 1
+            logger.warning(
+                "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
+            )
+            return
+        plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
+        incumbent = self.adopted
+        if incumbent is not None:
+            try:
+                check_plan(
+                    incumbent.plan,
+                    members=members,
+                    node_ids=self.node_ids,
+                    memory_fraction=self.plan_config.memory_fraction,
+                )
+                if keep_incumbent(incumbent.estimate, estimate, self.settings.switch_margin):
+                    plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
+            except RecordError as exc:
+                logger.info("epoch %d: the current plan is no longer valid: %s", epoch, exc)
+        proposal = PlanProposal(
+            swarm=self.settings.swarm,
+            epoch=epoch,
+            proposer=self.peer_id,
+            estimate=estimate,
+            plan=plan_bytes,
+        )
+        self.directory.propose(proposal, ttl_s=4 * self.settings.epoch_s)
+
+    def _adopt(self, epoch: int) -> None:
+        if epoch < 0:
+            return
+        members = self._snapshot()
+        candidates = []
+        proposals = self.directory.proposals(epoch)
+        for proposal in proposals:
+            try:
+                candidates.append(
+                    check_proposal(
+                        proposal,
+                        swarm=self.settings.swarm,
+                        epoch=epoch,
+                        members=members,
+                        node_ids=self.node_ids,
+                        memory_fraction=self.plan_config.memory_fraction,
+                    )
+                )
+            except RecordError as exc:
+                self.counters["invalid_proposals"] += 1
+                logger.info("epoch %d: refused a proposal: %s", epoch, exc)
+        best = choose(candidates)
+        if best is None:
+            return
+        changed = self.adopted is None or best.digest != self.adopted.digest
+        self.adopted, self.adopted_epoch = best, epoch
+        self.state = (
+            NodeState.SERVING
+            if any(self.peer_id in s.peers for s in best.plan.stages)
+            else NodeState.BACKUP
+        )
+        if changed:
+            logger.info(
+                "epoch %d: adopted plan %s (%d stages, est %.4gs), backup %d",
+                epoch, best.digest[:12], len(best.plan.stages), best.estimate,
+                len(backup_pool(best.plan, members)),
+            )  # fmt: skip
+        self._emit(
+            "epoch",
+            epoch=epoch,
+            digest=best.digest,
+            changed=changed,
+            estimate=best.estimate,
+            stages=[list(s.peers) for s in best.plan.stages],
+            backup=backup_pool(best.plan, members),
+            members=sorted(members),
+            proposals=len(proposals),
+            valid=len(candidates),
+            state=str(self.state),
+        )
+
+    # ------------------------------------------------------------------ links
+
+    def _valid_gossip(self, topic: str, author: str, data: bytes) -> bool:
+        if topic != self.topic:
+            return False
+        try:
+            report = BandwidthReport.from_bytes(data)
+        except RecordError:
+            return False
+        return report.swarm == self.settings.swarm
+
+    def _gossip_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.control.recv(timeout=0.5)
+            except DeadlineError:
+                continue
+            except TransportClosedError:
+                return
+            try:
+                report = BandwidthReport.from_bytes(message.data)
+            except RecordError:
+                continue  # the validator let it through, so this cannot happen; be safe anyway
+            self.book.record_report(message.author, report, now=time.time())
+
+    def _probe_loop(self) -> None:
+        cfg = self.config
+        while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self.members else 0):
+            with self._lock:
+                members = dict(self.members)
+            self._connect(members)
+            priority = self._plan_neighbours()
+            targets = choose_probe_targets(
+                self.peer_id,
+                [p for p in members if p in set(self.control.connected_peers())],
+                self.book.last_measured(self.peer_id, time.time()),
+                count=cfg.probe_fanout,
+                priority=priority,
+                rng=self._rng,
+            )
+            for peer in targets:
+                if self._stop.is_set():
+                    return
+                try:
+                    result = self.control.probe(peer)
+                except (TransportError, FusionError) as exc:
+                    self.counters["probes_failed"] += 1
+                    logger.debug("probe of %s failed: %s", peer[:16], exc)
+                    continue
+                self.book.record(
+                    self.peer_id,
+                    peer,
+                    LinkSample(result.bandwidth, result.rtt, time.time()),
+                    now=time.time(),
+                )
+            report = self.book.own_report(self.peer_id, self.settings.swarm, now=time.time())
+            if report.links:
+                with contextlib.suppress(FusionError, ValueError):
+                    self.control.publish(self.topic, report.to_bytes())
+            if self._stop.wait(cfg.probe_interval_s * self._rng.uniform(0.8, 1.2)):
+                return
+
+    def _connect(self, members: dict[str, NodeInfo]) -> None:
+        connected = set(self.control.connected_peers())
+        missing = [p for p in sorted(members) if p != self.peer_id and p not in connected]
+        room = max(0, self.config.max_connections - len(connected))
+        self._rng.shuffle(missing)
+        for peer in missing[:room]:
+            for addr in members[peer].addrs[:2]:
+                try:
+                    self.control.connect(addr)
+                    break
+                except (TransportError, FusionError) as exc:
+                    logger.debug("could not connect to %s at %s: %s", peer[:16], addr, exc)
+
+    def _plan_neighbours(self) -> list[str]:
+        adopted = self.adopted
+        if adopted is None:
+            return []
+        stages = adopted.plan.stages
+        for k, stage in enumerate(stages):
+            if self.peer_id in stage.peers:
+                near = [
+                    p for j in (k - 1, k, k + 1) if 0 <= j < len(stages) for p in stages[j].peers
+                ]
+                return [p for p in near if p != self.peer_id]
+        return []
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})

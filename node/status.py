@@ -1,0 +1,159 @@
+"""``fusionllm status``: what a swarm looks like from its DHT, without joining it.
+
+Starts a client-mode DHT worker (it stores nothing for others and has a throwaway identity),
+reads the swarm's node records and the plan most of them follow, and describes peers, devices,
+measured links, fences, stages and the backup pool.
+"""
+
+import collections
+import time
+from typing import Any
+
+from fusionllm.common.errors import FusionError
+from fusionllm.dag.plan_wire import plan_from_json
+from fusionllm.dht.client import DhtClient, DhtConfig
+from fusionllm.dht.directory import SwarmDirectory
+from fusionllm.dht.records import NodeInfo
+
+
+def _no_signing(data: bytes) -> bytes:
+    raise FusionError("the status reader never writes to the DHT")
+
+
+def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    config = DhtConfig(
+        swarm=swarm, initial_peers=tuple(bootstrap), client_mode=True, start_timeout_s=timeout_s
+    )
+    with DhtClient(config) as client:
+        directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
+        members = directory.members(include_leaving=True)
+        now = time.time()
+        votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
+        plan = None
+        if votes:
+            (epoch, digest), _ = votes.most_common(1)[0]
+            for proposal in directory.proposals(epoch):
+                if proposal.digest == digest:
+                    plan = plan_from_json(proposal.plan)
+                    break
+        skipped = directory.skipped
+    return describe(swarm, members, plan, votes, now=now, skipped=skipped)
+
+
+def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:
+    serving = {p for s in plan.stages for p in s.peers} if plan else set()
+    result: dict[str, Any] = {
+        "swarm": swarm,
+        "peers": [
+            {
+                "peer_id": m.peer_id,
+                "state": str(m.state),
+                "stage": m.stage,
+                "device": m.device.name,
+                "kind": m.device.kind,
+                "gflops": round(m.device.flops / 1e9, 2),
+                "memory_gib": round(m.device.memory_bytes / 2**30, 2),
+                "uplink_mb_s": round(m.uplink / 1e6, 2),
+                "downlink_mb_s": round(m.downlink / 1e6, 2),
+                "software": m.software,
+                "record_age_s": round(max(0.0, now - m.time), 1),
+                "addrs": list(m.addrs),
+            }
+            for m in sorted(members.values(), key=lambda m: m.peer_id)
+        ],
+        "links": [
+            {
+                "src": m.peer_id,
+                "dst": link.peer,
+                "mb_s": round(link.bandwidth / 1e6, 3),
+                "rtt_ms": round(link.rtt * 1e3, 3),
+                "age_s": round(link.age + max(0.0, now - m.time), 1),
+            }
+            for m in sorted(members.values(), key=lambda m: m.peer_id)
+            for link in m.links
+        ],
+        "plan": None,
+        "plan_followers": {f"{e}:{d[:12]}": n for (e, d), n in votes.most_common()},
+        "skipped_records": skipped,
+    }
+    if plan is not None:
+        result["plan"] = {
+            "digest": plan.digest(),
+            "estimated_step_time_s": plan.estimated_step_time,
+            "bubble_fraction": plan.bubble_fraction,
+            "fences": [list(f) for f in plan.fences],
+            "stages": [
+                {
+                    "index": s.index,
+                    "nodes": [s.start, s.stop],
+                    "first_node": s.node_ids[0],
+                    "last_node": s.node_ids[-1],
+                    "peers": list(s.peers),
+                    "memory_mib": [round(b / 2**20, 1) for b in s.memory_bytes],
+                }
+                for s in plan.stages
+            ],
+            "links": [
+                {
+                    "after_stage": link.src_stage,
+                    "forward": f"{link.forward_codec} {link.forward_ratio:g}",
+                    "backward": f"{link.backward_codec} {link.backward_ratio:g}",
+                }
+                for link in plan.links
+            ],
+            "backup": sorted(
+                p for p, m in members.items() if p not in serving and str(m.state) != "leaving"
+            ),
+        }
+    return result
+
+
+def _short(peer: str) -> str:
+    return f"{peer[:6]}..{peer[-6:]}" if len(peer) > 14 else peer
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"swarm {status['swarm']}: {len(status['peers'])} peers"]
+    lines.append(
+        f"  {'peer':<15} {'state':<8} {'stage':>5} {'device':<22} {'GFLOP/s':>8} "
+        f"{'mem GiB':>8} {'up MB/s':>8} {'down MB/s':>9} {'age s':>6}"
+    )
+    for p in status["peers"]:
+        stage = "" if p["stage"] is None else str(p["stage"])
+        lines.append(
+            f"  {_short(p['peer_id']):<15} {p['state']:<8} {stage:>5} {p['device'][:22]:<22} "
+            f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
+            f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f}"
+        )
+    lines.append(f"measured links ({len(status['links'])}):")
+    for link in status["links"]:
+        lines.append(
+            f"  {_short(link['src'])} -> {_short(link['dst'])}  {link['mb_s']:>9.2f} MB/s  "
+            f"rtt {link['rtt_ms']:>7.2f} ms  age {link['age_s']:>5.1f} s"
+        )
+    plan = status["plan"]
+    if plan is None:
+        lines.append("plan: none agreed yet")
+    else:
+        lines.append(
+            f"plan {plan['digest'][:12]}: est. step {plan['estimated_step_time_s']:.4g} s, "
+            f"bubble {plan['bubble_fraction']:.0%}"
+        )
+        for i, fence in enumerate(plan["fences"]):
+            lines.append(f"  fence {i}: {', '.join(_short(p) for p in fence)}")
+        for s in plan["stages"]:
+            lines.append(
+                f"  stage {s['index']}: nodes {s['nodes'][0]}..{s['nodes'][1] - 1} "
+                f"({s['first_node']} .. {s['last_node']}) on "
+                f"{', '.join(_short(p) for p in s['peers'])}"
+            )
+        for link in plan["links"]:
+            lines.append(
+                f"  cut after stage {link['after_stage']}: forward {link['forward']}, "
+                f"backward {link['backward']}"
+            )
+        backup = plan["backup"]
+        lines.append(f"  backup: {', '.join(_short(p) for p in backup) if backup else 'none'}")
+    if status["skipped_records"]:
+        lines.append(f"skipped {status['skipped_records']} malformed records")
+    return "\n".join(lines)

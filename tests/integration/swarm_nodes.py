@@ -1,0 +1,144 @@
+"""Real ``fusionllm node`` processes on 127.0.0.1 for swarm tests and benchmarks.
+
+Each node runs with ``--events``; a reader thread collects its JSON event lines. Everything
+waits with a deadline, and ``LocalSwarm.close`` kills every process (and its DHT worker).
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+# Fast timing for tests: a record lives 5 s after its last 1 s heartbeat; epochs of 2 s.
+FAST = {
+    "heartbeat": 1.0,
+    "ttl": 5.0,
+    "epoch": 2.0,
+    "probe-interval": 2.0,
+    "probe-kib": 64,
+    "probe-fanout": 2,
+}
+
+TEST_DEVICE = {
+    "name": "test-cpu",
+    "kind": "cpu",
+    "memory_bytes": 4 << 30,
+    "flops": 1.3e11,
+    "memory_bandwidth": 4.9e9,
+    "op_overhead": 1.8e-5,
+    "cpu_cores": 2,
+    "ram_bytes": 24 << 30,
+}
+
+
+class NodeProcess:
+    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in kill())
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fusionllm.node.cli", "--log-level", "INFO", "node", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                with self._lock:
+                    self.events.append(event)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return list(self.events)
+
+    def last(self, kind: str) -> dict | None:
+        return next((e for e in reversed(self.snapshot()) if e["event"] == kind), None)
+
+    @property
+    def peer_id(self) -> str:
+        ready = self.last("ready")
+        return ready["peer_id"] if ready else ""
+
+    @property
+    def dht_addr(self) -> str:
+        return self.last("ready")["dht_addrs"][0]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the node and its DHT worker (a SIGKILLed node cannot take it down itself)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(self.process.pid).children(recursive=True)
+            self.process.send_signal(sig)
+            if sig == signal.SIGKILL:
+                for child in children:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=20)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self._log.close()
+
+
+class LocalSwarm:
+    """Node processes of one swarm, all with the same settings."""
+
+    def __init__(self, root: Path, *, extra: dict | None = None) -> None:
+        self.root = root
+        self.options = {**FAST, **(extra or {})}
+        self.device_path = root / "device.json"
+        self.device_path.write_text(json.dumps(TEST_DEVICE))
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, name: str, *, bootstrap: str | None = None) -> NodeProcess:
+        args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(self.device_path)]
+        args += ["--events"]
+        for option, value in self.options.items():
+            args += [f"--{option}", str(value)]
+        if bootstrap:
+            args += ["--bootstrap", bootstrap]
+        node = NodeProcess(name, args, self.root / f"{name}.log")
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def logs(self) -> str:
+        parts = []
+        for node in self.nodes:
+            path = self.root / f"{node.name}.log"
+            with contextlib.suppress(OSError):
+                parts.append(f"--- {node.name}\n" + path.read_text()[-3000:])
+        return "\n".join(parts)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.2):
+    """Poll ``predicate`` until truthy; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)

@@ -1,0 +1,95 @@
+"""Eight real node processes on loopback agree on one plan, re-plan after a crash, take a newcomer.
+
+Every node is a ``fusionllm node`` process with its own DHT worker (hivemind) and control host
+(py-libp2p), bootstrapped from the first. Records live ``ttl`` = 5 s after the last 1 s
+heartbeat, epochs are 2 s. GPT-2 tiny, at most 3 stages of one replica each: the plan serves
+2-3 nodes and the rest wait in backup, so a crash must pull a backup peer in.
+"""
+
+import time
+
+import pytest
+
+from tests.integration.swarm_nodes import LocalSwarm, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+TTL_S = 5.0
+NODES = 8
+
+
+def _agreed(nodes, *, members: int, since: float = 0.0, without: str = ""):
+    """The latest epoch event of the nodes if they all adopted the same plan, see ``members``
+    peers (``without`` not among them) and wrote it after ``since``; else None."""
+    latest = [n.last("epoch") for n in nodes]
+    for event in latest:
+        if event is None or event["t"] < since or len(event["members"]) != members:
+            return None
+        if without in event["members"]:
+            return None
+    return latest[0] if len({e["digest"] for e in latest}) == 1 else None
+
+
+def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -> None:
+    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 3})
+    try:
+        first = swarm.start("n0")
+        wait_for(lambda: first.last("ready"), 120, "the first node to start")
+        for i in range(1, NODES):
+            swarm.start(f"n{i}", bootstrap=first.dht_addr)
+        nodes = list(swarm.nodes)
+        try:
+            agreed = wait_for(
+                lambda: _agreed(nodes, members=NODES), 180, "8 nodes to adopt one plan"
+            )
+        except AssertionError:
+            raise AssertionError(swarm.logs()) from None
+        serving = {p for stage in agreed["stages"] for p in stage}
+        assert 1 <= len(serving) <= 3, agreed["stages"]
+        assert len(agreed["backup"]) == NODES - len(serving)
+        assert set(agreed["members"]) == {n.peer_id for n in nodes}
+        assert {n.last("epoch")["state"] for n in nodes} == {"serving", "backup"}
+
+        # Crash a serving node (not the bootstrap node): SIGKILL, no goodbye.
+        victim = next(n for n in nodes[1:] if n.peer_id in serving)
+        survivors = [n for n in nodes if n is not victim]
+        killed_at = time.time()
+        victim.kill()
+        replanned = wait_for(
+            lambda: _agreed(survivors, members=NODES - 1, since=killed_at, without=victim.peer_id),
+            60,
+            "survivors to adopt a plan without the crashed node",
+        )
+        new_serving = {p for stage in replanned["stages"] for p in stage}
+        assert victim.peer_id not in new_serving
+        assert new_serving & set(agreed["backup"]), "a backup peer should have been pulled in"
+        # The moment the last survivor adopted it (nodes stamp their events).
+        adopted_at = max(
+            next(
+                e["t"]
+                for e in n.snapshot()
+                if e["event"] == "epoch"
+                and e["t"] >= killed_at
+                and e["digest"] == replanned["digest"]
+            )
+            for n in survivors
+        )
+        assert adopted_at - killed_at <= 2 * TTL_S, (
+            f"re-planned after {adopted_at - killed_at:.1f}s"
+        )
+
+        # A newcomer: seen by everyone, and placed or kept in backup.
+        joined_at = time.time()
+        newcomer = swarm.start("n8", bootstrap=first.dht_addr)
+        everyone = [*survivors, newcomer]
+        final = wait_for(
+            lambda: _agreed(everyone, members=NODES, since=joined_at),
+            120,
+            "the newcomer to be seen",
+        )
+        assert newcomer.peer_id in final["members"]
+        placed = {p for stage in final["stages"] for p in stage}
+        assert newcomer.peer_id in placed or newcomer.peer_id in final["backup"]
+        assert newcomer.last("epoch")["state"] in ("serving", "backup")
+    finally:
+        swarm.close()
