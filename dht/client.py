@@ -39,6 +39,9 @@ class DhtConfig:
     request_timeout_s: float = 15.0
     start_timeout_s: float = 90.0
     log_level: str = "WARNING"
+    # Only tests turn this off, to play a peer that stores what honest nodes refuse: such a
+    # node harms itself (it keeps junk); everyone else still validates what it sends.
+    validate_records: bool = True
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
@@ -62,6 +65,7 @@ class DhtConfig:
             "max_ttl_s": self.max_ttl_s,
             "wait_timeout_s": min(self.request_timeout_s, 5.0),
             "log_level": self.log_level,
+            "validate_records": self.validate_records,
         }
 
 

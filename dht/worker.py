@@ -61,7 +61,9 @@ def main() -> None:
             client_mode=bool(config["client_mode"]),
             record_validators=[
                 SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]))
-            ],
+            ]
+            if config.get("validate_records", True)
+            else [],
             wait_timeout=float(config["wait_timeout_s"]),
             start=True,
         )

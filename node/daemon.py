@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -304,7 +304,9 @@ class NodeDaemon:
 
     def _heartbeat(self) -> None:
         if not self.directory.announce(self._info(), ttl_s=self.settings.ttl_s):
-            logger.warning("the DHT did not store our record (no reachable DHT peers?)")
+            # hivemind reports the last replica's answer: one peer holding a newer (forged)
+            # entry under our subkey says no even when the honest replicas stored ours.
+            logger.info("a DHT replica did not store our record (or none is reachable)")
 
     def _snapshot(self) -> dict[str, NodeInfo]:
         """Live members that run our settings (and ourselves, even before our record shows)."""
@@ -401,7 +403,17 @@ class NodeDaemon:
             proposals=len(proposals),
             valid=len(candidates),
             state=str(self.state),
+            counters=self.health(),
         )
+
+    def health(self) -> dict[str, int]:
+        """What this node refused or lost so far: bad peers show up here, not as crashes."""
+        stats = asdict(self.control.stats()) if self.control is not None else {}
+        return {
+            **self.counters,
+            "skipped_records": self.directory.skipped if self.directory else 0,
+            **{f"gossip_{k}": v for k, v in stats.items()},
+        }
 
     # ------------------------------------------------------------------ links
 
