@@ -22,7 +22,7 @@ from fusionllm.node.agreement import epoch_at
 from fusionllm.node.bandwidth import BandwidthReport
 from fusionllm.node.control_host import ControlConfig, ControlHost
 from fusionllm.node.identity import load_or_create_identity, peer_id_of
-from tests.integration.swarm_nodes import FAST, LocalSwarm, wait_for
+from fusionllm.node.node_processes import FAST, LocalSwarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

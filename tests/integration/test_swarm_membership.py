@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.integration.swarm_nodes import LocalSwarm, wait_for
+from fusionllm.node.node_processes import LocalSwarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 

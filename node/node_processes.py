@@ -1,7 +1,8 @@
-"""Real ``fusionllm node`` processes on 127.0.0.1 for swarm tests and benchmarks.
+"""Real ``fusionllm node`` processes on one machine, for integration tests and benchmarks.
 
-Each node runs with ``--events``; a reader thread collects its JSON event lines. Everything
-waits with a deadline, and ``LocalSwarm.close`` kills every process (and its DHT worker).
+Each node runs with ``--events``; a reader thread collects its JSON event lines; its log goes
+to a file. Waits have deadlines, and ``LocalSwarm.close`` kills every process (and the DHT
+worker of a node killed with SIGKILL, which cannot take it down itself).
 """
 
 import contextlib

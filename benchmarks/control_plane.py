@@ -1,0 +1,207 @@
+"""The control plane on loopback: agreement time, DHT latency, gossip latency/loss, idle cost.
+
+    python benchmarks/control_plane.py [--sizes 4 8 16] [--json PATH]
+
+For each swarm size N, starts N real ``fusionllm node`` processes (the test timing: 1 s
+heartbeats, 5 s TTL, 2 s epochs), bootstrapped from the first, and measures:
+
+- agree: seconds from launching nodes 2..N (the first already up) until all N adopted the
+  same plan with N members; "after ready" counts from the moment the last node was ready
+  (process start-up, torch import and DHT join excluded);
+- DHT store/get: a client DHT worker of this process against the swarm, medians of 20
+  (the pipe to the worker included, as a node sees it);
+- gossip: a publisher and a receiver host connected only to swarm nodes (never to each
+  other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
+  (median, p90) and loss;
+- idle: CPU % and RSS of each node's process tree (node, DHT worker, hivemind's DHT process
+  and its Go daemon) over 10 s after agreement, medians over nodes.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from fusionllm.dht.client import DhtClient, DhtConfig
+from fusionllm.dht.records import LinkReport
+from fusionllm.node.bandwidth import BandwidthReport
+from fusionllm.node.control_host import ControlConfig, ControlHost
+from fusionllm.node.errors import DeadlineError
+from fusionllm.node.node_processes import FAST, LocalSwarm, wait_for
+
+SWARM = "default"
+
+
+def _agreed(nodes, n: int):
+    latest = [node.last("epoch") for node in nodes]
+    if any(e is None or len(e["members"]) != n for e in latest):
+        return None
+    return latest if len({e["digest"] for e in latest}) == 1 else None
+
+
+def _agreement(swarm: LocalSwarm, n: int) -> dict:
+    first = swarm.start("n0")
+    wait_for(lambda: first.last("ready"), 180, "the first node")
+    launched = time.time()
+    for i in range(1, n):
+        swarm.start(f"n{i}", bootstrap=first.dht_addr)
+    nodes = list(swarm.nodes)
+    latest = wait_for(lambda: _agreed(nodes, n), 120 + 20 * n, f"{n} nodes to agree")
+    agreed_at = max(
+        min(e["t"] for e in node.snapshot() if e["event"] == "epoch" and len(e["members"]) == n
+            and e["digest"] == latest[0]["digest"])
+        for node in nodes
+    )  # fmt: skip
+    ready_at = max(node.last("ready")["t"] for node in nodes)
+    return {
+        "agree_s": agreed_at - launched,
+        "agree_after_ready_s": agreed_at - ready_at,
+        "stages": len(latest[0]["stages"]),
+        "backup": len(latest[0]["backup"]),
+    }
+
+
+def _dht_latency(bootstrap: str, rounds: int = 20) -> dict:
+    config = DhtConfig(swarm=SWARM, initial_peers=(bootstrap,), client_mode=True)
+    stores, gets = [], []
+    with DhtClient(config) as client:
+        for i in range(rounds):
+            key = f"bench/{i}"
+            started = time.perf_counter()
+            # Not a swarm record: every node's validator refuses it, after a full round trip.
+            client.store(key, "s", b"x", time.time() + 5)
+            stores.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            client.get(f"fusionllm/{SWARM}/nodes")
+            gets.append(time.perf_counter() - started)
+    return {"store_ms": statistics.median(stores) * 1e3, "get_ms": statistics.median(gets) * 1e3}
+
+
+def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
+    topic = f"fusionllm/{SWARM}/bandwidth"
+    hosts = []
+    for name in ("pub", "sub"):
+        config = ControlConfig(key_path=root / f"{name}.key", max_messages_per_peer_per_s=100)
+        hosts.append(ControlHost(config).start())
+    publisher, receiver = hosts
+    latencies: dict[float, float] = {}
+    stop = threading.Event()
+
+    def receive() -> None:
+        while not stop.is_set():
+            try:
+                message = receiver.recv(timeout=0.2)
+            except DeadlineError:
+                continue
+            if message.author == publisher.peer_id:
+                sent = BandwidthReport.from_bytes(message.data).time
+                latencies.setdefault(sent, time.time() - sent)
+
+    try:
+        for host in hosts:
+            host.subscribe(topic)
+        # Each side connects to different nodes, so every message crosses the swarm.
+        half = max(1, len(nodes) // 2)
+        for node in nodes[:half]:
+            publisher.connect(node.last("ready")["addrs"][0])
+        for node in nodes[half:] or nodes[:1]:
+            receiver.connect(node.last("ready")["addrs"][0])
+        wait_for(lambda: publisher.mesh_peers(topic) and receiver.mesh_peers(topic), 30, "meshes")
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        sent = []
+        for i in range(messages):
+            now = time.time()
+            link = LinkReport(peer=nodes[0].peer_id, bandwidth=1e8, rtt=1e-3, age=float(i))
+            publisher.publish(
+                topic, BandwidthReport(swarm=SWARM, time=now, links=(link,)).to_bytes()
+            )
+            sent.append(now)
+            time.sleep(1.0 / rate)
+        time.sleep(5.0)
+        stop.set()
+        thread.join(timeout=5)
+    finally:
+        for host in hosts:
+            host.close()
+    got = sorted(latencies[t] for t in sent if t in latencies)
+    return {
+        "gossip_median_ms": statistics.median(got) * 1e3 if got else float("nan"),
+        "gossip_p90_ms": got[int(0.9 * (len(got) - 1))] * 1e3 if got else float("nan"),
+        "gossip_loss": 1.0 - len(got) / len(sent),
+    }
+
+
+def _idle(nodes, seconds: float = 10.0) -> dict:
+    trees = []
+    for node in nodes:
+        root = psutil.Process(node.process.pid)
+        trees.append([root, *root.children(recursive=True)])
+    for tree in trees:
+        for proc in tree:
+            proc.cpu_percent(None)
+    time.sleep(seconds)
+    cpu, rss = [], []
+    for tree in trees:
+        cpu.append(sum(p.cpu_percent(None) for p in tree if p.is_running()))
+        rss.append(sum(p.memory_info().rss for p in tree if p.is_running()))
+    return {
+        "idle_cpu_percent": statistics.median(cpu),
+        "idle_rss_mib": statistics.median(rss) / 2**20,
+    }
+
+
+def run(sizes: list[int]) -> list[dict]:
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            swarm = LocalSwarm(root, extra={"max-replicas": 1, "max-stages": 4})
+            try:
+                row = {"nodes": n, **_agreement(swarm, n)}
+                nodes = list(swarm.nodes)
+                row.update(_dht_latency(nodes[0].dht_addr))
+                row.update(_gossip(nodes, root))
+                row.update(_idle(nodes))
+            finally:
+                swarm.close()
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    return rows
+
+
+def _format_row(r: dict) -> str:
+    return (
+        f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
+        f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
+        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {r['idle_cpu_percent']:>8.1f} "
+        f"{r['idle_rss_mib']:>8.0f}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args()
+    print(
+        f"control plane on loopback (heartbeat {FAST['heartbeat']} s, TTL {FAST['ttl']} s, "
+        f"epoch {FAST['epoch']} s)\n"
+        f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
+        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8}",
+        flush=True,
+    )
+    rows = run(args.sizes)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
