@@ -1,4 +1,17 @@
 """Node records, keys, and announce/discover on hivemind's Kademlia DHT. Never imports torch.
 
-Not written yet: see the control-plane issue.
+hivemind and py-libp2p cannot share a Python process (both register a protobuf file
+``crypto.proto`` with the same symbols), so hivemind lives only in the DHT worker process and
+nothing a node imports pulls it in, except validator.py and worker.py (worker-side only).
+
+- records.py:   ``NodeInfo``, ``DeviceInfo``, ``LinkReport``, ``NodeState``, ``PlanProposal``,
+                ``RecordError``: strict, versioned wire schemas
+- envelope.py:  ``seal`` / ``open_envelope``: Ed25519 signatures checked against the peer id
+                itself (a peer can write only its own subkey)
+- keys.py:      ``nodes_key``, ``plans_key``, ``check_swarm_name``
+- client.py:    ``DhtClient``, ``DhtConfig``, ``DhtError``: the node's handle on its worker
+- directory.py: ``SwarmDirectory``: announce / members / propose / proposals, re-verified
+- worker.py:    the worker process (``python -m fusionllm.dht.worker``), hivemind inside
+- validator.py: ``SwarmRecordValidator``, hivemind's record validator for one swarm
+- wire.py:      length-prefixed msgpack on the node <-> worker pipe
 """

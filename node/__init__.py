@@ -1,6 +1,6 @@
 """The node: transport, daemon, command line, hardware/bandwidth probes, planning glue.
 
-- cli.py:  the ``fusionllm`` console script (``version``, ``demo``, ``train``)
+- cli.py:  the ``fusionllm`` console script (``version``, ``demo``, ``train``, ``node``, ``status``)
 - demo.py: the compression demo the README's main command runs until the daemon exists
 - transport.py:      ``Transport`` (trio thread + bridge: send/recv/connect/stats/close),
                      ``TransportConfig``, ``TensorSpec``, ``Received``, ``PeerStats``
@@ -29,4 +29,16 @@ Training (the stage runtime):
 - pipeline_main.py: one stage replica as a process (stdin/stdout JSON lines)
 - swarm_local.py:   ``run_swarm``: every stage replica as a process on 127.0.0.1
 - errors.py also:   ``PipelineError``, ``PeerProtocolError``
+
+The control plane (the node daemon):
+
+- daemon.py:          ``NodeDaemon``, ``NodeConfig``: heartbeat, probes, gossip, plan epochs
+- swarm_settings.py:  ``SwarmSettings``: what every node of a swarm must share, and its digest
+- control_host.py:    ``ControlHost``, ``ControlConfig``: gossipsub + bandwidth/RTT probes on a
+                      py-libp2p host in its own thread
+- bandwidth.py:       ``BandwidthBook`` (newest sample per link, staleness, estimates),
+                      ``BandwidthReport`` (the gossip message), ``choose_probe_targets``
+- agreement.py:       leaderless plan choice: ``check_proposal``, ``choose``, epochs
+- status.py:          ``gather`` / ``format_status`` behind ``fusionllm status``
+- node_processes.py:  ``LocalSwarm``: real node processes on one machine (tests, benchmarks)
 """

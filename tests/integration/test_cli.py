@@ -58,3 +58,26 @@ def test_bad_arguments_give_a_clear_error():
     result = _fusionllm("demo", "--numel", "0")
     assert result.returncode == 1
     assert "numel must be in" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["node", "status"])
+def test_control_plane_commands_explain_themselves(command):
+    result = _fusionllm(command, "--help")
+    assert result.returncode == 0
+    assert "--bootstrap" in result.stdout
+    assert "--swarm" in result.stdout
+
+
+def test_status_of_an_unreachable_swarm_is_a_clear_error():
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGMXzYEhzmzA1Y3ggimWP3jLABCPvyJ9pCk5aCAqcKsCh"
+    result = _fusionllm("status", "--bootstrap", dead)
+    assert result.returncode == 1
+    assert "bootstrap" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_node_refuses_a_bad_swarm_name_before_starting_anything(tmp_path):
+    result = _fusionllm("node", "--swarm", "no spaces", "--key", str(tmp_path / "k.key"))
+    assert result.returncode == 1
+    assert "swarm name" in result.stderr
+    assert not (tmp_path / "k.key").exists()
