@@ -458,8 +458,13 @@ class NodeDaemon:
             for peer in targets:
                 if self._stop.is_set():
                     return
+                # Links the plan uses get full-size probes (a better estimate where it
+                # matters); the rest a quarter, enough to rank them.
+                nbytes = (
+                    cfg.probe_bytes if peer in priority else max(16 << 10, cfg.probe_bytes // 4)
+                )
                 try:
-                    result = self.control.probe(peer)
+                    result = self.control.probe(peer, nbytes=min(nbytes, cfg.probe_bytes))
                 except (TransportError, FusionError) as exc:
                     self.counters["probes_failed"] += 1
                     logger.debug("probe of %s failed: %s", peer[:16], exc)
