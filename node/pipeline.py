@@ -25,8 +25,10 @@ replica compute the same bits.
 
 Frame headers: ``stage`` is always the sender's stage (checked against the sender's peer id);
 ``micro_batch`` is the micro-batch for activations/gradients and a tag for control frames.
-Compression per link and direction: top-k (``TopKCodec``) for activations, top-k with error
-feedback (``ErrorFeedback``, one residual per link and receiver) for gradients.
+Compression per link and direction, at the config's top-k ratio's bytes: activations as
+``activation_codec`` picks (a ternary code of every element while it fits, else top-k; no error
+feedback, each micro-batch is new data), gradients as the config's ``gradient_codec`` (top-k, or
+the ternary code) with error feedback (``ErrorFeedback``, one residual per link and receiver).
 """
 
 import math
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import Codec, ErrorFeedback, IdentityCodec, TopKCodec, pack_tensor
+from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
 from fusionllm.node.data import TokenDataset
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.framing import FrameHeader, FrameKind
@@ -256,7 +258,7 @@ class PipelineRunner:
                 else:
                     target = Role(s + 1, owner(mb, self.replicas[s + 1]))
                     flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-                    codec = _codec(self.config.activation_ratio(s))
+                    codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
                     sends.futures.append(
                         self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
                     )
@@ -377,7 +379,9 @@ class PipelineRunner:
         ratio = self.config.gradient_ratio(link)
         if ratio >= 1.0:
             return pack_tensor(flat)
-        return self._feedback.pack(("gradient", link, target), flat, TopKCodec(ratio))
+        ternary = self.config.gradient_codec == "ternary"
+        codec = budget_codec(flat.numel(), ratio, ternary=ternary)
+        return self._feedback.pack(("gradient", link, target), flat, codec)
 
     def _send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
         header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)
@@ -399,7 +403,3 @@ class PipelineRunner:
                         f"{self.role}: {kind.value} frame (step {step}, tag {tag}) from {sender} "
                         f"did not arrive within {self.timeout_s}s"
                     ) from None
-
-
-def _codec(ratio: float) -> Codec:
-    return IdentityCodec() if ratio >= 1.0 else TopKCodec(ratio)

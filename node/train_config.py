@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+GRADIENT_CODECS = frozenset({"topk", "ternary"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -45,9 +47,13 @@ class TrainConfig:
     data_dtype: str = "uint16"
     vocab_size: int = 256  # byte-level for the stdlib text; a token file's ids must be below it
     stdlib_bytes: int = 2 << 20
-    # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32.
+    # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32. A ratio
+    # is a byte budget: that of top-k at the ratio. Activations spend it as
+    # ``activation_codec`` picks (a ternary code while it fits); gradients, with error
+    # feedback, on ``gradient_codec``: "topk", or "ternary" (``budget_codec(ternary=True)``).
     activation_ratios: tuple[float, ...] = ()
     gradient_ratios: tuple[float, ...] = ()
+    gradient_codec: str = "topk"
 
     def __post_init__(self) -> None:
         for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
@@ -79,6 +85,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(ratios)}")
             if any(not 0.0 < r <= 1.0 for r in ratios):
                 raise ConfigError(f"{name} must be in (0, 1], got {ratios}")
+        if self.gradient_codec not in GRADIENT_CODECS:
+            raise ConfigError(
+                f"gradient_codec must be one of {sorted(GRADIENT_CODECS)}, "
+                f"got {self.gradient_codec!r}"
+            )
         if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError(
                 f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "

@@ -192,3 +192,11 @@ def test_link_ratios_come_from_a_plan() -> None:
                         backward_codec="dense", backward_ratio=1.0),
     ]  # fmt: skip
     assert ratios_from_plan(SimpleNamespace(links=links)) == ((0.1, 1.0), (1.0, 0.05))
+
+
+def test_gradient_codec_is_validated_and_survives_json() -> None:
+    config = _config(gradient_ratios=(0.05,), gradient_codec="ternary")
+    assert TrainConfig.from_json(config.to_json()) == config
+    assert _config().gradient_codec == "topk"
+    with pytest.raises(ConfigError, match="gradient_codec"):
+        _config(gradient_codec="sign")
