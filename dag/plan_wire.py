@@ -66,6 +66,8 @@ def _value(hint: Any, value: Any, where: str) -> Any:
             return math.inf
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise PlanWireError(f"{where} must be a number")
+        if isinstance(value, int) and abs(value) > 1 << 62:  # float() of a huge int overflows
+            raise PlanWireError(f"{where} is out of range")
         if not math.isfinite(value):
             raise PlanWireError(f"{where} must be finite")
         return float(value)

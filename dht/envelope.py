@@ -63,6 +63,7 @@ def seal(
 ) -> bytes:
     """The envelope bytes to store for ``record``; ``sign`` signs with ``subkey``'s key."""
     kind = "node" if isinstance(record, NodeInfo) else "plan"
+    expiration = float(expiration)  # signed as stored: an int would pack differently
     body = msgpack.packb(record.to_wire(), use_bin_type=True)
     signature = sign(_signed_bytes(kind, key, subkey, expiration, body))
     envelope = {
@@ -70,7 +71,7 @@ def seal(
         "kind": kind,
         "key": key,
         "sub": subkey,
-        "exp": float(expiration),
+        "exp": expiration,
         "body": body,
         "sig": signature,
     }
@@ -103,11 +104,11 @@ def open_envelope(data: Any) -> OpenedRecord:
         "v", "kind", "key", "sub", "exp", "body", "sig"
     }:  # fmt: skip
         raise RecordError("record envelope has the wrong fields")
-    if envelope["v"] != ENVELOPE_VERSION:
+    if type(envelope["v"]) is not int or envelope["v"] != ENVELOPE_VERSION:
         raise RecordError(f"record envelope version {envelope['v']!r} is not supported")
     kind, key, subkey, expiration = (envelope[k] for k in ("kind", "key", "sub", "exp"))
     body, signature = envelope["body"], envelope["sig"]
-    if kind not in MAX_ENVELOPE_BYTES:
+    if not isinstance(kind, str) or kind not in MAX_ENVELOPE_BYTES:
         raise RecordError(f"unknown record kind {kind!r}")
     if len(data) > MAX_ENVELOPE_BYTES[kind]:
         raise RecordError(f"{kind} record of {len(data)} bytes is over the limit")

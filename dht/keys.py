@@ -22,6 +22,6 @@ def nodes_key(swarm: str) -> str:
 
 def plans_key(swarm: str, epoch: int) -> str:
     """Where the plan proposals of ``epoch`` go (subkey = the proposer's peer id)."""
-    if not isinstance(epoch, int) or epoch < 0:
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:  # "plans/True"
         raise ConfigError(f"epoch must be a non-negative int, got {epoch!r}")
     return f"fusionllm/{check_swarm_name(swarm)}/plans/{epoch}"

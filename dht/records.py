@@ -74,7 +74,10 @@ def _int(value: Any, what: str, low: int, high: int) -> int:
 def _float(value: Any, what: str, low: float, high: float, *, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RecordError(f"{what} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float range
+        raise RecordError(f"{what} is out of range") from None
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise RecordError(f"{what} must be a finite number in {'(' if low_open else '['}"
                           f"{low}, {high}], got {value}")  # fmt: skip
@@ -100,7 +103,7 @@ def _version(wire: Any, what: str, supported: int) -> None:
     if not isinstance(wire, Mapping) or "v" not in wire:
         raise RecordError(f"{what} has no schema version")
     version = wire["v"]
-    if version != supported:
+    if type(version) is not int or version != supported:  # True == 1 == 1.0: not versions
         raise RecordError(
             f"{what} schema version {version!r} is not supported (we speak v{supported})"
         )

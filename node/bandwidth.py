@@ -59,7 +59,7 @@ class BandwidthReport:
             raise RecordError(f"bandwidth report is not msgpack: {exc}") from exc
         if not isinstance(wire, dict) or set(wire) != {"v", "swarm", "t", "links"}:
             raise RecordError("bandwidth report has the wrong fields")
-        if wire["v"] != REPORT_VERSION:
+        if type(wire["v"]) is not int or wire["v"] != REPORT_VERSION:  # True == 1 == 1.0
             raise RecordError(f"bandwidth report version {wire['v']!r} is not supported")
         swarm, when, links = wire["swarm"], wire["t"], wire["links"]
         if not isinstance(swarm, str) or not 0 < len(swarm) <= MAX_NAME_CHARS:

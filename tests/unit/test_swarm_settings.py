@@ -1,0 +1,137 @@
+"""node/swarm_settings.py: the settings a swarm shares, their validation and their digest."""
+
+import dataclasses
+import math
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dag.planner import PlanConfig
+from fusionllm.node.swarm_settings import MODELS, SwarmSettings
+
+
+def test_defaults_are_valid():
+    settings = SwarmSettings()
+    assert settings.heartbeat_s <= settings.ttl_s / 2
+    assert settings.model in MODELS
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"swarm": ""},
+        {"swarm": "bad name"},
+        {"swarm": "-lead"},
+        {"model": "gigantic"},
+        {"model": ""},
+        {"seq_len": 0},
+        {"batch_size": 0},
+        {"micro_batches": 0},
+        {"max_stages": 0},
+        {"max_replicas": 0},
+        {"max_replicas": -3},
+        {"batch_size": 3, "micro_batches": 4},
+        {"heartbeat_s": 0.0},
+        {"heartbeat_s": -1.0},
+        {"heartbeat_s": 7.6, "ttl_s": 15.0},
+        {"heartbeat_s": 5.0, "ttl_s": 9.0},
+        {"heartbeat_s": math.nan},
+        {"ttl_s": math.nan},
+        {"epoch_s": 0.49},
+        {"epoch_s": 0.0},
+        {"epoch_s": math.nan},
+        {"settle_fraction": 0.05},
+        {"settle_fraction": 0.95},
+        {"settle_fraction": math.nan},
+        {"switch_margin": -0.1},
+        {"switch_margin": 1.0},
+        {"switch_margin": math.nan},
+    ],
+)
+def test_invalid_settings(changes):
+    with pytest.raises(ConfigError):
+        SwarmSettings(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"heartbeat_s": 7.5, "ttl_s": 15.0},  # exactly ttl / 2
+        {"epoch_s": 0.5},
+        {"settle_fraction": 0.1},
+        {"settle_fraction": 0.9},
+        {"switch_margin": 0.0},
+        {"batch_size": 4, "micro_batches": 4},
+        {"max_replicas": 1, "max_stages": 1},
+        {"swarm": "a" * 64},
+    ],
+)
+def test_boundary_settings_are_valid(changes):
+    settings = SwarmSettings(**changes)
+    for name, value in changes.items():
+        assert getattr(settings, name) == value
+
+
+def test_settings_are_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        SwarmSettings("demo")  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SwarmSettings().model = "small"  # type: ignore[misc]
+
+
+def test_digest_is_stable():
+    assert SwarmSettings().digest() == SwarmSettings().digest()
+    digest = SwarmSettings(swarm="demo", model="small").digest()
+    assert digest == SwarmSettings(model="small", swarm="demo").digest()
+    assert len(digest) == 16
+    assert all(c in "0123456789abcdef" for c in digest)
+
+
+_OTHER_VALUES = {
+    "swarm": "other",
+    "model": "small",
+    "seq_len": 128,
+    "batch_size": 16,
+    "micro_batches": 2,
+    "max_stages": 4,
+    "max_replicas": 2,
+    "heartbeat_s": 4.0,
+    "ttl_s": 20.0,
+    "epoch_s": 30.0,
+    "settle_fraction": 0.6,
+    "switch_margin": 0.2,
+}
+
+
+def test_every_field_is_covered():
+    assert set(_OTHER_VALUES) == {f.name for f in dataclasses.fields(SwarmSettings)}
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(_OTHER_VALUES.items()))
+def test_digest_changes_with_every_field(name, value):
+    base = SwarmSettings()
+    changed = dataclasses.replace(base, **{name: value})
+    assert getattr(changed, name) != getattr(base, name)
+    assert changed.digest() != base.digest()
+
+
+def test_digests_of_all_single_changes_are_distinct():
+    base = SwarmSettings()
+    digests = {dataclasses.replace(base, **{k: v}).digest() for k, v in _OTHER_VALUES.items()}
+    assert len(digests) == len(_OTHER_VALUES)
+    assert base.digest() not in digests
+
+
+def test_plan_config_mapping():
+    settings = SwarmSettings(batch_size=16, micro_batches=2, max_stages=3, max_replicas=5)
+    config = settings.plan_config()
+    assert isinstance(config, PlanConfig)
+    assert config.micro_batches == 2
+    assert config.batch_size == 16
+    assert config.graph_batch_size == 1
+    assert config.max_stages == 3
+    assert config.max_replicas == 5
+    assert config.scale == 16 / 2
+    # Everything else is PlanConfig's default.
+    defaults = PlanConfig(micro_batches=2, batch_size=16, max_stages=3, max_replicas=5)
+    assert config == defaults
