@@ -37,6 +37,9 @@ class DhtConfig:
     client_mode: bool = False  # a client reads and writes but stores nothing for others
     max_ttl_s: float = 600.0  # records further in the future than this are refused
     request_timeout_s: float = 15.0
+    # How long hivemind waits for one DHT peer's answer: a crashed peer stays in routing
+    # tables for a while and every get that asks it pays this, so keep it near a heartbeat.
+    peer_timeout_s: float = 3.0
     start_timeout_s: float = 90.0
     log_level: str = "WARNING"
     # Only tests turn this off, to play a peer that stores what honest nodes refuse: such a
@@ -50,7 +53,7 @@ class DhtConfig:
             object.__setattr__(self, "identity_path", Path(self.identity_path))
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen_port must be in [0, 65535], got {self.listen_port}")
-        for name in ("max_ttl_s", "request_timeout_s", "start_timeout_s"):
+        for name in ("max_ttl_s", "request_timeout_s", "start_timeout_s", "peer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -63,7 +66,7 @@ class DhtConfig:
             "identity_path": str(self.identity_path) if self.identity_path else None,
             "client_mode": self.client_mode,
             "max_ttl_s": self.max_ttl_s,
-            "wait_timeout_s": min(self.request_timeout_s, 5.0),
+            "wait_timeout_s": min(self.request_timeout_s, self.peer_timeout_s),
             "log_level": self.log_level,
             "validate_records": self.validate_records,
         }

@@ -5,6 +5,7 @@ process (the DHT worker's validator already did, but a reader trusts only itself
 count what fails, and never raise for a peer's bad entry.
 """
 
+import threading
 import time
 
 from fusionllm.common.logs import get_logger
@@ -20,16 +21,18 @@ class SwarmDirectory:
     def __init__(self, client: DhtClient, *, swarm: str, peer_id: str, sign: Signer) -> None:
         self.client, self.swarm, self.peer_id, self._sign = client, swarm, peer_id, sign
         self._last_expiration = 0.0
+        self._announce_lock = threading.Lock()
         self.skipped = 0  # entries from peers that failed verification on read
 
     def announce(self, info: NodeInfo, *, ttl_s: float) -> bool:
         """Store (refresh) our record; it disappears ``ttl_s`` after the last refresh."""
         # hivemind keeps the entry with the latest expiration per subkey: ours must grow.
-        expiration = max(time.time() + ttl_s, self._last_expiration + 1e-3)
-        self._last_expiration = expiration
-        key = nodes_key(self.swarm)
-        value = seal(info, key=key, subkey=self.peer_id, expiration=expiration, sign=self._sign)
-        return self.client.store(key, self.peer_id, value, expiration)
+        with self._announce_lock:
+            expiration = max(time.time() + ttl_s, self._last_expiration + 1e-3)
+            self._last_expiration = expiration
+            key = nodes_key(self.swarm)
+            value = seal(info, key=key, subkey=self.peer_id, expiration=expiration, sign=self._sign)
+            return self.client.store(key, self.peer_id, value, expiration)
 
     def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
         """Every node with a valid, unexpired record (by peer id)."""

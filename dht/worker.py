@@ -8,14 +8,18 @@ imports hivemind and talks to this process instead, one request at a time. The w
 when its stdin closes, so a node that dies (even by SIGKILL) takes its DHT down with it.
 """
 
+import contextlib
 import os
 import sys
+import threading
 from typing import Any
 
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.dht.wire import PipeClosedError, read_message, write_message
 
 logger = get_logger(__name__)
+
+_MAX_CONCURRENT = 8
 
 
 def _serve(dht: Any, message: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +78,23 @@ def main() -> None:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         write_message(channel_out, {"ok": True, "peer_id": dht.peer_id.to_base58(),
                                     "maddrs": maddrs})  # fmt: skip
+        write_lock = threading.Lock()
+        slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
+
+        def handle(message: dict[str, Any]) -> None:
+            try:
+                reply = {"id": message.get("id"), "ok": True, **_serve(dht, message)}
+            except Exception as exc:
+                logger.debug("DHT request failed", exc_info=True)
+                error = f"{type(exc).__name__}: {exc}"
+                reply = {"id": message.get("id"), "ok": False, "error": error}
+            finally:
+                slots.release()
+            with write_lock, contextlib.suppress(OSError, ValueError):
+                write_message(channel_out, reply)
+
+        # Requests run concurrently (hivemind's DHT handle is thread-safe): a heartbeat
+        # store must not wait behind a get that is waiting on a dead peer.
         while True:
             try:
                 message = read_message(channel_in)
@@ -81,16 +102,8 @@ def main() -> None:
                 return
             if message.get("op") == "stop":
                 return
-            try:
-                reply = {"id": message.get("id"), "ok": True, **_serve(dht, message)}
-            except Exception as exc:
-                logger.debug("DHT request failed", exc_info=True)
-                reply = {
-                    "id": message.get("id"),
-                    "ok": False,
-                    "error": f"{type(exc).__name__}: {exc}",
-                }
-            write_message(channel_out, reply)
+            slots.acquire()
+            threading.Thread(target=handle, args=(message,), daemon=True).start()
     finally:
         dht.shutdown()
 

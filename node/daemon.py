@@ -2,9 +2,10 @@
 
 One ``NodeDaemon`` per node, four activities:
 
-- heartbeat (main loop): refresh our NodeInfo on the DHT every ``heartbeat_s`` (expiring after
-  ``ttl_s``), and run the plan epochs (agreement.py): propose at an epoch's start, adopt the
+- epochs (main loop): the plan epochs (agreement.py): propose at an epoch's start, adopt the
   best valid proposal ``settle_fraction`` into it.
+- heartbeat (thread): refresh our NodeInfo on the DHT every ``heartbeat_s`` (it expires
+  ``ttl_s`` after the last refresh).
 - probes (thread): every ``probe_interval_s``, connect to peers we know from the DHT and
   measure throughput/RTT to a bounded sample of them, then gossip what we measured.
 - gossip (thread): take peers' bandwidth reports into our BandwidthBook.
@@ -15,6 +16,7 @@ JSON lines with ``--events`` (tests and benchmarks read those), and logs a summa
 """
 
 import contextlib
+import hashlib
 import os
 import random
 import threading
@@ -32,7 +34,8 @@ from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.models import gpt2
 from fusionllm.dag.plan_wire import plan_to_json
-from fusionllm.dag.planner import InfeasiblePlanError, plan
+from fusionllm.dag.planner import InfeasiblePlanError, Plan, plan
+from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.trace import trace
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
@@ -146,6 +149,7 @@ class NodeDaemon:
         self.adopted: Candidate | None = None
         self.adopted_epoch: int | None = None
         self.state = NodeState.JOINING
+        self._last_plan: tuple[bytes, Plan] | None = None
         self.counters = {"invalid_proposals": 0, "plans_failed": 0, "probes_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,6 +185,7 @@ class NodeDaemon:
                     listen_port=cfg.dht_port,
                     identity_path=cfg.key_path,
                     max_ttl_s=max(4 * settings.ttl_s, 8 * settings.epoch_s),
+                    peer_timeout_s=min(3.0, max(0.5, settings.heartbeat_s)),
                     log_level=cfg.dht_log_level,
                 )
             ).start()
@@ -193,7 +198,12 @@ class NodeDaemon:
             self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
         )
         self._heartbeat()
-        for name, target in (("probes", self._probe_loop), ("gossip", self._gossip_loop)):
+        loops = (
+            ("heartbeat", self._heartbeat_loop),
+            ("probes", self._probe_loop),
+            ("gossip", self._gossip_loop),
+        )
+        for name, target in loops:
             thread = threading.Thread(target=target, name=f"node-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -210,7 +220,6 @@ class NodeDaemon:
         settings = self.settings
         end = time.time() + duration_s if duration_s is not None else float("inf")
         now = time.time()
-        next_heartbeat = now + settings.heartbeat_s
         epoch = epoch_at(now, settings.epoch_s)
         # A newcomer follows the plan the swarm settled on last epoch until it can vote.
         self._adopt(epoch - 1)
@@ -229,21 +238,26 @@ class NodeDaemon:
             try:
                 if proposed < epoch:
                     proposed = epoch
-                    self._propose(epoch)
+                    self._timed("propose", self._propose, epoch)
                 if adopted_for < epoch and now >= settle_at:
                     adopted_for = epoch
-                    self._adopt(epoch)
-                if now >= next_heartbeat:
-                    next_heartbeat = now + settings.heartbeat_s
-                    self._heartbeat()
+                    self._timed("adopt", self._adopt, epoch)
             except (DhtError, RecordError) as exc:
                 logger.warning("control plane step failed (will retry): %s", exc)
             now = time.time()
-            deadlines = [next_heartbeat, end]
+            deadlines = [end]
             deadlines.append(
                 settle_at if adopted_for < epoch else epoch_start(epoch + 1, settings.epoch_s)
             )
             self._stop.wait(max(0.01, min(deadlines) - now))
+
+    def _timed(self, what: str, step: Callable[..., None], *args: Any) -> None:
+        started = time.monotonic()
+        step(*args)
+        took = time.monotonic() - started
+        if took > self.settings.heartbeat_s / 2:
+            # A slow DHT delays the epoch (or our record's refresh): worth knowing.
+            logger.info("%s took %.2fs", what, took)
 
     def stop(self) -> None:
         self._stop.set()
@@ -302,6 +316,15 @@ class NodeDaemon:
             return self.config.downlink
         return max(self.book.towards(self.peer_id, now), default=_DEFAULT_LINK_BYTES_PER_S)
 
+    def _heartbeat_loop(self) -> None:
+        # Its own thread: a slow epoch (DHT gets waiting on a dead peer) must not let our
+        # record expire, or every other node would drop us and re-plan.
+        while not self._stop.wait(self.settings.heartbeat_s):
+            try:
+                self._timed("heartbeat", self._heartbeat)
+            except (DhtError, RecordError) as exc:
+                logger.warning("heartbeat failed (will retry): %s", exc)
+
     def _heartbeat(self) -> None:
         if not self.directory.announce(self._info(), ttl_s=self.settings.ttl_s):
             # hivemind reports the last replica's answer: one peer holding a newer (forged)
@@ -324,7 +347,7 @@ class NodeDaemon:
         members = self._snapshot()
         swarm = self.book.swarm(sorted(members.values(), key=lambda m: m.peer_id), now=time.time())
         try:
-            fresh = plan(self.costs, swarm, self.plan_config)
+            fresh = self._plan(swarm)
         except InfeasiblePlanError as exc:
             self.counters["plans_failed"] += 1
             logger.warning(
@@ -353,6 +376,19 @@ class NodeDaemon:
             plan=plan_bytes,
         )
         self.directory.propose(proposal, ttl_s=4 * self.settings.epoch_s)
+
+    def _plan(self, swarm: Swarm) -> Plan:
+        """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
+        see the same inputs, and planning is the costliest part of an epoch."""
+        key = hashlib.sha256(
+            repr([(p.peer_id, p.device, p.uplink, p.downlink, p.rtt) for p in swarm.peers]).encode()
+            + b"".join(a.tobytes() for a in (swarm.src, swarm.dst, swarm.bandwidth, swarm.rtt))
+        ).digest()
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        fresh = plan(self.costs, swarm, self.plan_config)
+        self._last_plan = (key, fresh)
+        return fresh
 
     def _adopt(self, epoch: int) -> None:
         if epoch < 0:

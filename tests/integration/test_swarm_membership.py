@@ -6,6 +6,7 @@ heartbeat, epochs are 2 s. GPT-2 tiny, at most 3 stages of one replica each: the
 2-3 nodes and the rest wait in backup, so a crash must pull a backup peer in.
 """
 
+import signal
 import time
 
 import pytest
@@ -50,8 +51,10 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         assert set(agreed["members"]) == {n.peer_id for n in nodes}
         assert {n.last("epoch")["state"] for n in nodes} == {"serving", "backup"}
 
-        # Crash a serving node (not the bootstrap node): SIGKILL, no goodbye.
-        victim = next(n for n in nodes[1:] if n.peer_id in serving)
+        # Crash a serving node: SIGKILL, no goodbye.
+        # Any serving node; the bootstrap node only if it serves alone (the DHT outlives it:
+        # every node already knows others).
+        victim = next((n for n in nodes[1:] if n.peer_id in serving), nodes[0])
         survivors = [n for n in nodes if n is not victim]
         killed_at = time.time()
         victim.kill()
@@ -80,7 +83,7 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
 
         # A newcomer: seen by everyone, and placed or kept in backup.
         joined_at = time.time()
-        newcomer = swarm.start("n8", bootstrap=first.dht_addr)
+        newcomer = swarm.start("n8", bootstrap=survivors[-1].dht_addr)
         everyone = [*survivors, newcomer]
         final = wait_for(
             lambda: _agreed(everyone, members=NODES, since=joined_at),
@@ -91,5 +94,20 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         placed = {p for stage in final["stages"] for p in stage}
         assert newcomer.peer_id in placed or newcomer.peer_id in final["backup"]
         assert newcomer.last("epoch")["state"] in ("serving", "backup")
+
+        # A polite leave (SIGTERM): the node marks its record "leaving", so the others drop
+        # it at their next epoch instead of waiting for its record to expire.
+        leaver = next(n for n in everyone[1:] if n.peer_id in final["backup"])
+        rest = [n for n in everyone if n is not leaver]
+        left_at = time.time()
+        leaver.kill(signal.SIGTERM)
+        assert leaver.last("left") is not None, "the node should have said goodbye"
+        wait_for(
+            lambda: _agreed(rest, members=NODES - 1, since=left_at, without=leaver.peer_id),
+            60,
+            "the others to drop the node that left",
+        )
+        dropped_at = max(n.last("epoch")["t"] for n in rest)
+        assert dropped_at - left_at < TTL_S, f"dropped after {dropped_at - left_at:.1f}s"
     finally:
         swarm.close()
