@@ -30,7 +30,7 @@ import torch
 
 from fusionllm.compression import pack_tensor, unpack_tensor
 from fusionllm.node.framing import FrameHeader, encode_head, read_exactly, read_head
-from fusionllm.node.transport import Transport, TransportConfig
+from fusionllm.node.transport import _WRITE_CHUNK_BYTES, Transport, TransportConfig
 
 _MB = 1 << 20
 _START_S = 30.0
@@ -175,17 +175,15 @@ def breakdown(size_mb: int) -> dict[str, float]:
     body = pack_tensor(tensor)
     header = FrameHeader(step=0, micro_batch=0, kind="activation", stage=0)
     frame = encode_head(header, len(body)) + body
-    yamux_payload = 65536 - 12  # py-libp2p's yamux DATA frame payload
-    noise_max = 65535 - 16  # largest Noise plaintext; a 64 KiB yamux frame needs two
+    yamux_payload = _WRITE_CHUNK_BYTES  # what the transport hands yamux per write
+    noise_max = 65535 - 16  # largest Noise plaintext; one yamux frame fits exactly
 
     def noise_encrypt() -> None:
         cipher = ChaCha20Poly1305(bytes(32))
         nonce = bytes(12)
         view = memoryview(frame)
         for start in range(0, len(view), yamux_payload):
-            chunk = bytes(struct.pack(">BBHII", 0, 0, 0, 1, 0)) + bytes(
-                view[start : start + yamux_payload]
-            )
+            chunk = struct.pack(">BBHII", 0, 0, 0, 1, 0) + view[start : start + yamux_payload]
             for piece in range(0, len(chunk), noise_max):
                 cipher.encrypt(nonce, chunk[piece : piece + noise_max], None)
 
@@ -202,8 +200,8 @@ def breakdown(size_mb: int) -> dict[str, float]:
     return {
         "pack_tensor (sender, before the clock starts)": _best_of(lambda: pack_tensor(tensor)),
         "noise encrypt (sender); decrypt costs the same": _best_of(noise_encrypt),
-        "framing read loop, 64 KiB chunks, warm buffer": _best_of(read_loop),
-        "unpack_tensor (receiver: copy + validate)": _best_of(lambda: unpack_tensor(body)),
+        "framing read loop, 64 KiB reads, warm buffer": _best_of(read_loop),
+        "unpack_tensor (receiver: one copy + validate)": _best_of(lambda: unpack_tensor(body)),
     }
 
 

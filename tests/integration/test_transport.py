@@ -32,6 +32,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from fusionllm.compression import pack_tensor
+from fusionllm.node import transport as transport_module
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.framing import PREFIX, FrameHeader, encode_head
 from fusionllm.node.host import TENSOR_PROTOCOL, new_secure_host
@@ -197,6 +198,26 @@ def test_tensors_cross_both_ways(start_node, client):
     stats = client.stats()[node.peer_id]
     assert stats.frames_out == stats.frames_in == 6
     assert stats.errors == {}
+
+
+def test_frames_around_the_write_chunk_size_arrive_whole(start_node, client):
+    """Bodies go out in pieces of one Noise message each; the edges must not lose a byte."""
+    chunk = transport_module._WRITE_CHUNK_BYTES
+    wanted = {chunk - 1, chunk, chunk + 1, 2 * chunk + 1}
+    # The frame adds a few dozen bytes of msgpack around the tensor's bytes.
+    sizes = [
+        n
+        for body in sorted(wanted)
+        for n in range(body - 64, body)
+        if len(pack_tensor(torch.zeros(n, dtype=torch.uint8))) == body
+    ]
+    assert len(sizes) == len(wanted)
+    node = start_node()
+    client.connect(node.addr)
+    generator = torch.Generator().manual_seed(5)
+    for n in sizes:
+        tensor = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+        assert torch.equal(echo(client, node, tensor), tensor)
 
 
 def test_identity_survives_a_restart(start_node):

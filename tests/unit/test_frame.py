@@ -1,6 +1,7 @@
 """Round trips and refusals of the wire frame."""
 
 import math
+import re
 
 import msgpack
 import pytest
@@ -19,6 +20,7 @@ from fusionllm.compression import (
     unpack_tensor,
 )
 from fusionllm.compression import codecs as codecs_module
+from fusionllm.compression import frame as frame_module
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 shapes = st.lists(st.integers(min_value=0, max_value=7), min_size=0, max_size=4).map(tuple)
@@ -296,3 +298,116 @@ def test_huge_claim_fails_before_any_allocation(monkeypatch, claim):
     assert len(data) < 80
     with pytest.raises(FrameError, match="exceeds"):
         unpack_tensor(data)
+
+
+def _seed_frames() -> list[bytes]:
+    frames = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in [(), (0,), (5,), (3, 7)]:
+            tensor = _tensor(shape, dtype, 3)
+            for codec in (IdentityCodec(), Float16Codec(), TopKCodec(0.5)):
+                frames.append(pack_tensor(tensor, codec))
+    frames.append(pack_tensor(torch.arange(10)))
+    frames.append(pack_tensor(torch.tensor([True, False])))
+    frames.append(_repack({"v": 1, "c": "id", "dt": "uint8", "sh": [2], "p": b"ab", "x": None}))
+    frames.append(_repack({"v": -1, "c": "id", "dt": "int8", "sh": [-1, 2**63], "p": True}))
+    return frames
+
+
+def _mutants(seed: int, count: int) -> list[bytes]:
+    import random
+
+    rng = random.Random(seed)
+    seeds = _seed_frames()
+    out = list(seeds)
+    for _ in range(count):
+        raw = bytearray(rng.choice(seeds))
+        kind = rng.randrange(4)
+        if kind == 0:  # a byte anywhere, most often in the small fields up front
+            raw[min(rng.randrange(len(raw)), rng.randrange(48))] = rng.randrange(256)
+        elif kind == 1:
+            del raw[rng.randrange(len(raw)) :]
+        elif kind == 2:
+            raw.insert(rng.randrange(len(raw) + 1), rng.randrange(256))
+        else:
+            raw += bytes(rng.randrange(1, 4))
+        out.append(bytes(raw))
+    return out
+
+
+def _plain(value):
+    if isinstance(value, memoryview):
+        return bytes(value)
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def test_fast_parse_reads_exactly_what_msgpack_reads():
+    """What the copy-free parser accepts, msgpack decodes to the same map; the rest falls back."""
+    limits = FrameLimits(max_frame_bytes=1 << 16)
+    accepted = 0
+    for data in _mutants(seed=7, count=6000):
+        fast = frame_module._scan(data, limits)
+        if fast is None:
+            continue
+        accepted += 1
+        assert _plain(fast) == frame_module._unpack(data, limits)
+        assert all(v.readonly for v in fast.values() if isinstance(v, memoryview))
+    assert accepted > 500  # the fast path is the common path, not a curiosity
+
+
+def test_fast_parse_leaves_oddities_to_msgpack():
+    limits = FrameLimits()
+    for frame in (
+        {"v": 1, "p": 1.5},  # floats
+        {"v": 1, "sh": [[1]]},  # nested arrays
+        {"v": 1, "s": "x" * 40},  # a str over the limit
+        {b"v": 1},  # a bytes key
+        [1, 2],  # not a map
+    ):
+        assert frame_module._scan(_repack(frame), limits) is None
+    assert frame_module._scan(_repack({"v": 1}) + b"\x00", limits) is None  # trailing bytes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_copy_free_dense_decode_matches_the_codecs_own(seed):
+    """unpack_tensor's own identity/f16 decoder agrees with the codecs' decode, error for error."""
+    limits = FrameLimits(max_frame_bytes=1 << 16)
+    checked = 0
+    for data in _mutants(seed=seed, count=3000):
+        try:
+            frame_module._parse(data, limits)  # version and map checks
+            frame = frame_module._unpack(data, limits)  # bins as bytes, for the codecs
+            codec = frame_module._codec_of(frame)
+            target = frame_module._target_of(frame, limits, None)
+            codec.check_keys(frame)
+        except FrameError:
+            continue
+        if codec not in (IdentityCodec, Float16Codec):
+            continue
+        checked += 1
+        try:
+            expected = codec.decode(frame, target, limits)
+        except FrameError as exc:
+            with pytest.raises(FrameError, match=f"^{re.escape(str(exc))}$"):
+                unpack_tensor(data, limits=limits)
+        else:
+            got = unpack_tensor(data, limits=limits)
+            assert got.dtype == expected.dtype
+            assert got.shape == expected.shape
+            assert torch.equal(
+                got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+            )
+    assert checked > 40
+
+
+@pytest.mark.parametrize("codec", [IdentityCodec(), Float16Codec(), TopKCodec(0.5)])
+def test_decoded_tensor_owns_its_memory(codec):
+    """The receiver reuses its buffer for the next frame: the tensor must not point into it."""
+    tensor = torch.randn(1000)
+    buffer = bytearray(pack_tensor(tensor, codec))
+    out = unpack_tensor(memoryview(buffer))
+    expected = out.clone()
+    buffer[:] = bytes(len(buffer))
+    assert torch.equal(out, expected)
+    assert out.numel() == 1000
+    assert out.dtype == torch.float32

@@ -213,3 +213,36 @@ def test_prefix_layout_is_stable():
     head = encode_head(header, 300)
     version, header_len, body_len = struct.unpack(">BHI", head[:PREFIX_BYTES])
     assert (version, header_len, body_len) == (1, len(head) - PREFIX_BYTES, 300)
+
+
+def test_batched_reads_pause_only_while_much_of_the_body_is_left():
+    body = bytes(range(256)) * (16 << 10)  # 4 MiB
+    stream = FakeStream(body, chunk_sizes=(64 << 10,))
+
+    async def main():
+        started = trio.current_time()
+        data = await read_exactly(stream, len(body), stall_timeout_s=1.0, batch_s=0.002)
+        return bytes(data), trio.current_time() - started
+
+    data, elapsed = run(main)
+    assert data == body
+    # A pause after each 64 KiB read that left at least 1 MiB to come, none in the tail.
+    pauses = sum(
+        1 for end in range(64 << 10, len(body) + 1, 64 << 10) if len(body) - end >= 1 << 20
+    )
+    assert elapsed == pytest.approx(pauses * 0.002)
+    assert stream.reads == len(body) // (64 << 10)
+
+
+def test_big_reads_and_unbatched_reads_never_pause():
+    body = bytes(3 << 20)
+
+    async def elapsed(chunk: int, batch_s: float) -> float:
+        started = trio.current_time()
+        await read_exactly(
+            FakeStream(body, (chunk,)), len(body), stall_timeout_s=1.0, batch_s=batch_s
+        )
+        return trio.current_time() - started
+
+    assert run(elapsed, 1 << 20, 0.002) == 0
+    assert run(elapsed, 64 << 10, 0.0) == 0
