@@ -1,9 +1,10 @@
 """The control plane on loopback: agreement time, DHT latency, gossip latency/loss, idle cost.
 
-    python benchmarks/control_plane.py [--sizes 4 8 16] [--json PATH]
+    python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S] [--json P]
 
-For each swarm size N, starts N real ``fusionllm node`` processes (the test timing: 1 s
-heartbeats, 5 s TTL, 2 s epochs), bootstrapped from the first, and measures:
+For each swarm size N, starts N real ``fusionllm node`` processes (every node is 4 processes:
+the node, its DHT worker, hivemind's DHT process and its Go daemon), bootstrapped from the
+first, and measures:
 
 - agree: seconds from launching nodes 2..N (the first already up) until all N adopted the
   same plan with N members; "after ready" counts from the moment the last node was ready
@@ -14,7 +15,9 @@ heartbeats, 5 s TTL, 2 s epochs), bootstrapped from the first, and measures:
   other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
   (median, p90) and loss;
 - idle: CPU % and RSS of each node's process tree (node, DHT worker, hivemind's DHT process
-  and its Go daemon) over 10 s after agreement, medians over nodes.
+  and its Go daemon) over 10 s after agreement, medians over nodes;
+- replan: SIGKILL a serving node; seconds until every survivor adopted one plan without it
+  (the record expiry, the TTL, dominates).
 """
 
 import argparse
@@ -157,18 +160,38 @@ def _idle(nodes, seconds: float = 10.0) -> dict:
     }
 
 
-def run(sizes: list[int]) -> list[dict]:
+def _replan_after_crash(nodes) -> dict:
+    """SIGKILL a serving node; seconds until every survivor adopted a plan without it."""
+    latest = nodes[0].last("epoch")
+    serving = {p for stage in latest["stages"] for p in stage}
+    victim = next((n for n in nodes[1:] if n.peer_id in serving), nodes[0])
+    survivors = [n for n in nodes if n is not victim]
+    killed_at = time.time()
+    victim.kill()
+
+    def done():
+        events = [n.last("epoch") for n in survivors]
+        if any(e is None or e["t"] < killed_at or victim.peer_id in e["members"] for e in events):
+            return None
+        return events if len({e["digest"] for e in events}) == 1 else None
+
+    events = wait_for(done, 120, "survivors to re-plan")
+    return {"replan_s": max(e["t"] for e in events) - killed_at}
+
+
+def run(sizes: list[int], timing: dict) -> list[dict]:
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            swarm = LocalSwarm(root, extra={"max-replicas": 1, "max-stages": 4})
+            swarm = LocalSwarm(root, extra={"max-replicas": 1, "max-stages": 4, **timing})
             try:
                 row = {"nodes": n, **_agreement(swarm, n)}
                 nodes = list(swarm.nodes)
                 row.update(_dht_latency(nodes[0].dht_addr))
                 row.update(_gossip(nodes, root))
                 row.update(_idle(nodes))
+                row.update(_replan_after_crash(nodes))
             finally:
                 swarm.close()
         rows.append(row)
@@ -181,23 +204,38 @@ def _format_row(r: dict) -> str:
         f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
         f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
         f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {r['idle_cpu_percent']:>8.1f} "
-        f"{r['idle_rss_mib']:>8.0f}"
+        f"{r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
     )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
+    # Slower than the tests' timing: 16 nodes are 64 processes on this 2-core machine.
+    parser.add_argument("--heartbeat", type=float, default=2.0, help="s (default: %(default)s)")
+    parser.add_argument("--ttl", type=float, default=8.0, help="s (default: %(default)s)")
+    parser.add_argument("--epoch", type=float, default=4.0, help="s (default: %(default)s)")
+    parser.add_argument(
+        "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
+    timing = {
+        **FAST,
+        "heartbeat": args.heartbeat,
+        "ttl": args.ttl,
+        "epoch": args.epoch,
+        "probe-interval": args.probe_interval,
+    }
     print(
-        f"control plane on loopback (heartbeat {FAST['heartbeat']} s, TTL {FAST['ttl']} s, "
-        f"epoch {FAST['epoch']} s)\n"
+        f"control plane on loopback (heartbeat {args.heartbeat} s, TTL {args.ttl} s, "
+        f"epoch {args.epoch} s, probes every {args.probe_interval} s)\n"
         f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
-        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8}",
+        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8} "
+        f"{'replan s':>9}",
         flush=True,
     )
-    rows = run(args.sizes)
+    rows = run(args.sizes, timing)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -79,6 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
+        gradient_codec=args.gradient_codec,
     )
     processes = sum(config.stage_replicas)
     if not args.json:
@@ -292,7 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="top-k ratio on every link's gradients, with error feedback (default: dense)",
     )
     train.add_argument(
-        "--topk-activations", action="store_true", help="apply --topk-ratio to activations too"
+        "--topk-activations",
+        action="store_true",
+        help="compress activations too, within --topk-ratio's bytes (a ternary code of every "
+        "element while it fits, else top-k)",
+    )
+    train.add_argument(
+        "--gradient-codec",
+        choices=["topk", "ternary"],
+        default="topk",
+        help="gradient code on compressed links, with error feedback (default: %(default)s)",
     )
     train.add_argument(
         "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
