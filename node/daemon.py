@@ -335,9 +335,16 @@ class NodeDaemon:
         """Live members that run our settings (and ourselves, even before our record shows)."""
         found = self.directory.members()
         digest = self.settings.digest()
-        members = {pid: info for pid, info in found.items() if info.config_digest == digest}
+        # A node that missed several heartbeats is treated as gone before its record expires:
+        # a crash then re-plans after suspect_after_s, not after the whole TTL.
+        fresh_since = time.time() - self.settings.suspect_after_s
+        members = {
+            pid: info
+            for pid, info in found.items()
+            if info.config_digest == digest and info.time >= fresh_since
+        }
         if len(members) < len(found):
-            logger.debug("%d members run other settings", len(found) - len(members))
+            logger.debug("%d records are stale or run other settings", len(found) - len(members))
         members[self.peer_id] = self._info()
         with self._lock:
             self.members = members

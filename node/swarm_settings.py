@@ -53,6 +53,11 @@ class SwarmSettings:
         if not 0 <= self.switch_margin < 1:
             raise ConfigError(f"switch_margin must be in [0, 1), got {self.switch_margin}")
 
+    @property
+    def suspect_after_s(self) -> float:
+        """A record not refreshed for this long counts as a crashed node (3 missed beats)."""
+        return min(self.ttl_s, 3 * self.heartbeat_s)
+
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
