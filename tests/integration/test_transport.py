@@ -363,6 +363,26 @@ def test_receiver_stops_reading_when_its_inbox_slots_are_full(tmp_path):
         assert steps == [0, 1, 2, 3]
 
 
+def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_path):
+    """py-libp2p's yamux write gives up after 5 s without a window update; a receiver whose
+    inbox is full for longer (8 s here) must still get every 1 MB frame, and no send fails."""
+    slow = TransportConfig(key_path=tmp_path / "slow.key", max_in_flight=2)
+    fast = TransportConfig(key_path=tmp_path / "fast.key", max_in_flight=8)
+    with Transport(slow) as receiver, Transport(fast) as sender:
+        sender.connect(receiver.addrs[0])
+        sends = []
+        for step in range(5):
+            header = FrameHeader(step=step, micro_batch=0, kind="gradient", stage=1)
+            body = pack_tensor(torch.full((1 << 18,), float(step)))  # 1 MB: over the window
+            sends.append(sender.send_async(receiver.peer_id, header, body, timeout=30))
+        time.sleep(8)
+        frames = [receiver.recv(timeout=10) for _ in range(5)]
+        assert [f.header.step for f in frames] == [0, 1, 2, 3, 4]
+        assert all(bool((f.tensor == f.header.step).all()) for f in frames)
+        for send in sends:
+            send.result(timeout=10)
+
+
 def test_a_plaintext_only_dialer_is_refused(start_node, client):
     node = start_node()
     key_pair = create_new_key_pair()
