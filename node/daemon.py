@@ -229,27 +229,32 @@ class NodeDaemon:
             else epoch - 1
         )
         adopted_for = epoch - 1
+
+        def settle_of(e: int) -> float:
+            return epoch_start(e, settings.epoch_s) + settings.settle_fraction * settings.epoch_s
+
         while not self._stop.is_set() and time.time() < end:
             now = time.time()
             epoch = epoch_at(now, settings.epoch_s)
-            settle_at = (
-                epoch_start(epoch, settings.epoch_s) + settings.settle_fraction * settings.epoch_s
-            )
             try:
-                if proposed < epoch:
+                # Finish the epoch we proposed in before proposing in the next, even when a
+                # slow step made us late: skipping its adoption would stall us a whole epoch.
+                if adopted_for < proposed and now >= settle_of(proposed):
+                    adopted_for = proposed
+                    self._timed("adopt", self._adopt, proposed)
+                elif proposed < epoch:
                     proposed = epoch
                     self._timed("propose", self._propose, epoch)
-                if adopted_for < epoch and now >= settle_at:
-                    adopted_for = epoch
-                    self._timed("adopt", self._adopt, epoch)
             except (DhtError, RecordError) as exc:
                 logger.warning("control plane step failed (will retry): %s", exc)
             now = time.time()
-            deadlines = [end]
-            deadlines.append(
-                settle_at if adopted_for < epoch else epoch_start(epoch + 1, settings.epoch_s)
-            )
-            self._stop.wait(max(0.01, min(deadlines) - now))
+            if adopted_for < proposed:
+                wake = settle_of(proposed)
+            elif proposed < epoch_at(now, settings.epoch_s):
+                wake = now
+            else:
+                wake = epoch_start(proposed + 1, settings.epoch_s)
+            self._stop.wait(max(0.01, min(wake, end) - now))
 
     def _timed(self, what: str, step: Callable[..., None], *args: Any) -> None:
         started = time.monotonic()
