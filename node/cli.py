@@ -350,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--heartbeat", type=float, default=5.0, help="record refresh, s (default: %(default)s)"
     )
     node.add_argument(
-        "--ttl", type=float, default=15.0, help="record lifetime, s (default: %(default)s)"
+        "--ttl",
+        type=float,
+        default=15.0,
+        help="record lifetime after the last heartbeat, s; a node that missed 3 heartbeats "
+        "is already treated as gone (default: %(default)s)",
     )
     node.add_argument(
         "--epoch", type=float, default=10.0, help="plan epoch, s (default: %(default)s)"
