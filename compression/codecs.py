@@ -437,8 +437,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def tensor_from_bytes(payload: object, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """A new writable CPU tensor of ``count`` elements from a peer's bytes, length checked first."""
-    if not isinstance(payload, bytes):
+    """A new writable CPU tensor of ``count`` elements copied out of a peer's bytes (or a view
+    of a receive buffer: the copy ends any tie to it), length checked first."""
+    if not isinstance(payload, bytes | memoryview):
         raise FrameError(f"{what} must be bytes, got {type(payload).__name__}")
     itemsize = dtype.itemsize
     if len(payload) != count * itemsize:

@@ -10,7 +10,6 @@ import struct
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 
 from fusionllm.common.errors import FrameError
@@ -20,17 +19,14 @@ from fusionllm.compression.codecs import (
     DecodeTarget,
     Float16Codec,
     IdentityCodec,
-    check_finite,
     is_int,
-    require_float_target,
 )
-from fusionllm.compression.dtypes import HALF_DTYPES, dtype_from_wire, wire_name
+from fusionllm.compression.dtypes import dtype_from_wire, wire_name
 from fusionllm.compression.limits import DEFAULT_LIMITS, FrameLimits
 
 FRAME_VERSION = 1
 _MAX_FRAME_KEYS = 16
 _MAX_STR_LEN = 32
-_HALF_NAMES = frozenset(wire_name(d) for d in HALF_DTYPES)
 
 
 def pack_tensor(tensor: torch.Tensor, codec: Codec | None = None) -> bytes:
@@ -70,10 +66,10 @@ def unpack_tensor(
     target = _target_of(frame, limits, torch.device(device) if device is not None else None)
     codec.check_keys(frame)
     try:
-        if codec is IdentityCodec or codec is Float16Codec:
-            return _decode_dense(codec, frame, target, limits)
-        # Other codecs take bytes (tensor_from_bytes insists); their payloads are small.
-        frame = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in frame.items()}
+        if codec is not IdentityCodec and codec is not Float16Codec:
+            # Dense payloads are decoded straight from the receive buffer (one copy); the
+            # other codecs' payloads are small and some of them want bytes.
+            frame = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in frame.items()}
         return codec.decode(frame, target, limits)
     except FrameError:
         raise
@@ -221,42 +217,6 @@ def _scan_value(view: memoryview, pos: int, limits: FrameLimits) -> tuple[Any, i
     if size > limits.max_frame_bytes or pos + size > len(view):
         raise _NotSimpleError
     return view[pos : pos + size], pos + size
-
-
-def _decode_dense(
-    codec: type[Codec], frame: dict[str, Any], target: DecodeTarget, limits: FrameLimits
-) -> torch.Tensor:
-    """IdentityCodec/Float16Codec.decode for a payload that may be a view: one copy, no bytes.
-
-    Mirrors the codecs' own decode check for check (tests compare the two); it can go once
-    codecs.tensor_from_bytes accepts buffers, not only bytes.
-    """
-    if codec is Float16Codec:
-        require_float_target(target, codec.codec_id)
-        wire_dtype = dtype_from_wire(frame["wd"], _HALF_NAMES)
-    else:
-        wire_dtype = target.dtype
-    flat = _tensor_from_buffer(frame["p"], wire_dtype, target.numel, "payload")
-    if target.dtype == torch.bool and target.numel and int(flat.view(torch.uint8).max()) > 1:
-        raise FrameError("bool payload holds bytes other than 0 and 1")
-    check_finite(flat, limits)
-    return flat.view(target.shape).to(device=target.device, dtype=target.dtype)
-
-
-def _tensor_from_buffer(payload: object, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """A new CPU tensor of ``count`` elements copied out of a peer's bytes or view of them."""
-    if not isinstance(payload, bytes | memoryview):
-        raise FrameError(f"{what} must be bytes, got {type(payload).__name__}")
-    itemsize = dtype.itemsize
-    if len(payload) != count * itemsize:
-        raise FrameError(
-            f"{what} has {len(payload)} bytes, expected {count} x {itemsize} = {count * itemsize}"
-        )
-    # The copy also ends any tie to ``payload``: the caller may reuse that buffer at once.
-    out = torch.empty(count, dtype=dtype)
-    if count:
-        out.view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-    return out
 
 
 def _codec_of(frame: dict[str, Any]) -> type[Codec]:
