@@ -33,10 +33,10 @@ import psutil
 
 from fusionllm.dht.client import DhtClient, DhtConfig
 from fusionllm.dht.records import LinkReport
-from fusionllm.node.bandwidth import BandwidthReport
-from fusionllm.node.control_host import ControlConfig, ControlHost
+from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.errors import DeadlineError
-from fusionllm.node.node_processes import FAST, LocalSwarm, wait_for
+from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
 
 SWARM = "default"
 

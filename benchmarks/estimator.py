@@ -19,7 +19,7 @@ import torch
 from fusionllm.dag import trace
 from fusionllm.dag.cost import DeviceProfile, estimate_stage_time
 from fusionllm.dag.models import gpt2
-from fusionllm.node.probe import ProbeConfig, measure_device
+from fusionllm.node.control.probe import ProbeConfig, measure_device
 
 SHAPES = {"tiny": (8, 64), "small": (1, 128), "medium": (1, 64)}
 

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from fusionllm.node.data import TokenDataset
-from fusionllm.node.local_train import train_local
-from fusionllm.node.swarm_local import run_swarm
-from fusionllm.node.train_config import TrainConfig
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.launcher import run_swarm
+from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 _WARMUP_STEPS = 3
 

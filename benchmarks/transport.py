@@ -2,7 +2,7 @@
 
     python benchmarks/transport.py [--rounds 5] [--sizes-mb 1 8 64] [--json PATH]
 
-The receiver is a separate node process (``fusionllm.node.transport_main --mode ack``): it
+The receiver is a separate node process (``tests.support.transport_main --mode ack``): it
 reads each frame, decodes and validates the tensor, and answers with a one-element control
 frame. Two times per frame, medians over the rounds:
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from fusionllm.compression import pack_tensor, unpack_tensor
-from fusionllm.node.framing import FrameHeader, encode_head, read_exactly, read_head
-from fusionllm.node.transport import _WRITE_CHUNK_BYTES, Transport, TransportConfig
+from fusionllm.node.p2p.framing import FrameHeader, encode_head, read_exactly, read_head
+from fusionllm.node.p2p.transport import _WRITE_CHUNK_BYTES, Transport, TransportConfig
 
 _MB = 1 << 20
 _START_S = 30.0
@@ -97,7 +97,7 @@ def bench_transport(sizes_mb: list[int], rounds: int, workdir: Path) -> dict[int
         [
             sys.executable,
             "-m",
-            "fusionllm.node.transport_main",
+            "tests.support.transport_main",
             "--key",
             str(workdir / "receiver.key"),
             "--mode",
@@ -108,6 +108,7 @@ def bench_transport(sizes_mb: list[int], rounds: int, workdir: Path) -> dict[int
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        cwd=Path(__file__).resolve().parents[1],  # the repo root: tests.support imports
     )
     try:
         ready = json.loads(child.stdout.readline())

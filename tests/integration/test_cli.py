@@ -13,7 +13,7 @@ _TIMEOUT_S = 120
 
 def _fusionllm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fusionllm.node.cli", *args],
+        [sys.executable, "-m", "fusionllm.node.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=_TIMEOUT_S,

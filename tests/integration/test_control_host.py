@@ -24,19 +24,19 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 
 from fusionllm.common.logs import get_logger
-from fusionllm.node.control_host import (
-    PROBE_PROTOCOL,
-    ControlConfig,
-    ControlHost,
-    GossipMessage,
-)
 from fusionllm.node.errors import (
     ControlError,
     DeadlineError,
     ProbeRefusedError,
     TransportClosedError,
 )
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.control_host import (
+    PROBE_PROTOCOL,
+    ControlConfig,
+    ControlHost,
+    GossipMessage,
+)
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -346,7 +346,7 @@ def test_close_is_idempotent_bounded_and_wakes_recv(tmp_path):
 
 _CHILD = """
 import json, sys, time
-from fusionllm.node.control_host import ControlConfig, ControlHost
+from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
 from fusionllm.node.errors import DeadlineError
 
 config = ControlConfig(key_path=sys.argv[1], max_messages_per_peer_per_s=100.0)

@@ -18,11 +18,11 @@ from fusionllm.dht.client import DhtClient, DhtConfig
 from fusionllm.dht.envelope import _signed_bytes, open_envelope, seal
 from fusionllm.dht.keys import nodes_key, plans_key
 from fusionllm.dht.records import LinkReport, NodeInfo, PlanProposal, RecordError
-from fusionllm.node.agreement import epoch_at
-from fusionllm.node.bandwidth import BandwidthReport
-from fusionllm.node.control_host import ControlConfig, ControlHost
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.node_processes import FAST, LocalSwarm, wait_for
+from fusionllm.node.control.agreement import epoch_at
+from fusionllm.node.control.bandwidth import BandwidthReport
+from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -157,7 +157,7 @@ def test_a_rogue_peer_changes_nothing_and_status_shows_the_swarm(tmp_path) -> No
 
         # ---- status, as a user runs it
         result = subprocess.run(
-            [sys.executable, "-m", "fusionllm.node.cli", "status", "--bootstrap",
+            [sys.executable, "-m", "fusionllm.node.cli.main", "status", "--bootstrap",
              first.dht_addr, "--json"],
             capture_output=True, text=True, timeout=90,
         )  # fmt: skip

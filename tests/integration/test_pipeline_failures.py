@@ -7,8 +7,8 @@ import psutil
 import pytest
 
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.swarm_local import run_swarm
-from fusionllm.node.train_config import TrainConfig
+from fusionllm.node.pipeline.launcher import run_swarm
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -17,7 +17,7 @@ def _stage_processes() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(os.getpid()).children(recursive=True)
-        if "fusionllm.node.pipeline_main" in " ".join(p.cmdline())
+        if "fusionllm.node.pipeline.stage_main" in " ".join(p.cmdline())
     ]
 
 

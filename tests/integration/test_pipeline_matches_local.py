@@ -1,6 +1,6 @@
 """Pipeline training across real stage processes on 127.0.0.1 equals training in one process.
 
-Every stage (and every replica of a stage) is a ``fusionllm.node.pipeline_main`` process
+Every stage (and every replica of a stage) is a ``fusionllm.node.pipeline.stage_main`` process
 talking over the real transport (py-libp2p, noise + yamux); the reference is the whole model
 in this process with the same seed, data, micro-batches, clipping and AdamW.
 """
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fusionllm.compression import topk_wire_bytes
-from fusionllm.node.data import TokenDataset
-from fusionllm.node.local_train import train_local
-from fusionllm.node.swarm_local import run_swarm
-from fusionllm.node.train_config import TrainConfig
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.launcher import run_swarm
+from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fusionllm.node.node_processes import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import LocalSwarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 

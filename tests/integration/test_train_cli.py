@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 def test_train_prints_progress_and_leaves_no_process() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fusionllm.node.cli", "--log-level", "WARNING", "train",
+        [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "train",
          "--stages", "2", "--steps", "3", "--micro-batches", "2", "--batch-size", "2",
          "--seq-len", "16", "--json"],
         capture_output=True, text=True, timeout=100, check=False,
@@ -24,7 +24,7 @@ def test_train_prints_progress_and_leaves_no_process() -> None:
 
 def test_train_rejects_a_bad_configuration() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fusionllm.node.cli", "train", "--stages", "2",
+        [sys.executable, "-m", "fusionllm.node.cli.main", "train", "--stages", "2",
          "--replicas", "1", "2", "3"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

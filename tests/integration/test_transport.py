@@ -1,6 +1,6 @@
 """The tensor transport between real node processes on 127.0.0.1.
 
-Each test starts ``python -m fusionllm.node.transport_main`` (an echo node), talks to it
+Each test starts ``python -m tests.support.transport_main`` (an echo node), talks to it
 through an in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
 that writes whatever bytes the test wants on the tensor protocol. Every bad frame must reset
 only its own stream, be counted against the peer, and leave the node serving good frames.
@@ -34,10 +34,10 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from fusionllm.compression import pack_tensor
 from fusionllm.node import transport as transport_module
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
-from fusionllm.node.framing import PREFIX, FrameHeader, encode_head
-from fusionllm.node.host import TENSOR_PROTOCOL, new_secure_host
-from fusionllm.node.identity import peer_id_of
-from fusionllm.node.transport import Transport, TransportConfig
+from fusionllm.node.p2p.framing import PREFIX, FrameHeader, encode_head
+from fusionllm.node.p2p.host import TENSOR_PROTOCOL, new_secure_host
+from fusionllm.node.p2p.identity import peer_id_of
+from fusionllm.node.p2p.transport import Transport, TransportConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -53,10 +53,11 @@ class NodeProcess:
 
     def __init__(self, key: Path, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm.node.transport_main", "--key", str(key), *args],
+            [sys.executable, "-m", "tests.support.transport_main", "--key", str(key), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            cwd=Path(__file__).resolve().parents[2],  # the repo root: tests.support imports
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

@@ -14,7 +14,7 @@ from fusionllm.dag.planner import Plan, PlanConfig, plan
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.dag.synthetic import gpt2_costs
 from fusionllm.dht.records import DeviceInfo, NodeInfo, NodeState, PlanProposal, RecordError
-from fusionllm.node.agreement import (
+from fusionllm.node.control.agreement import (
     Candidate,
     backup_pool,
     check_plan,

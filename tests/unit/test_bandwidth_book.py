@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import DeviceInfo, LinkReport, NodeInfo, NodeState, RecordError
-from fusionllm.node.bandwidth import (
+from fusionllm.node.control.bandwidth import (
     MAX_REPORT_BYTES,
     MAX_REPORT_LINKS,
     BandwidthBook,

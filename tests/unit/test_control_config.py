@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.control_host import (
+from fusionllm.node.errors import DeadlineError, TransportClosedError
+from fusionllm.node.p2p.control_host import (
     MAX_GOSSIP_BYTES,
     MAX_PROBE_BYTES,
     ControlConfig,
@@ -16,7 +17,6 @@ from fusionllm.node.control_host import (
     _Inbox,
     _TokenBuckets,
 )
-from fusionllm.node.errors import DeadlineError, TransportClosedError
 
 
 def config(**overrides) -> ControlConfig:
@@ -166,7 +166,7 @@ def test_token_bucket_below_one_per_second():
 
 
 def test_token_buckets_forget_idle_peers_only(monkeypatch):
-    monkeypatch.setattr("fusionllm.node.control_host._MAX_TRACKED_PEERS", 3)
+    monkeypatch.setattr("fusionllm.node.p2p.control_host._MAX_TRACKED_PEERS", 3)
     buckets = _TokenBuckets(1.0)
     for peer in "abc":
         assert buckets.allow(peer, 0.0)

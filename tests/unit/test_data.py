@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.data import BatchConfig, DataError, TokenDataset, stdlib_source_files
+from fusionllm.node.pipeline.data import BatchConfig, DataError, TokenDataset, stdlib_source_files
 
 CONFIG = BatchConfig(batch_size=3, seq_len=8, seed=5)
 

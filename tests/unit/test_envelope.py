@@ -25,7 +25,7 @@ from fusionllm.dht.records import (
     PlanProposal,
     RecordError,
 )
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 KEY = "fusionllm/demo/nodes"
 EXP = 1_700_000_030.0

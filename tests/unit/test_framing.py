@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fusionllm.common.errors import FrameError
 from fusionllm.node.errors import DeadlineError
-from fusionllm.node.framing import (
+from fusionllm.node.p2p.framing import (
     MAX_HEADER_BYTES,
     MAX_MICRO_BATCH,
     MAX_STAGE,

@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.probe import ProbeConfig, cached_measurement, measure_device
+from fusionllm.node.control.probe import ProbeConfig, cached_measurement, measure_device
 
 TINY = ProbeConfig(matmul_size=64, elementwise_bytes=1 << 16, repeats=1, overhead_ops=3)
 

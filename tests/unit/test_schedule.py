@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.schedule import (
+from fusionllm.node.pipeline.schedule import (
     one_f_one_b,
     owner,
     replica_micro_batches,

@@ -8,13 +8,18 @@ import pytest
 import torch
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.data import TokenDataset
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.layout import PipelineLayout, balanced_cuts, crossing_values, cut_problem
-from fusionllm.node.local_train import train_local
-from fusionllm.node.schedule import one_f_one_b
-from fusionllm.node.stage import StageWorker, clip_coefficient
-from fusionllm.node.train_config import TrainConfig, build_layout, build_model
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.layout import (
+    PipelineLayout,
+    balanced_cuts,
+    crossing_values,
+    cut_problem,
+)
+from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.schedule import one_f_one_b
+from fusionllm.node.pipeline.stage import StageWorker, clip_coefficient
+from fusionllm.node.pipeline.train_config import TrainConfig, build_layout, build_model
 
 ATOL = 1e-6
 
@@ -183,7 +188,7 @@ def test_worker_refuses_out_of_order_calls(dataset) -> None:
 def test_link_ratios_come_from_a_plan() -> None:
     from types import SimpleNamespace
 
-    from fusionllm.node.train_config import ratios_from_plan
+    from fusionllm.node.pipeline.train_config import ratios_from_plan
 
     links = [
         SimpleNamespace(src_stage=1, forward_codec="fp16", forward_ratio=1.0,

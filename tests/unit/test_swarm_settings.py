@@ -7,7 +7,7 @@ import pytest
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.planner import PlanConfig
-from fusionllm.node.swarm_settings import MODELS, SwarmSettings
+from fusionllm.node.control.swarm_settings import MODELS, SwarmSettings
 
 
 def test_defaults_are_valid():

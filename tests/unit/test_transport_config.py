@@ -6,8 +6,8 @@ import pytest
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.errors import IdentityError
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.transport import TransportConfig
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.transport import TransportConfig
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from fusionllm.node.demo import DemoConfig, feedback_drift, format_reports, run_demo
+    from fusionllm.node.cli.demo import DemoConfig, feedback_drift, format_reports, run_demo
 
     config = DemoConfig(
         numel=args.numel, ratios=tuple(args.ratios), device=args.device, seed=args.seed
@@ -59,8 +59,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from fusionllm.node.swarm_local import run_swarm
-    from fusionllm.node.train_config import TrainConfig
+    from fusionllm.node.pipeline.launcher import run_swarm
+    from fusionllm.node.pipeline.train_config import TrainConfig
 
     links = args.stages - 1
     ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
@@ -118,8 +118,8 @@ def _cmd_node(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fusionllm.dht.records import DeviceInfo
-    from fusionllm.node.daemon import NodeConfig, NodeDaemon
-    from fusionllm.node.swarm_settings import SwarmSettings
+    from fusionllm.node.control.daemon import NodeConfig, NodeDaemon
+    from fusionllm.node.control.swarm_settings import SwarmSettings
 
     settings = SwarmSettings(
         swarm=args.swarm,
@@ -183,7 +183,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from fusionllm.node.status import format_status, gather
+    from fusionllm.node.control.status import format_status, gather
 
     status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
     print(json.dumps(status, indent=1) if args.json else format_status(status))

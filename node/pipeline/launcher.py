@@ -22,9 +22,9 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.mailbox import Role
-from fusionllm.node.pipeline import roles_of
-from fusionllm.node.train_config import TrainConfig
+from fusionllm.node.pipeline.mailbox import Role
+from fusionllm.node.pipeline.runner import roles_of
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)
 
@@ -121,7 +121,7 @@ def run_swarm(
             for role in roles:
                 name = f"stage{role.stage}_replica{role.replica}"
                 argv = [
-                    sys.executable, "-m", "fusionllm.node.pipeline_main",
+                    sys.executable, "-m", "fusionllm.node.pipeline.stage_main",
                     "--config", str(config_path),
                     "--stage", str(role.stage), "--replica", str(role.replica),
                     "--key", str(workdir / f"{name}.key"),

@@ -44,9 +44,15 @@ from fusionllm.common.errors import ConfigError, FrameError, FusionError, PeerEr
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import DEFAULT_LIMITS, Codec, FrameLimits, pack_tensor, unpack_tensor
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
-from fusionllm.node.framing import MAX_BODY_BYTES, FrameHeader, encode_head, read_exactly, read_head
-from fusionllm.node.host import TENSOR_PROTOCOL, new_secure_host
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.framing import (
+    MAX_BODY_BYTES,
+    FrameHeader,
+    encode_head,
+    read_exactly,
+    read_head,
+)
+from fusionllm.node.p2p.host import TENSOR_PROTOCOL, new_secure_host
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 logger = get_logger(__name__)
 

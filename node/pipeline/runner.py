@@ -41,15 +41,15 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
-from fusionllm.node.data import TokenDataset
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.framing import FrameHeader, FrameKind
-from fusionllm.node.layout import WIRE_DTYPE, PipelineLayout
-from fusionllm.node.mailbox import Mailbox, Role, pump
-from fusionllm.node.schedule import owner, replica_schedule
-from fusionllm.node.stage import StageWorker
-from fusionllm.node.train_config import TrainConfig
-from fusionllm.node.transport import TensorSpec, Transport
+from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.p2p.transport import TensorSpec, Transport
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.layout import WIRE_DTYPE, PipelineLayout
+from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
+from fusionllm.node.pipeline.schedule import owner, replica_schedule
+from fusionllm.node.pipeline.stage import StageWorker
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """One pipeline stage (or one replica of it) as a process, driven by a launcher over stdin/stdout.
 
-    python -m fusionllm.node.pipeline_main --config run.json --stage S [--replica R] --key K
+    python -m fusionllm.node.pipeline.stage_main --config run.json --stage S [--replica R] --key K
 
 Protocol (one JSON object per line), like ``transport_main``:
 
@@ -27,10 +27,15 @@ import torch
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.mailbox import Role
-from fusionllm.node.pipeline import Expectations, PipelineRunner
-from fusionllm.node.train_config import TrainConfig, build_layout, build_model, load_dataset
-from fusionllm.node.transport import Transport, TransportConfig
+from fusionllm.node.p2p.transport import Transport, TransportConfig
+from fusionllm.node.pipeline.mailbox import Role
+from fusionllm.node.pipeline.runner import Expectations, PipelineRunner
+from fusionllm.node.pipeline.train_config import (
+    TrainConfig,
+    build_layout,
+    build_model,
+    load_dataset,
+)
 
 logger = get_logger(__name__)
 

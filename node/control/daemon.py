@@ -47,7 +47,7 @@ from fusionllm.dht.records import (
     PlanProposal,
     RecordError,
 )
-from fusionllm.node.agreement import (
+from fusionllm.node.control.agreement import (
     Candidate,
     backup_pool,
     check_plan,
@@ -57,16 +57,16 @@ from fusionllm.node.agreement import (
     epoch_start,
     keep_incumbent,
 )
-from fusionllm.node.bandwidth import (
+from fusionllm.node.control.bandwidth import (
     BandwidthBook,
     BandwidthReport,
     LinkSample,
     choose_probe_targets,
 )
-from fusionllm.node.control_host import ControlConfig, ControlHost
+from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.swarm_settings import SwarmSettings
+from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 logger = get_logger(__name__)
 
@@ -115,7 +115,7 @@ def software_version() -> str:
 
 def local_device(cache: Path | None) -> DeviceInfo:
     """This machine's device, measured once and cached (a few seconds on first start)."""
-    from fusionllm.node.probe import cached_measurement
+    from fusionllm.node.control.probe import cached_measurement
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"

@@ -48,7 +48,7 @@ class NodeProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in kill())
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm.node.cli", "--log-level", "INFO", "node", *args],
+            [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,

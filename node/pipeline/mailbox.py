@@ -25,8 +25,8 @@ from fusionllm.node.errors import (
     PipelineError,
     TransportClosedError,
 )
-from fusionllm.node.framing import FrameHeader
-from fusionllm.node.transport import Received, Transport
+from fusionllm.node.p2p.framing import FrameHeader
+from fusionllm.node.p2p.transport import Received, Transport
 
 logger = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """A bare transport node as a process, for integration tests and benchmarks.
 
-    python -m fusionllm.node.transport_main --key node.key [--mode echo|ack|sink] ...
+    python -m tests.support.transport_main --key node.key [--mode echo|ack|sink] ...
 
 It prints one JSON line ``{"event": "ready", "peer_id": ..., "addrs": [...]}`` on stdout, then
 serves JSON-line commands on stdin (``{"cmd": "stats"}``, ``{"cmd": "connect", "addr": ...}``,
@@ -23,8 +23,8 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.compression.dtypes import WIRE_DTYPES
 from fusionllm.node.errors import DeadlineError, TransportClosedError
-from fusionllm.node.framing import FrameHeader, FrameKind
-from fusionllm.node.transport import Received, TensorSpec, Transport, TransportConfig
+from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.p2p.transport import Received, TensorSpec, Transport, TransportConfig
 
 logger = get_logger(__name__)
 

@@ -63,8 +63,8 @@ from fusionllm.node.errors import (
     TransportClosedError,
     TransportError,
 )
-from fusionllm.node.host import new_secure_host
-from fusionllm.node.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.host import new_secure_host
+from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
 logger = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from torch.nn import functional
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import PipelineError
-from fusionllm.node.layout import PipelineLayout
+from fusionllm.node.pipeline.layout import PipelineLayout
 
 logger = get_logger(__name__)
 

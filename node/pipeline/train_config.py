@@ -16,9 +16,9 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import gpt2
-from fusionllm.node.data import BatchConfig, TokenDataset
-from fusionllm.node.layout import PipelineLayout, balanced_cuts
-from fusionllm.node.stage import OptimizerConfig
+from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
+from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
+from fusionllm.node.pipeline.stage import OptimizerConfig
 
 if TYPE_CHECKING:
     from fusionllm.dag.planner import Plan

@@ -13,8 +13,8 @@ import torch
 from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
-from fusionllm.node.data import TokenDataset
-from fusionllm.node.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 
 logger = get_logger(__name__)
 

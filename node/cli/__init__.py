@@ -1,0 +1,1 @@
+"""The ``fusionllm`` console script: main.py (commands), demo.py (the codec demo)."""

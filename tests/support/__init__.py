@@ -1,0 +1,1 @@
+"""Test harnesses: processes and fakes the tests drive."""
