@@ -25,6 +25,7 @@ from fusionllm.compression import pack_tensor
 from fusionllm.dag import OpGraph
 from fusionllm.dag.planner import Plan
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.p2p.transport import TensorSpec
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import StepReport
@@ -36,6 +37,7 @@ from fusionllm.node.training.session import Ending, Held, Outcome, PlanSession
 logger = get_logger(__name__)
 
 FINAL_PARAMS = "final-params.pt"
+_NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
 
 
@@ -84,6 +86,7 @@ class SwarmTrainer:
         self.dataset = dataset
         self.view = view
         self._emit = on_event
+        self._session: PlanSession | None = None
         self._role: int | None = None  # our replica in the plan we serve
         self.board = Board(shapes=shapes, is_member=view.is_member)
         self.router = Router(transport, self.board)
@@ -92,6 +95,14 @@ class SwarmTrainer:
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
         self._thread = threading.Thread(target=self._main, name="node-train", daemon=True)
+
+    def expect(self, header: FrameHeader) -> TensorSpec:
+        """The transport's hook: what a frame must hold, by header, before it is kept."""
+        spec = self.board.expect(header)
+        if spec is not None:
+            return spec
+        session = self._session
+        return session.runner.expectations.expect(header) if session is not None else _NEVER
 
     def start(self) -> "SwarmTrainer":
         self.router.start()
@@ -156,6 +167,7 @@ class SwarmTrainer:
             vote=self._vote,
             timeout_s=self.config.step_timeout_s,
         )
+        self._session = session
         try:
             self._connect(plan_of)
             current = lambda: (self.view.adopted() or ("",))[0] == digest  # noqa: E731
@@ -167,6 +179,7 @@ class SwarmTrainer:
                 start, last_step=self.run_spec.steps, stop=self._stop, on_step=self._on_step
             )
         finally:
+            self._session = None
             session.close()
         self._emit({"event": "plan_end", "digest": digest, "outcome": ending.outcome.value,
                     "next_step": ending.held.next_step if ending.held else None,
