@@ -370,7 +370,7 @@ class MemoryNetwork:
 
         return self.add_fault(match, die)
 
-    # ----- delivery ---------------------------------------------------------------------------------
+    # ----- delivery ------------------------------------------------------------------------
 
     def _send(self, frame: Frame, future: Future, timeout: float) -> None:
         with self._lock:
@@ -437,4 +437,3 @@ def _fail(future: Future, error: BaseException) -> None:
     if not future.done():
         with contextlib.suppress(Exception):  # resolved meanwhile by another thread
             future.set_exception(error)
-

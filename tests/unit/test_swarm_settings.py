@@ -6,8 +6,8 @@ import math
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.dag.planner import PlanConfig
 from fusionllm.common.run_spec import RunSpec
+from fusionllm.dag.planner import PlanConfig
 from fusionllm.node.control.swarm_settings import MODELS, SwarmSettings
 
 
