@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train GPT-2 in a local swarm of stage processes on 127.0.0.1",
+        help="reference run: a launcher starts one stage process each on 127.0.0.1 (no daemons)",
         description="Starts one process per pipeline stage (and replica) on this machine, "
         "connected over the real transport, and trains a byte-level GPT-2 on the Python "
         "standard library's source (or your token file). Ctrl-C stops every process.",
