@@ -7,6 +7,7 @@ train. It hands out no stage and no address. Ctrl-C stops every process it start
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress = _watch(swarm, args, say)
     finally:
-        swarm.close()
+        for node in swarm.nodes:  # politely: a node that still runs leaves the swarm
+            node.kill(signal.SIGTERM)
     return _report(progress, args, root, launched, say)
 
 

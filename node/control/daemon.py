@@ -274,9 +274,12 @@ class NodeDaemon:
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
         self.state = NodeState.LEAVING
+        # A finished run's last word stays a whole TTL: backups and late readers learn the end.
+        finished = self.progress is not None and self.progress.finished
+        ttl_s = self.settings.ttl_s if finished else self.settings.heartbeat_s
         with contextlib.suppress(FusionError):
-            if self.directory is not None:
-                self.directory.announce(self._info(), ttl_s=self.settings.heartbeat_s)
+            if self.directory is not None and self.control is not None:
+                self.directory.announce(self._info(), ttl_s=ttl_s)
         self._emit("left")
 
     def close(self) -> None:
