@@ -48,7 +48,7 @@ from fusionllm.node.p2p.gossip import (
     Validate,
     check_topic,
 )
-from fusionllm.node.p2p.peer_host import HostConfig, HostService, PeerHost
+from fusionllm.node.p2p.peer_host import HostConfig, HostService, PeerHost, reset_quietly
 from fusionllm.node.p2p.probes import (
     MAX_PROBE_BYTES,
     PROBE_PROTOCOL,
@@ -359,6 +359,7 @@ class ControlHost:
         network = host.libp2p.get_network()
         registered: list[TProtocol] = []
         notifees: list[INotifee] = []
+        pubsub: GuardedPubsub | None = None
         try:
             server = ProbeServer(
                 max_bytes=config.max_probe_bytes,
@@ -397,9 +398,12 @@ class ControlHost:
                     self._pubsub = self._router = None
         finally:
             for protocol in reversed(registered):
-                host.remove_stream_handler(protocol)
+                host.remove_stream_handler(protocol)  # also resets the inbound gossip streams
             for notifee in notifees:
                 network.remove_notifee(notifee)
+            # And the outbound ones, so that peers drop us from their meshes now.
+            for stream in list(pubsub.peers.values()) if pubsub is not None else ():
+                await reset_quietly(stream)
             self._inbox.close()
 
     async def _subscribe(self, topic: str) -> None:

@@ -383,13 +383,23 @@ class PeerHost:
                     entered = True
                     task_status.started(value)
                     await trio.sleep_forever()
-        except Exception:
-            if not entered:
-                raise  # to start_service's caller
+        except Exception as exc:
+            if not entered:  # to start_service's caller, as itself if it is one error alone
+                leaf = _leaf(exc)
+                if leaf is exc:
+                    raise
+                raise leaf from exc
             # A service that fails later must not take the host and the other services along.
             logger.error("service %s failed", service.name, exc_info=True)
         finally:
             service._done.set()
+
+
+def _leaf(exc: Exception) -> Exception:
+    """The one error inside nested one-error groups (a service's own nursery wraps them)."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -276,18 +276,20 @@ class Transport:
     async def _serving(self) -> AsyncIterator[None]:
         """TENSOR_PROTOCOL on the host and a nursery for sends, until stopped."""
         self._inbox_slots = trio.Semaphore(self.config.inbox_size)
+        # Outside the nursery and the try: a refusal (another transport has the protocol)
+        # reaches start() as itself, and that transport's handler stays.
+        self.host.set_stream_handler(TENSOR_PROTOCOL, self._handle_stream)
         try:
             async with trio.open_nursery() as nursery:
-                self.host.set_stream_handler(TENSOR_PROTOCOL, self._handle_stream)
                 self._nursery = nursery
                 try:
                     yield
                 finally:
                     self._nursery = None
-                    # Also ends (resets) the inbound streams still being read.
-                    self.host.remove_stream_handler(TENSOR_PROTOCOL)
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
+            # Also ends (resets) the inbound streams still being read.
+            self.host.remove_stream_handler(TENSOR_PROTOCOL)
             # Our outbound streams would otherwise stay open on a host that lives on.
             for out in self._outbound.values():
                 stream, out.stream = out.stream, None
