@@ -69,6 +69,7 @@ from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
 
 logger = get_logger(__name__)
 
@@ -82,10 +83,10 @@ class NodeConfig:
     bootstrap: tuple[str, ...] = ()  # DHT multiaddrs of any node already in the swarm
     listen_host: str = "127.0.0.1"
     dht_port: int = 0
-    control_port: int = 0
+    control_port: int = 0  # the node's one py-libp2p host: control and data planes
     probe_interval_s: float = 10.0
     probe_fanout: int = 3  # peers probed per interval
-    probe_bytes: int = 1 << 20
+    probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
     max_connections: int = 32
     device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
     device_cache: Path | None = None
@@ -100,12 +101,25 @@ class NodeConfig:
             raise ConfigError(f"probe_interval_s must be > 0, got {self.probe_interval_s}")
         if not 0 <= self.probe_fanout <= 64:
             raise ConfigError(f"probe_fanout must be in [0, 64], got {self.probe_fanout}")
-        if not 1024 <= self.probe_bytes <= 64 << 20:
-            raise ConfigError(f"probe_bytes must be in [1 KiB, 64 MiB], got {self.probe_bytes}")
         for name in ("uplink", "downlink"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0 bytes/s, got {value}")
+        # The host and the control plane check their own fields (address, port, probe sizes);
+        # building their configs here makes a bad value a ConfigError now, not at start().
+        self.control_config()
+
+    def control_config(self) -> ControlConfig:
+        return ControlConfig(
+            key_path=self.key_path,
+            listen_host=self.listen_host,
+            listen_port=self.control_port,
+            probe_bytes=self.probe_bytes,
+        )
+
+    def host_config(self) -> HostConfig:
+        """The node's one py-libp2p host: the control plane's listen address and deadlines."""
+        return self.control_config().host_config()
 
 
 def software_version() -> str:
@@ -170,15 +184,13 @@ class NodeDaemon:
         self.node_ids = tuple(graph.node_ids)
         self.plan_config = settings.plan_config()
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
+        # The node's one py-libp2p host: the control plane attaches to it here; a Transport
+        # can attach to it later (Transport(..., host=daemon.host)).
+        self.host: PeerHost | None = None
         try:
+            self.host = PeerHost(cfg.host_config()).start()
             self.control = ControlHost(
-                ControlConfig(
-                    key_path=cfg.key_path,
-                    listen_host=cfg.listen_host,
-                    listen_port=cfg.control_port,
-                    probe_bytes=cfg.probe_bytes,
-                ),
-                validate=self._valid_gossip,
+                cfg.control_config(), validate=self._valid_gossip, host=self.host
             ).start()
             self.control.subscribe(self.topic)
             self.dht = DhtClient(
@@ -213,7 +225,7 @@ class NodeDaemon:
             self._threads.append(thread)
         self._emit(
             "ready",
-            addrs=self.control.listen_addrs,
+            addrs=self.host.addrs,
             dht_addrs=self.dht.maddrs,
             device=self.device.to_wire(),
         )
@@ -288,6 +300,10 @@ class NodeDaemon:
             thread.join(timeout=10)
         if self.control is not None:
             self.control.close()
+        # After the control plane detached; whatever else is attached to it ends with it.
+        host = getattr(self, "host", None)  # set by start()
+        if host is not None:
+            host.close()
         if self.dht is not None:
             self.dht.close()
 

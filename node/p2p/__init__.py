@@ -1,9 +1,21 @@
-"""The data and gossip planes on py-libp2p.
+"""The data and gossip planes on py-libp2p: one host per node, every protocol attached to it.
 
+- peer_host.py:     ``PeerHost`` (the node's one py-libp2p host, its trio thread and the one
+                    thread bridge: call/call_sync/run_sync_soon, services, stream handlers,
+                    connect), ``HostConfig``, ``HostService``
 - host.py:          ``new_secure_host`` (Noise + Yamux only), ``TENSOR_PROTOCOL``
 - identity.py:      ``load_or_create_identity``, the Ed25519 key file (mode 0600)
+- checks.py:        the value checks the configs share (deadlines, ranges, IPs, peer ids)
 - framing.py:       ``FrameHeader``, ``FrameKind``, the length-prefixed frame and its read loop
-- transport.py:     ``Transport`` (send/recv/connect/stats of tensor frames), ``TransportConfig``,
-                    ``TensorSpec``, ``Received``, ``PeerStats``
-- control_host.py:  ``ControlHost``, ``ControlConfig``: gossipsub + bandwidth/RTT probes
+- transport.py:     ``Transport`` (send/recv/connect/stats of tensor frames)
+- transport_types.py: ``TransportConfig``, ``TensorSpec``, ``Received``, ``PeerStats``,
+                    ``PeerCounters``
+- control_host.py:  ``ControlHost``, ``ControlConfig``, ``ControlStats``: gossipsub + probes
+- gossip.py:        ``GossipMessage``, ``MessageChecks`` (size, rate, validate), ``GuardedPubsub``,
+                    the gossip ``Inbox``, ``TokenBuckets``
+- probes.py:        the bandwidth/RTT probe protocol: ``ProbeServer``, ``run_probe``,
+                    ``ProbeResult``, ``PROBE_PROTOCOL``
+
+``ControlHost`` and ``Transport`` attach to a ``PeerHost`` they are given (a node daemon's
+``host``) or, given none, make and own one.
 """

@@ -226,7 +226,7 @@ def test_unsigned_and_missigned_messages_are_dropped(hosts):
         # Straight onto a's gossipsub queue to b: past a's own publish path and its signing.
         a._router.send_rpc(b_id, rpc_pb2.RPC(publish=forged))
 
-    a._call_sync(send_raw)
+    a.host.call_sync(send_raw)
     a.publish(TOPIC, b"signed")
     assert [m.data for m in drain(c)] == [b"signed"]
     assert b.stats().dropped_bad_signature == 3
@@ -277,7 +277,7 @@ def test_probes_over_the_size_or_rate_cap_are_refused_and_serving_goes_on(hosts)
 
 async def _raw_probe(host: ControlHost, peer: str, payload: bytes) -> str:
     """Open a probe stream, write ``payload`` and stall; how did the server end it?"""
-    stream = await host._host.new_stream(ID.from_base58(peer), [PROBE_PROTOCOL])
+    stream = await host.host.libp2p.new_stream(ID.from_base58(peer), [PROBE_PROTOCOL])
     await stream.write(payload)
     with trio.fail_after(_WAIT_S):
         try:
@@ -294,9 +294,9 @@ def test_a_misbehaving_prober_only_loses_its_own_stream(hosts):
     started = time.monotonic()
     # A header that promises 1 MiB, then 10 bytes and silence: b gives up at its deadline.
     header = b"FLP1" + (1 << 20).to_bytes(8, "big")
-    a._call(_raw_probe, a, b.peer_id, header + b"\x00\x01\x02" + bytes(7))
+    a.host.call(_raw_probe, a, b.peer_id, header + b"\x00\x01\x02" + bytes(7))
     assert time.monotonic() - started < 0.5 * 2 + 2.0
-    a._call(_raw_probe, a, b.peer_id, b"GARBAGE-HEADER")  # bad magic: reset at once
+    a.host.call(_raw_probe, a, b.peer_id, b"GARBAGE-HEADER")  # bad magic: reset at once
     assert b.stats().probe_errors == 2
     assert a.probe(b.peer_id, nbytes=1 << 16).bandwidth > 0
     assert b.stats().probes_served == 1

@@ -14,9 +14,9 @@ from fusionllm.node.p2p.control_host import (
     MAX_PROBE_BYTES,
     ControlConfig,
     GossipMessage,
-    _Inbox,
-    _TokenBuckets,
 )
+from fusionllm.node.p2p.gossip import Inbox as _Inbox
+from fusionllm.node.p2p.gossip import TokenBuckets as _TokenBuckets
 
 
 def config(**overrides) -> ControlConfig:
@@ -166,7 +166,7 @@ def test_token_bucket_below_one_per_second():
 
 
 def test_token_buckets_forget_idle_peers_only(monkeypatch):
-    monkeypatch.setattr("fusionllm.node.p2p.control_host._MAX_TRACKED_PEERS", 3)
+    monkeypatch.setattr("fusionllm.node.p2p.gossip._MAX_TRACKED_PEERS", 3)
     buckets = _TokenBuckets(1.0)
     for peer in "abc":
         assert buckets.allow(peer, 0.0)

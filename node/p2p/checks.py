@@ -1,0 +1,43 @@
+"""Value checks shared by the p2p configs and calls: one wording, one set of bounds."""
+
+import ipaddress
+import math
+
+from libp2p.peer.id import ID
+
+from fusionllm.common.errors import ConfigError
+
+
+def positive_seconds(name: str, value: float, *, allow_inf: bool = False) -> None:
+    """A deadline: a positive number, finite unless ``allow_inf`` (bools are refused)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and value > 0 and (allow_inf or math.isfinite(value))):
+        raise ConfigError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+def positive_rate(name: str, value: float) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive finite rate, got {value!r}")
+
+
+def int_in(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def ip_address(name: str, value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an IP address, got {value!r}") from exc
+
+
+def parse_peer_id(peer: str) -> ID:
+    """A base58 peer id from a caller; ValueError (the caller's mistake) if it is not one."""
+    try:
+        if not isinstance(peer, str) or not peer:
+            raise ValueError("empty")
+        return ID.from_base58(peer)
+    except Exception as exc:  # base58 and multihash raise assorted types
+        raise ValueError(f"not a peer id: {peer!r}") from exc

@@ -1,0 +1,228 @@
+"""The bandwidth/RTT probe: ``/fusionllm/probe/1.0.0``, one new stream per probe.
+
+    client: "FLP1" | u64 nbytes          server: 1 status byte (0 ok, else refused, then EOF)
+    client: 1 byte  x3                   server: echoes each byte (RTT = min of the 3)
+    client: nbytes of payload            server: 1 ack byte once all of it arrived
+
+Bandwidth = nbytes / (time from the first payload byte written to the ack read), so it
+includes one RTT; with ~1 MiB payloads that is small except on slow, far links. The server
+refuses a request over ``max_bytes``, past ``max_per_peer_per_min`` or past
+``max_concurrent``; every read runs under a deadline and a misbehaving prober only gets its own
+stream reset. Both sides run in the host's trio thread.
+"""
+
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.peer.id import ID
+
+from fusionllm.common.errors import PeerError
+from fusionllm.common.logs import get_logger
+from fusionllm.node.errors import ControlError, DeadlineError, ProbeRefusedError
+from fusionllm.node.p2p.gossip import Count
+from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
+
+logger = get_logger(__name__)
+
+PROBE_PROTOCOL = TProtocol("/fusionllm/probe/1.0.0")
+MAX_PROBE_BYTES = 256 << 20
+
+_PROBE_MAGIC = b"FLP1"
+_PROBE_HEADER = struct.Struct(">4sQ")
+_PROBE_PINGS = 3
+_PROBE_OK = 0
+_PROBE_TOO_LARGE = 1
+_PROBE_TOO_OFTEN = 2
+_PROBE_BUSY = 3
+_PROBE_REASONS = {
+    _PROBE_TOO_LARGE: "too large",
+    _PROBE_TOO_OFTEN: "probed too often",
+    _PROBE_BUSY: "busy",
+}
+_PROBE_ACK = b"A"
+_PROBE_CHUNK_BYTES = 256 << 10
+_PROBE_READ_BYTES = 64 << 10
+_PROBE_WINDOW_S = 60.0
+
+# Per-prober state is kept for at most this many peers; idle entries go first.
+_MAX_TRACKED_PROBERS = 4096
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    peer: str
+    bandwidth: float  # bytes/s, payload only
+    rtt: float  # s, the fastest of the ping round trips
+    bytes: int
+    seconds: float  # first payload byte written -> ack read
+
+
+def probe_payload(probe_bytes: int) -> bytes:
+    """The zeros a prober writes, chunk by chunk, for probes of up to ``probe_bytes``."""
+    return bytes(min(_PROBE_CHUNK_BYTES, probe_bytes))
+
+
+async def run_probe(
+    host: IHost, peer: ID, nbytes: int, timeout: float, payload: bytes
+) -> ProbeResult:
+    """Probe ``peer``; ProbeRefusedError, DeadlineError or ControlError if it fails."""
+    stream: INetStream | None = None
+    try:
+        with trio.fail_after(timeout):
+            stream = await host.new_stream(peer, [PROBE_PROTOCOL])
+            rtt = await _request(stream, peer, nbytes)
+            started = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                n = min(len(payload), nbytes - sent)
+                await stream.write(payload if n == len(payload) else payload[:n])
+                sent += n
+            ack = await _read_exactly(stream, 1)
+            seconds = time.perf_counter() - started
+            if ack != _PROBE_ACK:
+                raise ControlError(f"{peer} acked a probe with {ack!r}")
+        await close_quietly(stream)
+    except trio.TooSlowError:
+        await reset_quietly(stream)
+        raise DeadlineError(f"probe of {nbytes} bytes to {peer} took over {timeout}s") from None
+    except ControlError:
+        await reset_quietly(stream)
+        raise
+    except (PeerError, *NETWORK_ERRORS) as exc:
+        await reset_quietly(stream)
+        logger.debug("probe to %s failed", peer, exc_info=True)
+        raise ControlError(f"probe to {peer} failed: {type(exc).__name__}: {exc}") from exc
+    return ProbeResult(
+        peer=peer.to_base58(), bandwidth=nbytes / seconds, rtt=rtt, bytes=nbytes, seconds=seconds
+    )
+
+
+async def _request(stream: INetStream, peer: ID, nbytes: int) -> float:
+    """Ask for a probe of ``nbytes`` and ping; the fastest round trip."""
+    await stream.write(_PROBE_HEADER.pack(_PROBE_MAGIC, nbytes))
+    (status,) = await _read_exactly(stream, 1)
+    if status != _PROBE_OK:
+        reason = _PROBE_REASONS.get(status, f"status {status}")
+        raise ProbeRefusedError(f"{peer} refused a probe of {nbytes} bytes: {reason}")
+    rtts = []
+    for i in range(_PROBE_PINGS):
+        started = time.perf_counter()
+        await stream.write(bytes([i]))
+        echo = await _read_exactly(stream, 1)
+        rtts.append(time.perf_counter() - started)
+        if echo != bytes([i]):
+            raise ControlError(f"{peer} echoed {echo!r} to probe ping {i}")
+    return min(rtts)
+
+
+class ProbeServer:
+    """Serves probes (the stream handler ``serve``) within its size, rate and slot limits.
+
+    Made and used in the trio thread. ``count`` gets "probes_served", "probes_refused" and
+    "probe_errors".
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        max_per_peer_per_min: int,
+        max_concurrent: int,
+        timeout_s: float,
+        count: Count,
+    ) -> None:
+        self._max_bytes = max_bytes
+        self._max_per_peer_per_min = max_per_peer_per_min
+        self._timeout_s = timeout_s
+        self._count = count
+        self._slots = trio.Semaphore(max_concurrent)
+        self._probes_by_peer: dict[str, deque[float]] = {}
+
+    async def serve(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            # Twice the client's default deadline: a client within its own deadline is served.
+            with trio.fail_after(2 * self._timeout_s):
+                await self._serve_steps(peer, stream)
+        except (trio.TooSlowError, PeerError, *NETWORK_ERRORS):
+            # The prober's fault (or its network's): drop this stream, keep everything else.
+            self._count("probe_errors")
+            logger.debug("dropping a probe stream from %s", peer, exc_info=True)
+            await reset_quietly(stream)
+        except Exception:
+            self._count("probe_errors")
+            logger.warning("unexpected error serving a probe to %s", peer, exc_info=True)
+            await reset_quietly(stream)
+
+    async def _serve_steps(self, peer: str, stream: INetStream) -> None:
+        magic, nbytes = _PROBE_HEADER.unpack(await _read_exactly(stream, _PROBE_HEADER.size))
+        if magic != _PROBE_MAGIC or nbytes < 1:
+            raise PeerError(f"bad probe header from {peer}: {magic!r}, {nbytes}")
+        refusal = self._admit(peer, nbytes)
+        if refusal == _PROBE_OK:
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                refusal = _PROBE_BUSY
+        if refusal != _PROBE_OK:
+            self._count("probes_refused")
+            logger.debug("refused a probe of %d bytes from %s: %s", nbytes, peer, refusal)
+            await stream.write(bytes([refusal]))
+            await close_quietly(stream)
+            return
+        try:
+            await stream.write(bytes([_PROBE_OK]))
+            for _ in range(_PROBE_PINGS):
+                await stream.write(await _read_exactly(stream, 1))
+            remaining = nbytes
+            while remaining:
+                chunk = await _read_some(stream, min(remaining, _PROBE_READ_BYTES))
+                remaining -= len(chunk)
+            # Counted before the ack, so a prober that has its result sees it counted here.
+            self._count("probes_served")
+            await stream.write(_PROBE_ACK)
+        finally:
+            self._slots.release()
+        await close_quietly(stream)
+
+    def _admit(self, peer: str, nbytes: int) -> int:
+        if nbytes > self._max_bytes:
+            return _PROBE_TOO_LARGE
+        now = time.monotonic()
+        recent = self._probes_by_peer.setdefault(peer, deque())
+        while recent and now - recent[0] >= _PROBE_WINDOW_S:
+            recent.popleft()
+        if len(recent) >= self._max_per_peer_per_min:
+            return _PROBE_TOO_OFTEN
+        recent.append(now)
+        if len(self._probes_by_peer) > _MAX_TRACKED_PROBERS:
+            for other, times in list(self._probes_by_peer.items()):
+                if not times or now - times[-1] >= _PROBE_WINDOW_S:
+                    del self._probes_by_peer[other]
+        return _PROBE_OK
+
+
+async def _read_some(stream: INetStream, n: int) -> bytes:
+    """Up to ``n`` bytes (py-libp2p returns one muxer frame at most); EOF is an error."""
+    try:
+        data = await stream.read(n)
+    except StreamEOF:
+        data = b""
+    except StreamReset as exc:
+        raise PeerError("probe stream reset by peer") from exc
+    if not data:
+        raise PeerError("probe stream ended early")
+    return data
+
+
+async def _read_exactly(stream: INetStream, n: int) -> bytes:
+    buffer = bytearray()
+    while len(buffer) < n:
+        buffer += await _read_some(stream, n - len(buffer))
+    return bytes(buffer)

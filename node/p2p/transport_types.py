@@ -1,0 +1,190 @@
+"""The data plane's configuration and values: what a Transport is given and gives back.
+
+``TransportConfig`` (validated on construction), ``TensorSpec`` (what a receiver expects),
+``Received`` (a frame taken from the inbox), ``PeerStats`` and ``PeerCounters`` (per-peer
+counters shared by the trio thread and callers, always behind one lock).
+"""
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import multiaddr
+import torch
+
+from fusionllm.common.errors import ConfigError, FrameError
+from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
+from fusionllm.node.p2p.checks import positive_seconds
+from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
+from fusionllm.node.p2p.peer_host import HostConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """Everything the data plane needs; all deadlines in seconds.
+
+    ``key_path``, ``listen_*``, ``dial_timeout_s`` and ``close_timeout_s`` are also the host's
+    (``host_config()``) when the transport runs a host of its own; attached to a node's
+    PeerHost, the host's own config rules where it listens and how it negotiates.
+    """
+
+    key_path: Path
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0  # 0: a free port
+    dial_timeout_s: float = 10.0  # connect + security + muxer + protocol negotiation
+    read_timeout_s: float = 10.0  # longest silence allowed *inside* a frame
+    write_timeout_s: float = 60.0  # one whole frame, including opening the stream
+    idle_timeout_s: float = 600.0  # an inbound stream with no frame for this long is closed
+    close_timeout_s: float = 5.0
+    max_frame_bytes: int = 256 << 20  # the pack_tensor bytes of one frame
+    max_in_flight: int = 4  # frames per peer and direction not yet written / not yet taken
+    max_streams_per_peer: int = 8
+    inbox_size: int = 64  # received frames waiting for recv(), all peers together
+    decode_in_thread_bytes: int = 1 << 20  # larger bodies are decoded off the trio thread
+    limits: FrameLimits = DEFAULT_LIMITS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_path", Path(self.key_path))
+        self.host_config()  # the host's fields are checked in one place: HostConfig
+        for name in ("read_timeout_s", "write_timeout_s"):
+            positive_seconds(name, getattr(self, name))
+        positive_seconds("idle_timeout_s", self.idle_timeout_s, allow_inf=True)
+        if not 64 <= self.max_frame_bytes <= MAX_BODY_BYTES:
+            raise ConfigError(
+                f"max_frame_bytes must be in [64, {MAX_BODY_BYTES}], got {self.max_frame_bytes}"
+            )
+        for name in ("max_in_flight", "max_streams_per_peer", "inbox_size"):
+            if not 1 <= getattr(self, name) <= 1 << 16:
+                raise ConfigError(f"{name} must be in [1, 65536], got {getattr(self, name)}")
+        if self.decode_in_thread_bytes < 0:
+            raise ConfigError(
+                f"decode_in_thread_bytes must be >= 0, got {self.decode_in_thread_bytes}"
+            )
+
+    @property
+    def max_body_bytes(self) -> int:
+        return min(self.max_frame_bytes, self.limits.max_frame_bytes)
+
+    def host_config(self) -> HostConfig:
+        """The host a standalone transport runs (raises ConfigError for bad fields)."""
+        return HostConfig(
+            key_path=self.key_path,
+            listen_host=self.listen_host,
+            listen_port=self.listen_port,
+            dial_timeout_s=self.dial_timeout_s,
+            close_timeout_s=self.close_timeout_s,
+        )
+
+    @property
+    def listen_multiaddr(self) -> multiaddr.Multiaddr:
+        return self.host_config().listen_multiaddr
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver expects for a frame; anything else is the peer's fault."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def check(self, tensor: torch.Tensor) -> None:
+        if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
+            raise FrameError(
+                f"expected {self.dtype} {list(self.shape)}, got {tensor.dtype} {list(tensor.shape)}"
+            )
+
+
+# For each received header: the spec its tensor must match, or None to accept any.
+SpecFor = Callable[[FrameHeader], TensorSpec | None]
+
+
+@dataclass(frozen=True)
+class Received:
+    peer: str
+    header: FrameHeader
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    errors: dict[str, int]  # error type name -> count, for frames/streams this peer broke
+    streams_ended_by_peer: int  # our outbound streams it reset or closed (refusals among them)
+
+
+@dataclass
+class _Counters:
+    frames_in: int = 0
+    frames_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: Counter = field(default_factory=Counter)
+    streams_ended_by_peer: int = 0
+    inbound_streams: int = 0
+
+
+class PeerCounters:
+    """Per-peer counters; the trio thread writes, any thread reads, every access locked."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_peer: dict[str, _Counters] = {}
+
+    def sent(self, peer: str, nbytes: int) -> None:
+        with self._lock:
+            counters = self._of(peer)
+            counters.frames_out += 1
+            counters.bytes_out += nbytes
+
+    def received(self, peer: str, nbytes: int) -> None:
+        with self._lock:
+            counters = self._of(peer)
+            counters.frames_in += 1
+            counters.bytes_in += nbytes
+
+    def error(self, peer: str, exc: BaseException) -> None:
+        with self._lock:
+            self._of(peer).errors[type(exc).__name__] += 1
+
+    def stream_ended(self, peer: str) -> None:
+        with self._lock:
+            self._of(peer).streams_ended_by_peer += 1
+
+    def open_inbound(self, peer: str, limit: int) -> bool:
+        """Count one more inbound stream from ``peer``; False (not counted) at ``limit``."""
+        with self._lock:
+            counters = self._of(peer)
+            if counters.inbound_streams >= limit:
+                return False
+            counters.inbound_streams += 1
+            return True
+
+    def close_inbound(self, peer: str) -> None:
+        with self._lock:
+            self._of(peer).inbound_streams -= 1
+
+    def snapshot(self) -> dict[str, PeerStats]:
+        with self._lock:
+            return {
+                peer: PeerStats(
+                    frames_in=c.frames_in,
+                    frames_out=c.frames_out,
+                    bytes_in=c.bytes_in,
+                    bytes_out=c.bytes_out,
+                    errors=dict(c.errors),
+                    streams_ended_by_peer=c.streams_ended_by_peer,
+                )
+                for peer, c in self._by_peer.items()
+            }
+
+    def _of(self, peer: str) -> _Counters:
+        # Called with self._lock held.
+        counters = self._by_peer.get(peer)
+        if counters is None:
+            counters = self._by_peer[peer] = _Counters()
+        return counters
