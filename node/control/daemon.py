@@ -17,6 +17,7 @@ JSON lines with ``--events`` (tests and benchmarks read those), and logs a summa
 
 import contextlib
 import hashlib
+import logging
 import os
 import random
 import threading
@@ -167,7 +168,8 @@ class NodeDaemon:
         self.state = NodeState.JOINING
         self._last_plan: tuple[bytes, Plan] | None = None
         self.progress: TrainingProgress | None = None  # what our trainer last reported
-        self.run_finished = False  # some member's record says the run reached its end
+        self.run_finished = False
+        self._last_plan_failure = ""  # some member's record says the run reached its end
         self.counters = {"invalid_proposals": 0, "plans_failed": 0, "probes_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -390,8 +392,11 @@ class NodeDaemon:
             fresh = self._plan(swarm)
         except InfeasiblePlanError as exc:
             self.counters["plans_failed"] += 1
-            logger.warning(
-                "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
+            # Said once per reason: a node waiting for peers would repeat it every epoch.
+            level = logging.DEBUG if str(exc) == self._last_plan_failure else logging.WARNING
+            self._last_plan_failure = str(exc)
+            logger.log(
+                level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
             )
             return
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
