@@ -401,7 +401,8 @@ class ControlHost:
                 host.remove_stream_handler(protocol)  # also resets the inbound gossip streams
             for notifee in notifees:
                 network.remove_notifee(notifee)
-            # And the outbound ones, so that peers drop us from their meshes now.
+            # And the outbound ones: peers' readers end now (their pubsub drops us from its
+            # mesh at its next write to us).
             for stream in list(pubsub.peers.values()) if pubsub is not None else ():
                 await reset_quietly(stream)
             self._inbox.close()

@@ -87,25 +87,30 @@ class HostService:
         self.name = name
         self.value: Any = None  # what the service's context manager yielded
         self._host = host
-        # Trio objects, made in the trio thread (start_service) and used only there.
-        self._scope = trio.CancelScope()
-        self._done = trio.Event()
+        self._scope = trio.CancelScope()  # cancelled only in the trio thread
+        # A threading.Event: stop() waits on it from any thread, even if the loop is wedged.
+        self._finished = threading.Event()
 
     @property
     def running(self) -> bool:
-        return not self._done.is_set()
+        return not self._finished.is_set()
 
     def stop(self) -> None:
-        """Leave the service's context (bounded by close_timeout_s); idempotent, any thread
-        but the host's. A no-op once the host is closed: the service ended with it."""
-        with contextlib.suppress(TransportClosedError):
-            self._host.call(self._stop)
+        """Leave the service's context and wait until it has (at most close_timeout_s).
 
-    async def _stop(self) -> None:
-        self._scope.cancel()
-        with trio.move_on_after(self._host.config.close_timeout_s):
-            await self._done.wait()
-        if not self._done.is_set():
+        Idempotent, from any thread; a no-op once the host is closed (the service ended with
+        it). From the host's own thread it only asks, without waiting.
+        """
+        if self._finished.is_set():
+            return
+        if self._host._on_trio_thread():
+            self._scope.cancel()
+            return
+        try:
+            self._host.run_sync_soon(self._scope.cancel)
+        except TransportClosedError:
+            return
+        if not self._finished.wait(self._host.config.close_timeout_s):
             logger.warning("service %s still stopping after close_timeout_s", self.name)
 
 
@@ -392,7 +397,7 @@ class PeerHost:
             # A service that fails later must not take the host and the other services along.
             logger.error("service %s failed", service.name, exc_info=True)
         finally:
-            service._done.set()
+            service._finished.set()
 
 
 def _leaf(exc: Exception) -> Exception:

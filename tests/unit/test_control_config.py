@@ -15,8 +15,7 @@ from fusionllm.node.p2p.control_host import (
     ControlConfig,
     GossipMessage,
 )
-from fusionllm.node.p2p.gossip import Inbox as _Inbox
-from fusionllm.node.p2p.gossip import TokenBuckets as _TokenBuckets
+from fusionllm.node.p2p.gossip import Inbox, TokenBuckets
 
 
 def config(**overrides) -> ControlConfig:
@@ -149,7 +148,7 @@ def test_zero_probes_per_minute_means_serve_none():
 
 
 def test_token_bucket_allows_a_burst_then_the_rate():
-    buckets = _TokenBuckets(5.0)
+    buckets = TokenBuckets(5.0)
     assert [buckets.allow("a", 0.0) for _ in range(6)] == [True] * 5 + [False]
     assert buckets.allow("b", 0.0)  # per peer
     assert not buckets.allow("a", 0.1)  # half a token
@@ -159,7 +158,7 @@ def test_token_bucket_allows_a_burst_then_the_rate():
 
 
 def test_token_bucket_below_one_per_second():
-    buckets = _TokenBuckets(0.5)
+    buckets = TokenBuckets(0.5)
     assert buckets.allow("a", 0.0)
     assert not buckets.allow("a", 1.0)
     assert buckets.allow("a", 2.0)
@@ -167,7 +166,7 @@ def test_token_bucket_below_one_per_second():
 
 def test_token_buckets_forget_idle_peers_only(monkeypatch):
     monkeypatch.setattr("fusionllm.node.p2p.gossip._MAX_TRACKED_PEERS", 3)
-    buckets = _TokenBuckets(1.0)
+    buckets = TokenBuckets(1.0)
     for peer in "abc":
         assert buckets.allow(peer, 0.0)
     assert buckets.allow("d", 0.5)  # over the cap, but a, b, c are not refilled yet
@@ -184,7 +183,7 @@ def message(i: int) -> GossipMessage:
 
 
 def test_inbox_is_fifo_and_drops_the_oldest_when_full():
-    inbox = _Inbox(2)
+    inbox = Inbox(2)
     assert inbox.put(message(1))
     assert inbox.put(message(2))
     assert not inbox.put(message(3))
@@ -192,7 +191,7 @@ def test_inbox_is_fifo_and_drops_the_oldest_when_full():
 
 
 def test_inbox_times_out_with_a_deadline_error():
-    inbox = _Inbox(1)
+    inbox = Inbox(1)
     with pytest.raises(DeadlineError):
         inbox.get(0.01)
     with pytest.raises(TimeoutError):  # DeadlineError is a TimeoutError too
@@ -200,7 +199,7 @@ def test_inbox_times_out_with_a_deadline_error():
 
 
 def test_inbox_close_wakes_a_blocked_reader_and_keeps_what_is_left():
-    inbox = _Inbox(4)
+    inbox = Inbox(4)
     errors: list[BaseException] = []
 
     def reader() -> None:
@@ -216,7 +215,7 @@ def test_inbox_close_wakes_a_blocked_reader_and_keeps_what_is_left():
     assert not thread.is_alive()
     assert isinstance(errors[0], TransportClosedError)
 
-    inbox = _Inbox(4)
+    inbox = Inbox(4)
     inbox.put(message(1))
     inbox.close()
     assert inbox.get(0).data == b"\x01"
