@@ -364,7 +364,8 @@ class NodeDaemon:
 
     def _snapshot(self) -> dict[str, NodeInfo]:
         """Live members that run our settings (and ourselves, even before our record shows)."""
-        found = self.directory.members()
+        everyone = self.directory.members(include_leaving=True)
+        found = {p: i for p, i in everyone.items() if i.state is not NodeState.LEAVING}
         digest = self.settings.digest()
         # A node that missed several heartbeats is treated as gone before its record expires:
         # a crash then re-plans after suspect_after_s, not after the whole TTL.
@@ -377,8 +378,11 @@ class NodeDaemon:
         if len(members) < len(found):
             logger.debug("%d records are stale or run other settings", len(found) - len(members))
         members[self.peer_id] = self._info()
+        # Members that finished the run leave: their last records tell a backup it is over.
         if any(
-            i.training and i.training.finished for i in found.values() if i.config_digest == digest
+            i.training and i.training.finished
+            for i in everyone.values()
+            if i.config_digest == digest
         ):
             self.run_finished = True
         with self._lock:

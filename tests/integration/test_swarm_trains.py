@@ -15,10 +15,10 @@ from fusionllm.node.local_swarm import LocalSwarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 16
+STEPS = 200  # long enough that two status reads happen while it trains
 RUN = {
     "steps": STEPS,
-    "seq-len": 32,
+    "seq-len": 64,
     "micro-batch-size": 2,
     "micro-batches": 4,
     "lr": 3e-3,
@@ -50,9 +50,9 @@ def test_three_daemons_train_to_the_end_without_a_launcher(tmp_path):
         nodes = [first, *others]
         wait_for(lambda: any(len(_steps(n)) >= 2 for n in nodes), 240, "two trained steps")
         early = _status(first.dht_addr)
-        wait_for(lambda: any(len(_steps(n)) >= 8 for n in nodes), 240, "eight trained steps")
-        later = _status(first.dht_addr)
+        later = _status(first.dht_addr)  # a status read takes seconds: steps go on meanwhile
         assert early["step"] is not None, early
+        assert not early["finished"], "the run ended before status could watch it: make it longer"
         assert later["step"] > early["step"], (early, later)
         assert later["loss"] is not None
         serving = [n for n in nodes if n.last("train_plan")]
@@ -62,7 +62,7 @@ def test_three_daemons_train_to_the_end_without_a_launcher(tmp_path):
             assert node.process.returncode == 0, swarm.logs()
             losses = _steps(node)
             assert sorted(losses) == list(range(STEPS)), (node.name, sorted(losses))
-            assert losses[STEPS - 1] < losses[0] - 0.3, losses
+            assert losses[STEPS - 1] < losses[0] - 1.0, losses
             saved = torch.load(tmp_path / node.name / "final-params.pt", weights_only=True)
             assert saved["step"] == STEPS
             assert saved["params"]
