@@ -10,17 +10,37 @@ import time
 from typing import Any
 
 from fusionllm.common.errors import FusionError
+from fusionllm.common.logs import get_logger
 from fusionllm.dag.plan_wire import plan_from_json
-from fusionllm.dht.client import DhtClient, DhtConfig
+from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
+
+logger = get_logger(__name__)
 
 
 def _no_signing(data: bytes) -> bytes:
     raise FusionError("the status reader never writes to the DHT")
 
 
+_ATTEMPTS = 3
+
+
 def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Read the swarm; a DHT that cannot reach a bootstrap peer (a busy node) is retried."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, _ATTEMPTS + 1):
+        left = deadline - time.monotonic()
+        try:
+            return _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+        except DhtError as exc:
+            if attempt == _ATTEMPTS or deadline - time.monotonic() < 5.0:
+                raise
+            logger.info("could not read the swarm (attempt %d): %s; retrying", attempt, exc)
+    raise AssertionError("unreachable")
+
+
+def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[str, Any]:
     config = DhtConfig(
         swarm=swarm, initial_peers=tuple(bootstrap), client_mode=True, start_timeout_s=timeout_s
     )
