@@ -59,6 +59,11 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
     group.add_argument("--min-stages", type=int, default=1, help="(default: %(default)s)")
     group.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
     group.add_argument(
+        "--dense",
+        action="store_true",
+        help="never compress a link (AdaTopK off): the run then equals one process's",
+    )
+    group.add_argument(
         "--max-replicas",
         type=int,
         default=64,
@@ -111,6 +116,7 @@ def _node_config(args: argparse.Namespace):
     settings = SwarmSettings(
         swarm=args.swarm,
         run=run_spec_from(args),
+        compress=not args.dense,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
         max_replicas=args.max_replicas,

@@ -23,6 +23,7 @@ class SwarmSettings:
     min_stages: int = 1  # the planner tries no chain with fewer stages
     max_stages: int = 8
     max_replicas: int = 64  # data-parallel width per stage; the rest wait in backup
+    compress: bool = True  # AdaTopK on the slowest links; False: every link dense (exact runs)
     heartbeat_s: float = 5.0  # a node refreshes its record this often
     ttl_s: float = 15.0  # ... and its record expires this long after the last refresh
     epoch_s: float = 10.0  # plan epochs: propose at the start, adopt at settle_fraction
@@ -31,6 +32,8 @@ class SwarmSettings:
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
+        if not isinstance(self.compress, bool):
+            raise ConfigError(f"compress must be a bool, got {self.compress!r}")
         if not isinstance(self.run, RunSpec):
             raise ConfigError(f"run must be a RunSpec, got {type(self.run).__name__}")
         for name in ("min_stages", "max_stages", "max_replicas"):
@@ -67,6 +70,7 @@ class SwarmSettings:
             micro_batches=run.micro_batches,
             batch_size=run.global_batch,
             graph_batch_size=1,
+            compression=self.compress,
             min_stages=self.min_stages,
             max_stages=self.max_stages,
             # The runtime gives each replica whole micro-batches: never more replicas than that.

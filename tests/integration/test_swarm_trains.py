@@ -8,10 +8,14 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.train_config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -81,3 +85,29 @@ def test_three_daemons_train_to_the_end_without_a_launcher(tmp_path):
         raise
     finally:
         swarm.close()
+
+
+def test_daemons_change_nothing_numerically(tmp_path):
+    """Whatever plans the daemons adopt (stages, replicas, switches moving state), a dense run
+    equals one process training the same run spec."""
+    steps = 10
+    run = {**RUN, "steps": steps, "seq-len": 32, "dense": True}
+    swarm = LocalSwarm(tmp_path, extra=run)
+    try:
+        first = swarm.start("a")
+        wait_for(lambda: first.last("ready"), 60, "the first node to be ready")
+        nodes = [first, *(swarm.start(n, bootstrap=first.dht_addr) for n in ("b", "c"))]
+        wait_for(lambda: all(not n.alive() for n in nodes), 300, "every node to exit")
+        merged: dict[int, float] = {}
+        for node in nodes:
+            assert node.process.returncode == 0, swarm.logs()
+            merged.update(_steps(node))
+        assert sorted(merged) == list(range(steps))
+    except BaseException:
+        print(swarm.logs())
+        raise
+    finally:
+        swarm.close()
+    spec = RunSpec(steps=steps, seq_len=32, micro_batch_size=2, micro_batches=4, lr=3e-3)
+    local = train_local(TrainConfig.for_run(spec, cuts=(), replicas=(1,)))
+    np.testing.assert_allclose([merged[s] for s in range(steps)], local.losses, atol=1e-5)
