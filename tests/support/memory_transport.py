@@ -21,13 +21,15 @@ Faults, for tests:
   TransportClosedError); frames sent to it fail with TransportError.
 - ``stall(peer)`` / ``resume(peer)``: frames the peer sends are held, their futures pending,
   until ``resume`` delivers them in order or their send timeout passes (DeadlineError).
-- ``drop``, ``corrupt`` and ``kill_on``: a ``Fault`` applied to the next ``times`` frames that
-  match a ``FrameMatch``; ``Fault.fired`` is an event to wait on, ``Fault.hits`` a count.
+- ``drop``, ``corrupt``, ``kill_on`` and ``stall_on``: a ``Fault`` applied to the next
+  ``times`` frames that match a ``FrameMatch``; ``Fault.fired`` is an event to wait on
+  (``fired_at`` its time), ``Fault.hits`` a count.
 """
 
 import contextlib
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -121,6 +123,7 @@ class Fault:
         self.hits = 0
         self.frames: list[Frame] = []  # the frames it was applied to, as they were sent
         self.fired = threading.Event()  # set at the first hit
+        self.fired_at: float | None = None  # time.monotonic() of the first hit
 
     @property
     def spent(self) -> bool:
@@ -167,7 +170,7 @@ class MemoryTransport:
         self._counters: dict[str, _Counters] = {}
         self._closed = False
 
-    # ----- the Transport surface ----------------------------------------------------------------
+    # ----- the Transport surface ------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -238,7 +241,7 @@ class MemoryTransport:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ----- the network's side -----------------------------------------------------------------
+    # ----- the network's side ---------------------------------------------------------------------
 
     def _count(self, peer: str) -> _Counters:
         # Called with self._lock held.
@@ -370,7 +373,16 @@ class MemoryNetwork:
 
         return self.add_fault(match, die)
 
-    # ----- delivery ---------------------------------------------------------------------------------
+    def stall_on(self, match: FrameMatch, peer: str) -> Fault:
+        """Stall ``peer`` as the first matching frame is sent (held too, if ``peer`` sends it)."""
+
+        def hang(frame: Frame) -> Frame:
+            self.stall(peer)
+            return frame
+
+        return self.add_fault(match, hang)
+
+    # ----- delivery -------------------------------------------------------------------------------
 
     def _send(self, frame: Frame, future: Future, timeout: float) -> None:
         with self._lock:
@@ -378,6 +390,8 @@ class MemoryNetwork:
             if fault is not None:
                 fault.hits += 1
                 fault.frames.append(frame)
+                if fault.fired_at is None:
+                    fault.fired_at = time.monotonic()
         if fault is not None:
             fault.fired.set()
             changed = fault.action(frame)
@@ -437,4 +451,3 @@ def _fail(future: Future, error: BaseException) -> None:
     if not future.done():
         with contextlib.suppress(Exception):  # resolved meanwhile by another thread
             future.set_exception(error)
-
