@@ -23,7 +23,7 @@ Faults, for tests:
   until ``resume`` delivers them in order or their send timeout passes (DeadlineError).
 - ``drop``, ``corrupt``, ``kill_on`` and ``stall_on``: a ``Fault`` applied to the next
   ``times`` frames that match a ``FrameMatch``; ``Fault.fired`` is an event to wait on
-  (``fired_at`` its time), ``Fault.hits`` a count.
+  (``fired_at`` its time), ``Fault.hits`` a count. ``tap`` records frames, changing nothing.
 """
 
 import contextlib
@@ -351,6 +351,10 @@ class MemoryNetwork:
         with self._lock:
             self._faults.append(fault)
         return fault
+
+    def tap(self, match: FrameMatch) -> Fault:
+        """Record every matching frame (``Fault.frames``) and let it pass unchanged."""
+        return self.add_fault(match, lambda frame: frame, times=1 << 62)
 
     def drop(self, match: FrameMatch, *, times: int = 1) -> Fault:
         """Lose matching frames on the way: the sender's send succeeds, nobody receives them."""
