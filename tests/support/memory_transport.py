@@ -15,6 +15,12 @@ Delivery is synchronous: a frame is in the receiver's inbox (or refused) before 
 returns its already resolved future, so runs are deterministic up to thread scheduling. A
 receiver that is gone fails the future with TransportError, like a reset stream.
 
+Where it is kinder than py-libp2p (what a test here cannot show): frames between two peers
+arrive in the order sent (the real transport promises delivery, not order, for concurrent
+sends); ``send_async`` never blocks (no ``max_in_flight`` backpressure, no bounded inbox); a
+refused frame costs only itself (over a real stream, frames written after it before the sender
+notices the reset are lost too); peer ids are any non-empty strings, not libp2p ids.
+
 Faults, for tests:
 
 - ``kill(peer)``: its transport closes (its ``recv`` and ``send_async`` raise
