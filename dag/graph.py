@@ -49,8 +49,14 @@ class GraphCosts:
     nodes: tuple[OpNode, ...]
     input_bytes: dict[str, int] = field(default_factory=dict)
     output_names: tuple[str, ...] = ()
+    # Cut positions the runtime cannot ship (a non-float value crosses): never planned.
+    uncuttable: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "uncuttable", frozenset(self.uncuttable))
+        bad = [c for c in self.uncuttable if not 0 < c < len(self.nodes)]
+        if bad:
+            raise ValueError(f"uncuttable positions {sorted(bad)} are not inside the graph")
         seen: set[str] = set(self.input_bytes)
         for node in self.nodes:
             if node.node_id in seen:

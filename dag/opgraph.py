@@ -7,6 +7,7 @@ whose forward maps {value name: tensor} (what the stage consumes) to {value name
 over one growing dict reproduces the whole model, skip connections across stages included.
 """
 
+import dataclasses
 import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -46,6 +47,7 @@ class OpGraph:
         self._costs = GraphCosts(
             nodes=nodes, input_bytes=dict(input_bytes), output_names=output_names
         )
+        self._costs_checked = False
         self._index = {node.node_id: i for i, node in enumerate(nodes)}
         self._node_parameters = dict(node_parameters)
         self._canonical = dict(canonical_names)
@@ -100,7 +102,12 @@ class OpGraph:
         return self._metas[name]
 
     def costs(self) -> GraphCosts:
-        """The pure numeric view the planner consumes."""
+        """The pure numeric view the planner consumes, with the cuts it must not choose."""
+        if not self._costs_checked:
+            from fusionllm.dag.cuts import uncuttable  # cuts.py needs this module
+
+            self._costs = dataclasses.replace(self._costs, uncuttable=uncuttable(self))
+            self._costs_checked = True
         return self._costs
 
     def model_output(self, values: Mapping[str, Any]) -> Any:

@@ -82,6 +82,9 @@ class PlanConfig:
     optimizer_bytes_per_param_byte: float = 2.0  # AdamW: two fp32 moments per fp32 param
     memory_fraction: float = 0.9  # leave room for the CUDA context and allocator slack
     max_stages: int = 64
+    # At least this many pipeline stages (a swarm that must exercise its pipeline, or whose
+    # devices the operator knows better than the probe): fewer-stage chains are not tried.
+    min_stages: int = 1
     # Data-parallel width cap per stage (each replica needs whole samples of a micro-batch,
     # and adds gradient averaging); the slowest members beyond it wait in backup.
     max_replicas: int = 64
@@ -108,8 +111,10 @@ class PlanConfig:
             )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.max_stages < 1:
-            raise ConfigError(f"max_stages must be >= 1, got {self.max_stages}")
+        if not 1 <= self.min_stages <= self.max_stages:
+            raise ConfigError(
+                f"need 1 <= min_stages <= max_stages, got {self.min_stages}, {self.max_stages}"
+            )
         if self.max_replicas < 1:
             raise ConfigError(f"max_replicas must be >= 1, got {self.max_replicas}")
         if not 0.0 <= self.min_relative_speed < 1.0:
@@ -265,6 +270,10 @@ class _Model:
             )
         else:
             self.wire = self.cut.copy()
+        # A cut the runtime cannot ship costs infinite bytes: no feasible chain uses it.
+        forbidden = sorted(graph.uncuttable)
+        self.cut[forbidden] = np.inf
+        self.wire[forbidden] = np.inf
         # The largest single output a stage makes is live on top of what is saved.
         peak = np.array([n.output_bytes * scale for n in graph.nodes], dtype=np.float64)
         # Sparse table for range max: row j holds max(peak[i : i + 2**j]), padded with 0.
@@ -709,6 +718,10 @@ def _stage_counts(k: int, limit: int) -> list[int]:
 def plan(graph: GraphCosts, swarm: Swarm, config: PlanConfig | None = None) -> Plan:
     """The OP-Fence plan for training ``graph`` on ``swarm``; raises InfeasiblePlanError."""
     config = config or PlanConfig()
+    if config.min_stages > swarm.n:
+        raise InfeasiblePlanError(
+            f"min_stages {config.min_stages} needs as many peers, the swarm has {swarm.n}"
+        )
     search = _Search(graph, swarm, config)
     forest = max_spanning_forest(swarm)
     flops = search.flops
@@ -777,7 +790,7 @@ class _Search:
         sizes = np.array([f.size for f in chain_fences])
         previous, worse = math.inf, 0
         for total in _stage_counts(len(chosen), min(self.config.max_stages, self.model.n)):
-            alloc = _allot(fence_compute, sizes, total)
+            alloc = None if total < self.config.min_stages else _allot(fence_compute, sizes, total)
             if alloc is None:
                 continue
             step = None
@@ -883,5 +896,6 @@ def _infeasible(model: _Model, tried: int) -> InfeasiblePlanError:
         f"{static / GIB:.2f} GiB of params+grads+optimizer state plus {acts / GIB:.2f} GiB of "
         f"activations per micro-batch; the swarm's {model.swarm.n} peers have "
         f"{usable.sum() / GIB:.2f} GiB usable in total, at most {usable.max() / GIB:.2f} GiB on "
-        f"one device (memory_fraction={cfg.memory_fraction}, max_stages={cfg.max_stages})"
+        f"one device (memory_fraction={cfg.memory_fraction}, min_stages={cfg.min_stages}, "
+        f"max_stages={cfg.max_stages})"
     )

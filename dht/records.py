@@ -43,11 +43,14 @@ class NodeState(enum.StrEnum):
 # ----------------------------------------------------------------------------- field checks
 
 
-def _fields(wire: Any, required: set[str], what: str) -> Mapping[str, Any]:
+def _fields(
+    wire: Any, required: set[str], what: str, optional: frozenset[str] = frozenset()
+) -> Mapping[str, Any]:
     if not isinstance(wire, Mapping):
         raise RecordError(f"{what} must be a map, got {type(wire).__name__}")
     keys = set(wire)
-    if keys != required:
+    if not required <= keys <= required | optional:
+        required = required | (keys & optional)
         missing, extra = sorted(required - keys, key=str), sorted(keys - required, key=str)
         raise RecordError(f"{what}: missing fields {missing}, unexpected fields {extra}")
     return wire
@@ -189,6 +192,30 @@ class LinkReport:
         )
 
 
+@dataclass(frozen=True)
+class TrainingProgress:
+    """Where a node's training stands: what ``fusionllm status`` and a waiting backup read."""
+
+    replica: int | None  # its replica of ``NodeInfo.stage`` while it serves
+    step: int  # optimizer steps the swarm completed, as this node last saw them
+    loss: float | None  # that step's mean loss (every stage learns it from the step's summary)
+    finished: bool = False  # the run reached its last step
+
+    def to_wire(self) -> list[Any]:
+        return [self.replica, self.step, self.loss, self.finished]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "TrainingProgress":
+        items = _list(wire, "training", 4)
+        if len(items) != 4:
+            raise RecordError(f"training must have 4 fields, got {len(items)}")
+        replica = None if items[0] is None else _int(items[0], "replica", 0, 1 << 16)
+        loss = None if items[2] is None else _float(items[2], "loss", 0.0, 1e6)
+        if not isinstance(items[3], bool):
+            raise RecordError("training finished must be a bool")
+        return cls(replica, _int(items[1], "step", 0, 1 << 62), loss, items[3])
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeInfo:
     """A node's record under the swarm's key, subkey = its peer id, refreshed by a heartbeat."""
@@ -207,6 +234,7 @@ class NodeInfo:
     stage: int | None  # the stage it serves when state is SERVING
     adopted: tuple[int, str] | None  # (epoch, plan digest) of the plan it follows
     time: float  # wall clock when written
+    training: TrainingProgress | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -231,13 +259,14 @@ class NodeInfo:
             "stage": self.stage,
             "plan": list(self.adopted) if self.adopted is not None else None,
             "t": self.time,
+            **({"train": self.training.to_wire()} if self.training is not None else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record")
+        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", frozenset({"train"}))
         try:
             state = NodeState(w["state"])
         except ValueError:
@@ -271,6 +300,7 @@ class NodeInfo:
             "stage": stage,
             "adopted": adopted,
             "time": _float(w["t"], "time", 0.0, 1e11),
+            "training": TrainingProgress.from_wire(w["train"]) if "train" in w else None,
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)

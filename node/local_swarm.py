@@ -102,18 +102,23 @@ class NodeProcess:
 class LocalSwarm:
     """Node processes of one swarm, all with the same settings."""
 
-    def __init__(self, root: Path, *, extra: dict | None = None) -> None:
+    def __init__(
+        self, root: Path, *, extra: dict | None = None, device: dict | None = None
+    ) -> None:
         self.root = root
         self.options = {**FAST, **(extra or {})}
         self.device_path = root / "device.json"
-        self.device_path.write_text(json.dumps(TEST_DEVICE))
+        self.device_path.write_text(json.dumps(device or TEST_DEVICE))
         self.nodes: list[NodeProcess] = []
 
     def start(self, name: str, *, bootstrap: str | None = None) -> NodeProcess:
         args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(self.device_path)]
         args += ["--events"]
         for option, value in self.options.items():
-            args += [f"--{option}", str(value)]
+            if value is True:
+                args.append(f"--{option}")
+            elif value is not None and value is not False:
+                args += [f"--{option}", str(value)]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
         node = NodeProcess(name, args, self.root / f"{name}.log")

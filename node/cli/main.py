@@ -11,6 +11,8 @@ import torch
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
+from fusionllm.node.cli import node_cmd, swarm_cmd
+from fusionllm.node.cli.options import add_run_options, run_spec_from
 
 logger = get_logger(__name__)
 
@@ -64,22 +66,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     links = args.stages - 1
     ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
+    run = run_spec_from(args)
     config = TrainConfig(
-        model=args.model,
+        model=run.model,
         stages=args.stages,
         replicas=tuple(args.replicas) if args.replicas else None,
-        micro_batches=args.micro_batches,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        steps=args.steps,
-        lr=args.lr,
-        seed=args.seed,
+        micro_batches=run.micro_batches,
+        batch_size=run.micro_batch_size,
+        seq_len=run.seq_len,
+        steps=run.steps,
+        lr=run.lr,
+        seed=run.seed,
         data_path=args.data,
         data_dtype=args.data_dtype,
         vocab_size=args.vocab_size,
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
-        gradient_codec=args.gradient_codec,
+        gradient_codec=run.gradient_codec,
     )
     processes = sum(config.stage_replicas)
     if not args.json:
@@ -110,75 +113,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
             f"done: {config.steps} steps in {result.seconds:.1f}s, "
             f"final loss {result.losses[-1]:.4f}"
         )
-    return 0
-
-
-def _cmd_node(args: argparse.Namespace) -> int:
-    import signal
-    from pathlib import Path
-
-    from fusionllm.dht.records import DeviceInfo
-    from fusionllm.node.control.daemon import NodeConfig, NodeDaemon
-    from fusionllm.node.control.swarm_settings import SwarmSettings
-
-    settings = SwarmSettings(
-        swarm=args.swarm,
-        model=args.model,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        micro_batches=args.micro_batches,
-        max_stages=args.max_stages,
-        max_replicas=args.max_replicas,
-        heartbeat_s=args.heartbeat,
-        ttl_s=args.ttl,
-        epoch_s=args.epoch,
-    )
-    device = None
-    if args.device_json:
-        try:
-            device = DeviceInfo(**json.loads(Path(args.device_json).read_text()))
-        except (OSError, ValueError, TypeError) as exc:
-            raise FusionError(f"--device-json {args.device_json}: {exc}") from exc
-    config = NodeConfig(
-        settings=settings,
-        key_path=Path(args.key).expanduser(),
-        bootstrap=tuple(args.bootstrap or ()),
-        listen_host=args.host,
-        dht_port=args.dht_port,
-        control_port=args.port,
-        probe_interval_s=args.probe_interval,
-        probe_fanout=args.probe_fanout,
-        probe_bytes=int(args.probe_kib * 1024),
-        device=device,
-        uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
-        downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
-    )
-
-    def on_event(event: dict) -> None:
-        if args.events:
-            print(json.dumps(event), flush=True)
-        elif event["event"] == "ready":
-            print(f"node {event['peer_id']} joined swarm {settings.swarm}", flush=True)
-            print(f"  others can bootstrap from: {' '.join(event['dht_addrs'])}", flush=True)
-        elif event["event"] == "epoch" and event["changed"]:
-            print(
-                f"epoch {event['epoch']}: plan {event['digest'][:12]} with "
-                f"{len(event['stages'])} stages, {len(event['backup'])} in backup, "
-                f"{len(event['members'])} members; this node: {event['state']}",
-                flush=True,
-            )
-
-    daemon = NodeDaemon(config, on_event=on_event)
-    # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-    daemon.start()
-    try:
-        daemon.run(duration_s=args.duration)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        daemon.leave()
-        daemon.close()
     return 0
 
 
@@ -233,15 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train GPT-2 in a local swarm of stage processes on 127.0.0.1",
+        help="reference run: a launcher starts one stage process each on 127.0.0.1 (no daemons)",
         description="Starts one process per pipeline stage (and replica) on this machine, "
         "connected over the real transport, and trains a byte-level GPT-2 on the Python "
         "standard library's source (or your token file). Ctrl-C stops every process.",
-    )
-    train.add_argument(
-        "--model",
-        default="tiny",
-        help="GPT-2 preset: tiny, small, medium, large, xl (default: %(default)s)",
     )
     train.add_argument(
         "--stages",
@@ -252,27 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
-    train.add_argument(
-        "--steps", type=int, default=200, help="optimizer steps (default: %(default)s)"
-    )
-    train.add_argument(
-        "--micro-batches",
-        type=int,
-        default=4,
-        help="micro-batches per step, scheduled 1F1B (default: %(default)s)",
-    )
-    train.add_argument(
-        "--batch-size", type=int, default=4, help="per micro-batch (default: %(default)s)"
-    )
-    train.add_argument(
-        "--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)"
-    )
-    train.add_argument(
-        "--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)"
-    )
-    train.add_argument(
-        "--seed", type=int, default=0, help="model init and data order (default: %(default)s)"
-    )
+    add_run_options(train)
     train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
     train.add_argument(
         "--data-dtype",
@@ -299,90 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         "element while it fits, else top-k)",
     )
     train.add_argument(
-        "--gradient-codec",
-        choices=["topk", "ternary"],
-        default="topk",
-        help="gradient code on compressed links, with error feedback (default: %(default)s)",
-    )
-    train.add_argument(
         "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
     )
     train.add_argument("--json", action="store_true", help="one JSON line per step")
     train.set_defaults(handler=_cmd_train)
 
-    node = commands.add_parser(
-        "node",
-        help="run a node: join a swarm over the DHT, measure links, agree on plans",
-        description="Joins (or starts, without --bootstrap) a swarm: publishes this node's "
-        "signed record on the DHT, measures bandwidth to a sample of peers and gossips it, and "
-        "every epoch proposes and adopts the swarm's plan with the other nodes (no "
-        "coordinator). Nodes not in the plan wait in the backup pool. Every node of a swarm "
-        "must use the same model/batch/timing options. Ctrl-C or SIGTERM leaves politely.",
-    )
-    _add_swarm_options(node)
-    node.add_argument(
-        "--bootstrap",
-        nargs="+",
-        metavar="MADDR",
-        help="DHT multiaddr(s) of any node in the swarm (printed by that node); omit to "
-        "start a new swarm",
-    )
-    node.add_argument(
-        "--key",
-        default="~/.fusionllm/identity.key",
-        help="identity key file, created (mode 0600) if missing (default: %(default)s)",
-    )
-    node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
-    node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
-    node.add_argument("--model", default="tiny", help="GPT-2 preset (default: %(default)s)")
-    node.add_argument("--seq-len", type=int, default=64, help="(default: %(default)s)")
-    node.add_argument("--batch-size", type=int, default=8, help="per step (default: %(default)s)")
-    node.add_argument("--micro-batches", type=int, default=4, help="(default: %(default)s)")
-    node.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
-    node.add_argument(
-        "--max-replicas",
-        type=int,
-        default=64,
-        help="data-parallel replicas per stage at most (default: %(default)s)",
-    )
-    node.add_argument(
-        "--heartbeat", type=float, default=5.0, help="record refresh, s (default: %(default)s)"
-    )
-    node.add_argument(
-        "--ttl",
-        type=float,
-        default=15.0,
-        help="record lifetime after the last heartbeat, s; a node that missed 3 heartbeats "
-        "is already treated as gone (default: %(default)s)",
-    )
-    node.add_argument(
-        "--epoch", type=float, default=10.0, help="plan epoch, s (default: %(default)s)"
-    )
-    node.add_argument(
-        "--probe-interval",
-        type=float,
-        default=10.0,
-        help="s between probe rounds (default: %(default)s)",
-    )
-    node.add_argument(
-        "--probe-fanout", type=int, default=3, help="peers probed per round (default: %(default)s)"
-    )
-    node.add_argument(
-        "--probe-kib", type=float, default=1024, help="bytes per probe, KiB (default: %(default)s)"
-    )
-    node.add_argument(
-        "--uplink-mbps", type=float, help="advertise this uplink instead of measuring"
-    )
-    node.add_argument("--downlink-mbps", type=float, help="advertise this downlink")
-    node.add_argument(
-        "--device-json",
-        help="advertise this device (JSON of fusionllm.dht.records.DeviceInfo fields) instead "
-        "of measuring it",
-    )
-    node.add_argument("--duration", type=float, help="leave after this many seconds")
-    node.add_argument("--events", action="store_true", help="print events as JSON lines")
-    node.set_defaults(handler=_cmd_node)
+    node_cmd.add_parser(commands)
+    swarm_cmd.add_parser(commands)
 
     status = commands.add_parser(
         "status",

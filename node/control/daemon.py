@@ -32,6 +32,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import STDLIB_VOCAB
 from fusionllm.dag.models import gpt2
 from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.planner import InfeasiblePlanError, Plan, plan
@@ -46,6 +47,7 @@ from fusionllm.dht.records import (
     NodeState,
     PlanProposal,
     RecordError,
+    TrainingProgress,
 )
 from fusionllm.node.control.agreement import (
     Candidate,
@@ -150,6 +152,8 @@ class NodeDaemon:
         self.adopted_epoch: int | None = None
         self.state = NodeState.JOINING
         self._last_plan: tuple[bytes, Plan] | None = None
+        self.progress: TrainingProgress | None = None  # what our trainer last reported
+        self.run_finished = False  # some member's record says the run reached its end
         self.counters = {"invalid_proposals": 0, "plans_failed": 0, "probes_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,8 +164,8 @@ class NodeDaemon:
         self.peer_id = peer_id_of(key_pair)
         self.device = cfg.device or local_device(cfg.device_cache)
         with torch.device("meta"):  # only shapes are needed: allocate nothing, even for xl
-            model = gpt2(settings.model)
-        graph = trace(model, (torch.zeros(1, settings.seq_len, dtype=torch.long),))
+            model = gpt2(settings.run.model, vocab_size=STDLIB_VOCAB)
+        graph = trace(model, (torch.zeros(1, settings.run.seq_len, dtype=torch.long),))
         self.costs = graph.costs()
         self.node_ids = tuple(graph.node_ids)
         self.plan_config = settings.plan_config()
@@ -270,9 +274,12 @@ class NodeDaemon:
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
         self.state = NodeState.LEAVING
+        # A finished run's last word stays a whole TTL: backups and late readers learn the end.
+        finished = self.progress is not None and self.progress.finished
+        ttl_s = self.settings.ttl_s if finished else self.settings.heartbeat_s
         with contextlib.suppress(FusionError):
-            if self.directory is not None:
-                self.directory.announce(self._info(), ttl_s=self.settings.heartbeat_s)
+            if self.directory is not None and self.control is not None:
+                self.directory.announce(self._info(), ttl_s=ttl_s)
         self._emit("left")
 
     def close(self) -> None:
@@ -309,6 +316,7 @@ class NodeDaemon:
             stage=stage if self.state is NodeState.SERVING else None,
             adopted=(self.adopted_epoch, self.adopted.digest) if self.adopted else None,
             time=now,
+            training=self.progress,
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -351,6 +359,10 @@ class NodeDaemon:
         if len(members) < len(found):
             logger.debug("%d records are stale or run other settings", len(found) - len(members))
         members[self.peer_id] = self._info()
+        if any(
+            i.training and i.training.finished for i in found.values() if i.config_digest == digest
+        ):
+            self.run_finished = True
         with self._lock:
             self.members = members
         return members

@@ -49,6 +49,9 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "peer_id": m.peer_id,
                 "state": str(m.state),
                 "stage": m.stage,
+                "replica": m.training.replica if m.training else None,
+                "step": m.training.step if m.training else None,
+                "loss": m.training.loss if m.training else None,
                 "device": m.device.name,
                 "kind": m.device.kind,
                 "gflops": round(m.device.flops / 1e9, 2),
@@ -72,6 +75,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
             for m in sorted(members.values(), key=lambda m: m.peer_id)
             for link in m.links
         ],
+        **_training(members),
         "plan": None,
         "plan_followers": {f"{e}:{d[:12]}": n for (e, d), n in votes.most_common()},
         "skipped_records": skipped,
@@ -108,12 +112,25 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
     return result
 
 
+def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
+    """The swarm's step (the furthest any node reports) and that step's loss."""
+    progress = [m.training for m in members.values() if m.training is not None]
+    if not progress:
+        return {"step": None, "loss": None, "finished": False}
+    newest = max(progress, key=lambda p: (p.step, p.loss is not None))
+    return {"step": newest.step, "loss": newest.loss, "finished": any(p.finished for p in progress)}
+
+
 def _short(peer: str) -> str:
     return f"{peer[:6]}..{peer[-6:]}" if len(peer) > 14 else peer
 
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"swarm {status['swarm']}: {len(status['peers'])} peers"]
+    if status.get("step") is not None:
+        loss = "" if status["loss"] is None else f", loss {status['loss']:.4f}"
+        done = " (finished)" if status.get("finished") else ""
+        lines.append(f"training: step {status['step']}{loss}{done}")
     lines.append(
         f"  {'peer':<15} {'state':<8} {'stage':>5} {'device':<22} {'GFLOP/s':>8} "
         f"{'mem GiB':>8} {'up MB/s':>8} {'down MB/s':>9} {'age s':>6}"

@@ -1,4 +1,4 @@
-"""Settings every node of a swarm must share (model, batch, timing), and their digest.
+"""Settings every node of a swarm must share (the run, planning limits, timing), and their digest.
 
 Nodes publish the digest in their record and plan only with peers that run the same settings,
 so a node started with a different model or epoch length is visible but never planned for.
@@ -6,22 +6,21 @@ so a node started with a different model or epoch length is visible but never pl
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.common.run_spec import MODELS, RunSpec
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dht.keys import check_swarm_name
 
-MODELS = ("tiny", "small", "medium", "large", "xl")
+__all__ = ["MODELS", "SwarmSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SwarmSettings:
     swarm: str = "default"
-    model: str = "tiny"  # GPT-2 preset the swarm trains
-    seq_len: int = 64
-    batch_size: int = 8  # sequences per step, all micro-batches together
-    micro_batches: int = 4
+    run: RunSpec = field(default_factory=RunSpec)  # what the swarm trains, and how
+    min_stages: int = 1  # the planner tries no chain with fewer stages
     max_stages: int = 8
     max_replicas: int = 64  # data-parallel width per stage; the rest wait in backup
     heartbeat_s: float = 5.0  # a node refreshes its record this often
@@ -32,14 +31,14 @@ class SwarmSettings:
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
-        if self.model not in MODELS:
-            raise ConfigError(f"model must be one of {MODELS}, got {self.model!r}")
-        for name in ("seq_len", "batch_size", "micro_batches", "max_stages", "max_replicas"):
+        if not isinstance(self.run, RunSpec):
+            raise ConfigError(f"run must be a RunSpec, got {type(self.run).__name__}")
+        for name in ("min_stages", "max_stages", "max_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_size < self.micro_batches:
+        if self.min_stages > self.max_stages:
             raise ConfigError(
-                f"batch_size {self.batch_size} must be >= micro_batches {self.micro_batches}"
+                f"min_stages {self.min_stages} must be <= max_stages {self.max_stages}"
             )
         if not 0 < self.heartbeat_s <= self.ttl_s / 2:
             raise ConfigError(
@@ -63,10 +62,13 @@ class SwarmSettings:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def plan_config(self) -> PlanConfig:
+        run = self.run
         return PlanConfig(
-            micro_batches=self.micro_batches,
-            batch_size=self.batch_size,
+            micro_batches=run.micro_batches,
+            batch_size=run.global_batch,
             graph_batch_size=1,
+            min_stages=self.min_stages,
             max_stages=self.max_stages,
-            max_replicas=self.max_replicas,
+            # The runtime gives each replica whole micro-batches: never more replicas than that.
+            max_replicas=min(self.max_replicas, run.micro_batches),
         )

@@ -19,7 +19,7 @@ import torch.fx as fx
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag import OpGraph
-from fusionllm.dag.flops import TensorMeta
+from fusionllm.dag.cuts import crossing_values, cut_problem
 
 logger = get_logger(__name__)
 
@@ -58,36 +58,6 @@ class LinkSpec:
                 self.names, self.shapes, torch.split(flat, sizes), strict=True
             )
         }
-
-
-def crossing_values(graph: OpGraph, cut: int) -> tuple[str, ...]:
-    """Values made before position ``cut`` (or model inputs) that nodes from ``cut`` on need."""
-    ids = graph.node_ids
-    if not 0 < cut < len(ids):
-        raise ValueError(f"a cut must be in [1, {len(ids) - 1}], got {cut}")
-    before = set(ids[:cut]) | set(graph.input_names)
-    needed: dict[str, None] = {}
-    for node_id in ids[cut:]:
-        for name in graph.node(node_id).inputs:
-            if name in before:
-                needed[name] = None
-    for name in graph.output_names:
-        if name in before:
-            needed[name] = None
-    return tuple(needed)
-
-
-def cut_problem(graph: OpGraph, cut: int) -> str | None:
-    """Why a cut cannot be a pipeline link (a value is not a float tensor), or None."""
-    for name in crossing_values(graph, cut):
-        meta = graph.value_meta(name)
-        if not isinstance(meta, TensorMeta):
-            return f"value {name!r} crossing the cut is not a single tensor"
-        if not meta.dtype.is_floating_point:
-            return f"value {name!r} crossing the cut is {meta.dtype}, not a float"
-        if name in graph.output_names:
-            return f"model output {name!r} would be made before the last stage"
-    return None
 
 
 def balanced_cuts(graph: OpGraph, stages: int) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ MailKey = tuple[str, int, int, int]  # (kind, step, micro-batch or tag, sender r
 Admission = Callable[[int, FrameHeader], str | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Role:
     """One process of the run: a stage and which of its replicas."""
 

@@ -34,6 +34,7 @@ the ternary code) with error feedback (``ErrorFeedback``, one residual per link 
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -54,9 +55,11 @@ from fusionllm.node.pipeline.train_config import TrainConfig
 logger = get_logger(__name__)
 
 # Control-frame tags (the header's micro_batch field).
-TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count]
+TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count, plan vote]
 TAG_DP = 1  # float32 flat gradients of the whole stage
 TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
+
+SUMMARY_LEN = 4
 
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
 
@@ -98,7 +101,7 @@ class Expectations:
             return TensorSpec(WIRE_DTYPE, (self.layout.links[s].numel,))
         if header.kind is FrameKind.CONTROL:
             if header.micro_batch == TAG_SUMMARY:
-                return TensorSpec(torch.float64, (3,))
+                return TensorSpec(torch.float64, (SUMMARY_LEN,))
             if header.micro_batch == TAG_DP and header.stage == s:
                 return TensorSpec(torch.float32, (self._num_parameters,))
             tied = sorted(self.layout.tied)
@@ -143,6 +146,7 @@ class StepReport:
     seconds: float  # wall time of the whole step
     busy_s: float  # forward + backward compute of this process
     wait_s: float  # blocked on frames during the schedule
+    votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
 
 
 @dataclass
@@ -174,13 +178,21 @@ class PipelineRunner:
         transport: Transport,
         peers: dict[Role, str],  # every other process's peer id
         timeout_s: float = 60.0,
+        vote: Callable[[], float] = lambda: 0.0,
+        own_pump: bool = True,
     ) -> None:
+        """``vote`` is sent with every step's summary, so every process ends the step knowing
+        every other's (a node votes for the plan it would run next: a unanimous vote switches
+        plans at that step boundary on every process alike). ``own_pump=False``: the caller
+        feeds ``mailbox`` itself (a node whose transport outlives this runner)."""
         self.config = config
         self.layout = layout
         self.role = role
         self.dataset = dataset
         self.transport = transport
         self.timeout_s = timeout_s
+        self._vote = vote
+        self.completed_steps: int | None = None  # the step after the last one applied
         self.roles = roles_of(config)
         if role not in self.roles:
             raise PipelineError(f"{role} is not part of this run")
@@ -203,21 +215,31 @@ class PipelineRunner:
             max_frames=4 * (config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
         )
         self._stop = threading.Event()
-        self._pump = threading.Thread(
-            target=pump,
-            args=(transport, self.mailbox, self._stop),
-            name="pipeline-recv",
-            daemon=True,
+        self._pump = (
+            threading.Thread(
+                target=pump,
+                args=(transport, self.mailbox, self._stop),
+                name="pipeline-recv",
+                daemon=True,
+            )
+            if own_pump
+            else None
         )
 
     # ----- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._pump.start()
+        if self._pump is not None:
+            self._pump.start()
 
     def close(self) -> None:
         self._stop.set()
-        self._pump.join(2.0)
+        if self._pump is not None and self._pump.is_alive():
+            self._pump.join(2.0)
+
+    def abort(self, reason: BaseException) -> None:
+        """Make a step blocked on a frame fail now (a peer is gone, the node stops)."""
+        self.mailbox.close(reason)
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -285,14 +307,15 @@ class PipelineRunner:
                     sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
         self._all_reduce_replicas(step, sends)
         self._sum_tied(step, sends)
-        sq, loss_sum, loss_count = self._summary(step, sends, loss_sum, loss_count)
-        norm = math.sqrt(sq)
-        worker.clip_and_step(norm)
-        sends.wait(self.timeout_s)
-        if loss_count != self.config.micro_batches:
+        sq, loss_sum, loss_count, votes = self._summary(step, sends, loss_sum, loss_count)
+        if loss_count != self.config.micro_batches:  # before the step: never half-apply one
             raise PipelineError(
                 f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
             )
+        norm = math.sqrt(sq)
+        worker.clip_and_step(norm)
+        self.completed_steps = step + 1  # from here on the step counts, even if a send fails
+        sends.wait(self.timeout_s)
         return StepReport(
             step=step,
             loss=loss_sum / loss_count,
@@ -300,6 +323,7 @@ class PipelineRunner:
             seconds=time.perf_counter() - started,
             busy_s=busy,
             wait_s=wait,
+            votes=votes,
         )
 
     # ----- the exchanges after the schedule ----------------------------------------------------
@@ -351,17 +375,19 @@ class PipelineRunner:
 
     def _summary(
         self, step: int, sends: _Sends, loss_sum: float, loss_count: int
-    ) -> tuple[float, float, int]:
-        """All-gather of (squared norm, loss sum, loss count); sums in rank order everywhere."""
+    ) -> tuple[float, float, int, tuple[float, ...]]:
+        """All-gather of (squared norm, loss sum, loss count, vote); sums in rank order."""
         sq = 0.0
         if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
             sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
-        mine = torch.tensor([sq, loss_sum, float(loss_count)], dtype=torch.float64)
+        vote = float(self._vote())
+        mine = torch.tensor([sq, loss_sum, float(loss_count), vote], dtype=torch.float64)
         body = pack_tensor(mine)
         for other in self.roles:
             if other != self.role:
                 sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
         total = torch.zeros(3, dtype=torch.float64)
+        votes = []
         for other in self.roles:
             part = (
                 mine
@@ -370,8 +396,9 @@ class PipelineRunner:
             )
             if not torch.isfinite(part).all() or part[0] < 0 or part[2] < 0:
                 raise PipelineError(f"step {step}: bad summary {part.tolist()} from {other}")
-            total += part
-        return float(total[0]), float(total[1]), round(float(total[2]))
+            total += part[:3]
+            votes.append(float(part[3]))
+        return float(total[0]), float(total[1]), round(float(total[2])), tuple(votes)
 
     # ----- frames -----------------------------------------------------------------------------
 

@@ -229,6 +229,36 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return coefficient
 
+    def export_state(self, name: str) -> torch.Tensor:
+        """One parameter with its AdamW state, flat: (3 * numel + 1,) float32 =
+        [value, exp_avg, exp_avg_sq, step]; moments are zeros before the first step."""
+        p = self.parameters[name]
+        state = self.optimizer.state.get(p, {})
+        zeros = torch.zeros_like(p)
+        step = float(state["step"]) if "step" in state else 0.0
+        parts = (p.detach(), state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros))
+        flat = [x.reshape(-1).to(torch.float32) for x in parts]
+        return torch.cat([*flat, torch.tensor([step], dtype=torch.float32)])
+
+    def import_state(self, name: str, flat: torch.Tensor) -> None:
+        """Take a parameter and its AdamW state from ``export_state``'s layout."""
+        p = self.parameters[name]
+        n = p.numel()
+        if tuple(flat.shape) != (3 * n + 1,):
+            raise ValueError(f"{name}: state of shape {tuple(flat.shape)}, expected {(3 * n + 1,)}")
+        value, exp_avg, exp_avg_sq = (flat[i * n : (i + 1) * n].view(p.shape) for i in range(3))
+        with torch.no_grad():
+            p.copy_(value)
+        step = float(flat[-1])
+        if step > 0:
+            self.optimizer.state[p] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": exp_avg.to(p.dtype).clone(),
+                "exp_avg_sq": exp_avg_sq.to(p.dtype).clone(),
+            }
+        else:
+            self.optimizer.state.pop(p, None)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under their canonical names (detached copies)."""
         return {name: p.detach().clone() for name, p in self.parameters.items()}

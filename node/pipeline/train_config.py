@@ -14,6 +14,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import gpt2
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
@@ -124,6 +125,37 @@ class TrainConfig:
 
     def gradient_ratio(self, link: int) -> float:
         return self.gradient_ratios[link] if self.gradient_ratios else 1.0
+
+    @classmethod
+    def for_run(
+        cls,
+        run: RunSpec,
+        *,
+        cuts: tuple[int, ...],
+        replicas: tuple[int, ...],
+        activation_ratios: tuple[float, ...] = (),
+        gradient_ratios: tuple[float, ...] = (),
+    ) -> "TrainConfig":
+        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios)."""
+        return cls(
+            model=run.model,
+            stages=len(cuts) + 1,
+            cuts=cuts,
+            replicas=replicas,
+            micro_batches=run.micro_batches,
+            batch_size=run.micro_batch_size,
+            seq_len=run.seq_len,
+            steps=max(run.steps, 1),  # a node's own loop decides when a run without end stops
+            lr=run.lr,
+            weight_decay=run.weight_decay,
+            betas=run.betas,
+            max_grad_norm=run.max_grad_norm,
+            seed=run.seed,
+            stdlib_bytes=run.stdlib_bytes,
+            activation_ratios=activation_ratios,
+            gradient_ratios=gradient_ratios,
+            gradient_codec=run.gradient_codec,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def test_train_prints_progress_and_leaves_no_process() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "train",
-         "--stages", "2", "--steps", "3", "--micro-batches", "2", "--batch-size", "2",
+         "--stages", "2", "--steps", "3", "--micro-batches", "2", "--micro-batch-size", "2",
          "--seq-len", "16", "--json"],
         capture_output=True, text=True, timeout=100, check=False,
     )  # fmt: skip

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.node.control.swarm_settings import MODELS, SwarmSettings
 
@@ -13,7 +14,7 @@ from fusionllm.node.control.swarm_settings import MODELS, SwarmSettings
 def test_defaults_are_valid():
     settings = SwarmSettings()
     assert settings.heartbeat_s <= settings.ttl_s / 2
-    assert settings.model in MODELS
+    assert settings.run.model in MODELS
 
 
 @pytest.mark.parametrize(
@@ -22,15 +23,12 @@ def test_defaults_are_valid():
         {"swarm": ""},
         {"swarm": "bad name"},
         {"swarm": "-lead"},
-        {"model": "gigantic"},
-        {"model": ""},
-        {"seq_len": 0},
-        {"batch_size": 0},
-        {"micro_batches": 0},
         {"max_stages": 0},
         {"max_replicas": 0},
         {"max_replicas": -3},
-        {"batch_size": 3, "micro_batches": 4},
+        {"min_stages": 0},
+        {"min_stages": 3, "max_stages": 2},
+        {"run": {"model": "tiny"}},
         {"heartbeat_s": 0.0},
         {"heartbeat_s": -1.0},
         {"heartbeat_s": 7.6, "ttl_s": 15.0},
@@ -61,7 +59,7 @@ def test_invalid_settings(changes):
         {"settle_fraction": 0.1},
         {"settle_fraction": 0.9},
         {"switch_margin": 0.0},
-        {"batch_size": 4, "micro_batches": 4},
+        {"min_stages": 2, "max_stages": 2},
         {"max_replicas": 1, "max_stages": 1},
         {"swarm": "a" * 64},
     ],
@@ -76,23 +74,21 @@ def test_settings_are_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         SwarmSettings("demo")  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        SwarmSettings().model = "small"  # type: ignore[misc]
+        SwarmSettings().run = RunSpec(model="small")  # type: ignore[misc]
 
 
 def test_digest_is_stable():
     assert SwarmSettings().digest() == SwarmSettings().digest()
-    digest = SwarmSettings(swarm="demo", model="small").digest()
-    assert digest == SwarmSettings(model="small", swarm="demo").digest()
+    digest = SwarmSettings(swarm="demo", run=RunSpec(model="small")).digest()
+    assert digest == SwarmSettings(run=RunSpec(model="small"), swarm="demo").digest()
     assert len(digest) == 16
     assert all(c in "0123456789abcdef" for c in digest)
 
 
 _OTHER_VALUES = {
     "swarm": "other",
-    "model": "small",
-    "seq_len": 128,
-    "batch_size": 16,
-    "micro_batches": 2,
+    "run": RunSpec(seq_len=128),
+    "min_stages": 2,
     "max_stages": 4,
     "max_replicas": 2,
     "heartbeat_s": 4.0,
@@ -123,15 +119,46 @@ def test_digests_of_all_single_changes_are_distinct():
 
 
 def test_plan_config_mapping():
-    settings = SwarmSettings(batch_size=16, micro_batches=2, max_stages=3, max_replicas=5)
+    run = RunSpec(micro_batch_size=8, micro_batches=2)
+    settings = SwarmSettings(run=run, max_stages=3, max_replicas=5)
     config = settings.plan_config()
     assert isinstance(config, PlanConfig)
     assert config.micro_batches == 2
     assert config.batch_size == 16
     assert config.graph_batch_size == 1
     assert config.max_stages == 3
-    assert config.max_replicas == 5
+    assert config.max_replicas == 2  # whole micro-batches per replica: at most 2 replicas
     assert config.scale == 16 / 2
     # Everything else is PlanConfig's default.
-    defaults = PlanConfig(micro_batches=2, batch_size=16, max_stages=3, max_replicas=5)
+    defaults = PlanConfig(micro_batches=2, batch_size=16, max_stages=3, max_replicas=2)
     assert config == defaults
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"model": "gigantic"}, "model must be one of"),
+        ({"model": ""}, "model must be one of"),
+        ({"seq_len": 0}, "seq_len must be"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be"),
+        ({"micro_batches": 0}, "micro_batches must be"),
+        ({"micro_batches": 2.5}, "micro_batches must be"),
+        ({"steps": -1}, "steps must be"),
+        ({"seed": -1}, "seed must be"),
+        ({"lr": 0.0}, "need lr > 0"),
+        ({"lr": math.nan}, "finite"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"gradient_codec": "gzip"}, "gradient_codec"),
+    ],
+)
+def test_invalid_run_spec(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        RunSpec(**changes)
+
+
+def test_run_spec_batch_arithmetic():
+    run = RunSpec(micro_batch_size=3, micro_batches=5, seq_len=7, steps=0)
+    assert run.global_batch == 15
+    assert run.tokens_per_step == 105
+    assert run.runs_forever()

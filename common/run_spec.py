@@ -1,0 +1,70 @@
+"""What a training run is, shared by every node of a swarm and by the stage runtime.
+
+One spec, one meaning: ``micro_batch_size`` sequences of ``seq_len`` tokens per micro-batch,
+``micro_batches`` per step, so a step trains ``global_batch`` sequences whatever the plan
+(replicas split the micro-batches, stages split the model). It is part of the swarm settings'
+digest: nodes that run another spec are never planned together.
+"""
+
+import math
+from dataclasses import dataclass
+
+from fusionllm.common.errors import ConfigError
+
+MODELS = ("tiny", "small", "medium", "large", "xl")
+GRADIENT_CODECS = ("topk", "ternary")
+STDLIB_VOCAB = 256  # the built-in corpus is bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    model: str = "tiny"  # a GPT-2 preset
+    seq_len: int = 64
+    micro_batch_size: int = 2  # sequences per micro-batch
+    micro_batches: int = 4  # per step
+    steps: int = 200  # optimizer steps; 0: no end
+    seed: int = 0  # model init and data order
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0  # 0: no clipping
+    gradient_codec: str = "topk"  # on links the plan compresses (error feedback either way)
+    stdlib_bytes: int = 2 << 20  # how much of the standard library's source to train on
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if self.model not in MODELS:
+            raise ConfigError(f"model must be one of {MODELS}, got {self.model!r}")
+        for name in ("seq_len", "micro_batch_size", "micro_batches", "stdlib_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigError(f"steps must be an integer >= 0 (0: no end), got {self.steps!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        numbers = (self.lr, self.weight_decay, self.max_grad_norm, *self.betas)
+        if not all(isinstance(x, int | float) and math.isfinite(x) for x in numbers):
+            raise ConfigError(f"optimizer settings must be finite numbers, got {numbers}")
+        if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError(
+                f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "
+                f"{self.weight_decay}, {self.max_grad_norm}"
+            )
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.gradient_codec not in GRADIENT_CODECS:
+            raise ConfigError(
+                f"gradient_codec must be one of {GRADIENT_CODECS}, got {self.gradient_codec!r}"
+            )
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch_size * self.micro_batches
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def runs_forever(self) -> bool:
+        return self.steps == 0

@@ -1,0 +1,201 @@
+"""``fusionllm node``: run one node of a swarm, training what the swarm's plan asks of it."""
+
+import argparse
+import contextlib
+import json
+import signal
+import threading
+from pathlib import Path
+
+from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.options import add_run_options, run_spec_from
+
+
+def add_parser(commands) -> None:
+    node = commands.add_parser(
+        "node",
+        help="run a node: join a swarm, agree on a plan with the others, train your part of it",
+        description="Joins (or starts, without --bootstrap) a swarm: publishes this node's "
+        "signed record on the DHT, measures bandwidth to a sample of peers and gossips it, and "
+        "every epoch agrees on the swarm's plan with the other nodes (no coordinator). A node "
+        "the plan names trains its stage with its neighbours; others wait in the backup pool. "
+        "Every node of a swarm must use the same run and timing options. When the run reaches "
+        "--steps the node writes its stage's parameters to --work-dir, leaves and exits 0. "
+        "Ctrl-C or SIGTERM leaves politely.",
+    )
+    node.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
+    node.add_argument(
+        "--bootstrap",
+        nargs="+",
+        metavar="MADDR",
+        help="DHT multiaddr(s) of any node in the swarm (printed by that node); omit to "
+        "start a new swarm",
+    )
+    node.add_argument(
+        "--key",
+        default="~/.fusionllm/identity.key",
+        help="identity key file, created (mode 0600) if missing (default: %(default)s)",
+    )
+    node.add_argument(
+        "--work-dir",
+        help="where the node writes what it trained (default: beside --key, named after it)",
+    )
+    node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
+    node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
+    add_run_options(node)
+    _add_plan_options(node)
+    _add_probe_options(node)
+    node.add_argument(
+        "--threads", type=int, help="torch threads for compute (default: torch's choice)"
+    )
+    node.add_argument("--duration", type=float, help="leave after this many seconds")
+    node.add_argument("--events", action="store_true", help="print events as JSON lines")
+    node.set_defaults(handler=run)
+
+
+def _add_plan_options(node: argparse.ArgumentParser) -> None:
+    group = node.add_argument_group("planning and timing", "the same on every node of a swarm")
+    group.add_argument("--min-stages", type=int, default=1, help="(default: %(default)s)")
+    group.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
+    group.add_argument(
+        "--max-replicas",
+        type=int,
+        default=64,
+        help="data-parallel replicas per stage at most (default: %(default)s)",
+    )
+    group.add_argument(
+        "--heartbeat", type=float, default=5.0, help="record refresh, s (default: %(default)s)"
+    )
+    group.add_argument(
+        "--ttl",
+        type=float,
+        default=15.0,
+        help="record lifetime after the last heartbeat, s; a node that missed 3 heartbeats "
+        "is already treated as gone (default: %(default)s)",
+    )
+    group.add_argument("--epoch", type=float, default=10.0, help="plan epoch, s (%(default)s)")
+    group.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="longest wait for a neighbour's frame inside a step, s (default: %(default)s)",
+    )
+
+
+def _add_probe_options(node: argparse.ArgumentParser) -> None:
+    group = node.add_argument_group("links and device")
+    group.add_argument(
+        "--probe-interval", type=float, default=10.0, help="s between probe rounds (%(default)s)"
+    )
+    group.add_argument(
+        "--probe-fanout", type=int, default=3, help="peers probed per round (%(default)s)"
+    )
+    group.add_argument(
+        "--probe-kib", type=float, default=1024, help="bytes per probe, KiB (%(default)s)"
+    )
+    group.add_argument("--uplink-mbps", type=float, help="advertise this uplink, not measured")
+    group.add_argument("--downlink-mbps", type=float, help="advertise this downlink")
+    group.add_argument(
+        "--device-json",
+        help="advertise this device (JSON of fusionllm.dht.records.DeviceInfo fields) instead "
+        "of measuring it",
+    )
+
+
+def _node_config(args: argparse.Namespace):
+    from fusionllm.dht.records import DeviceInfo
+    from fusionllm.node.control.daemon import NodeConfig
+    from fusionllm.node.control.swarm_settings import SwarmSettings
+
+    settings = SwarmSettings(
+        swarm=args.swarm,
+        run=run_spec_from(args),
+        min_stages=args.min_stages,
+        max_stages=args.max_stages,
+        max_replicas=args.max_replicas,
+        heartbeat_s=args.heartbeat,
+        ttl_s=args.ttl,
+        epoch_s=args.epoch,
+    )
+    device = None
+    if args.device_json:
+        try:
+            device = DeviceInfo(**json.loads(Path(args.device_json).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise FusionError(f"--device-json {args.device_json}: {exc}") from exc
+    return NodeConfig(
+        settings=settings,
+        key_path=Path(args.key).expanduser(),
+        bootstrap=tuple(args.bootstrap or ()),
+        listen_host=args.host,
+        dht_port=args.dht_port,
+        control_port=args.port,
+        probe_interval_s=args.probe_interval,
+        probe_fanout=args.probe_fanout,
+        probe_bytes=int(args.probe_kib * 1024),
+        device=device,
+        uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
+        downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
+    )
+
+
+def _printer(args: argparse.Namespace, swarm: str):
+    every = 10
+
+    def on_event(event: dict) -> None:
+        kind = event["event"]
+        if args.events:
+            print(json.dumps(event), flush=True)
+        elif kind == "ready":
+            print(f"node {event['peer_id']} joined swarm {swarm}", flush=True)
+            print(f"  others can bootstrap from: {' '.join(event['dht_addrs'])}", flush=True)
+        elif kind == "epoch" and event["changed"]:
+            print(
+                f"epoch {event['epoch']}: plan {event['digest'][:12]} with "
+                f"{len(event['stages'])} stages, {len(event['backup'])} in backup, "
+                f"{len(event['members'])} members; this node: {event['state']}",
+                flush=True,
+            )
+        elif kind == "train_plan":
+            print(
+                f"training plan {event['digest'][:12]} from step {event['start_step']}: "
+                f"this node serves stage {event['stage']} replica {event['replica']}",
+                flush=True,
+            )
+        elif kind == "step" and event["step"] % every == 0:
+            print(
+                f"step {event['step']:>5}  loss {event['loss']:.4f}  "
+                f"{event['tokens_per_s']:,.0f} tokens/s",
+                flush=True,
+            )
+        elif kind in ("saved", "finished"):
+            print(f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}")
+
+    return on_event
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
+
+    node_config = _node_config(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    key = node_config.key_path
+    work_dir = Path(args.work_dir).expanduser() if args.work_dir else key.with_suffix("")
+    if work_dir == key:
+        work_dir = key.parent / f"{key.name}.work"
+    config = SwarmNodeConfig(node=node_config, work_dir=work_dir, step_timeout_s=args.step_timeout)
+    stop = threading.Event()
+    # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: leave politely, like SIGTERM
+        run_node(
+            config,
+            on_event=_printer(args, node_config.settings.swarm),
+            duration_s=args.duration,
+            stop=stop,
+        )
+    return 0

@@ -1,0 +1,241 @@
+"""``fusionllm swarm``: a local swarm of real ``fusionllm node`` daemons training together.
+
+It starts N node processes on 127.0.0.1 (own key and work directory each, the first as the
+bootstrap) and only watches: the daemons find each other on the DHT, agree on a plan and
+train. It hands out no stage and no address. Ctrl-C stops every process it started.
+"""
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.options import add_run_options, run_spec_from
+
+_POLL_S = 0.25
+
+
+def add_parser(commands) -> None:
+    swarm = commands.add_parser(
+        "swarm",
+        help="start N node daemons on this machine and watch them train together",
+        description="Starts --nodes `fusionllm node` processes on 127.0.0.1 (the first is the "
+        "bootstrap, each has its own key and work directory). They find each other on the "
+        "DHT, agree on a plan without a coordinator and train a byte-level GPT-2 on the "
+        "Python standard library's source. Shows progress, then a summary. Ctrl-C stops "
+        "every process it started.",
+    )
+    swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
+    add_run_options(swarm)
+    swarm.add_argument(
+        "--min-stages",
+        type=int,
+        default=2,
+        help="pipeline stages at least; one machine's nodes are equal, so without it a tiny "
+        "model would run on one node while the rest wait in backup (default: %(default)s)",
+    )
+    swarm.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
+    swarm.add_argument(
+        "--work-dir", help="keys, logs and results of every node (default: a new temp dir)"
+    )
+    swarm.add_argument(
+        "--timeout", type=float, default=3600, help="give up after this many s (%(default)s)"
+    )
+    swarm.add_argument("--plot", metavar="PNG", help="write the loss curve here")
+    swarm.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    swarm.set_defaults(handler=run)
+
+
+@dataclass
+class Progress:
+    """What the nodes' event streams say, merged: one loss per step, the plan, the ends."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    step_seconds: dict[int, float] = field(default_factory=dict)
+    plan: dict | None = None
+    serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> stage, replica
+    bytes_out: dict[str, int] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    first_step_at: float | None = None
+
+    def absorb(self, name: str, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "step":
+            self.losses.setdefault(event["step"], event["loss"])
+            self.step_seconds.setdefault(event["step"], event["seconds"])
+            self.bytes_out[name] = event.get("bytes_out", 0)
+            if self.first_step_at is None:
+                self.first_step_at = time.monotonic()
+        elif kind == "train_plan":
+            self.plan = event
+            self.serving[name] = (event["stage"], event["replica"])
+        elif kind == "finished":
+            self.finished.add(name)
+        elif kind == "train_error":
+            self.errors.append(name)
+
+
+def _device() -> dict:
+    """This machine, measured once (cached) and shared by every node: they are one machine."""
+    from dataclasses import asdict
+
+    from fusionllm.node.control.daemon import local_device
+
+    return asdict(local_device(None))
+
+
+def _options(args: argparse.Namespace) -> dict:
+    run = run_spec_from(args)
+    return {
+        "model": run.model,
+        "steps": run.steps,
+        "seq-len": run.seq_len,
+        "micro-batch-size": run.micro_batch_size,
+        "micro-batches": run.micro_batches,
+        "lr": run.lr,
+        "seed": run.seed,
+        "gradient-codec": run.gradient_codec,
+        "min-stages": args.min_stages,
+        "max-stages": args.max_stages,
+        "threads": 1,  # N processes share this machine's cores
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionllm.node.local_swarm import LocalSwarm
+
+    if args.nodes < 1:
+        raise FusionError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.steps < 1:
+        raise FusionError("a local swarm needs an end: --steps must be >= 1")
+    if args.min_stages > args.nodes:
+        raise FusionError(f"--min-stages {args.min_stages} needs at least as many --nodes")
+    run_spec_from(args)  # validate before starting anything
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="fusionllm-swarm-")).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print
+    say(f"starting {args.nodes} node daemons on 127.0.0.1 (work dir {root})")
+    swarm = LocalSwarm(root, extra=_options(args), device=_device())
+    launched = time.monotonic()
+    try:
+        progress = _watch(swarm, args, say)
+    finally:
+        for node in swarm.nodes:  # politely: a node that still runs leaves the swarm
+            node.kill(signal.SIGTERM)
+    return _report(progress, args, root, launched, say)
+
+
+def _print(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def _watch(swarm, args: argparse.Namespace, say) -> Progress:
+    from tqdm import tqdm
+
+    first = swarm.start("node0")
+    deadline = time.monotonic() + args.timeout
+    while first.last("ready") is None:
+        _check_alive(swarm, deadline)
+        time.sleep(_POLL_S)
+    for i in range(1, args.nodes):
+        swarm.start(f"node{i}", bootstrap=first.dht_addr)
+    progress, seen = Progress(), {}
+    bar = tqdm(total=args.steps, unit="step", disable=args.json, file=sys.stdout)
+    with bar:
+        while len(progress.finished) < len(progress.serving) or not progress.serving:
+            for node in swarm.nodes:
+                events = node.snapshot()
+                for event in events[seen.get(node.name, 0) :]:
+                    progress.absorb(node.name, event)
+                seen[node.name] = len(events)
+            _update_bar(bar, progress, args)
+            if progress.errors:
+                raise FusionError(f"training failed on {progress.errors}; logs in {swarm.root}")
+            _check_alive(swarm, deadline, progress)
+            time.sleep(_POLL_S)
+    return progress
+
+
+def _update_bar(bar, progress: Progress, args: argparse.Namespace) -> None:
+    done = len(progress.losses)
+    if done > bar.n:
+        bar.update(done - bar.n)
+        last = max(progress.losses)
+        tokens = run_spec_from(args).tokens_per_step / max(progress.step_seconds[last], 1e-9)
+        stages = (
+            " | ".join(
+                f"s{s}:" + ",".join(n for n, (st, _) in sorted(progress.serving.items()) if st == s)
+                for s in range(len(progress.plan["ranges"]))
+            )
+            if progress.plan
+            else "-"
+        )
+        bar.set_postfix_str(f"loss {progress.losses[last]:.4f} {tokens:,.0f} tok/s [{stages}]")
+
+
+def _check_alive(swarm, deadline: float, progress: Progress | None = None) -> None:
+    if time.monotonic() > deadline:
+        raise FusionError(f"the swarm did not finish in time; logs in {swarm.root}")
+    for node in swarm.nodes:
+        if not node.alive() and (progress is None or node.name not in progress.finished):
+            code = node.process.poll()
+            if progress is None or node.name in progress.serving or code != 0:
+                raise FusionError(
+                    f"{node.name} exited with {code}; its log: {swarm.root / (node.name + '.log')}"
+                )
+
+
+def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
+    steps = sorted(progress.losses)
+    tokens_per_step = run_spec_from(args).tokens_per_step
+    steady = [progress.step_seconds[s] for s in steps[len(steps) // 4 :]]
+    seconds = sorted(steady)[len(steady) // 2] if steady else float("nan")
+    summary = {
+        "steps": len(steps),
+        "loss_first": progress.losses[steps[0]] if steps else None,
+        "loss_last": progress.losses[steps[-1]] if steps else None,
+        "tokens_per_s": tokens_per_step / seconds if steady else None,
+        "nodes": args.nodes,
+        "plan_digest": progress.plan["digest"] if progress.plan else None,
+    }
+    if args.plot:
+        _plot(progress, Path(args.plot))
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    plan = progress.plan or {}
+    say(
+        f"done: {summary['steps']} steps, loss {summary['loss_first']:.4f} -> "
+        f"{summary['loss_last']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s (median of the "
+        f"last 3/4), first step {progress.first_step_at - launched:.1f}s after launch"
+    )
+    say(f"plan {str(plan.get('digest'))[:12]}: node ranges per stage {plan.get('ranges')}")
+    for name, (stage, replica) in sorted(progress.serving.items()):
+        say(
+            f"  {name}: stage {stage} replica {replica}, {progress.bytes_out.get(name, 0):,} B sent"
+        )
+    say(f"results and logs: {root}")
+    return 0
+
+
+def _plot(progress: Progress, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(progress.losses)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [progress.losses[s] for s in steps])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("fusionllm swarm: training loss")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,133 @@
+"""A node as its user runs it: the control plane, and the training its adopted plan drives.
+
+The thin composition DESIGN.md asks for: ``control/`` (the daemon) and ``pipeline/`` (the
+runtime, through ``training/``) never import each other; this module builds both on the node's
+one py-libp2p host and hands the daemon's adopted plan to the trainer through ``DaemonView``.
+"""
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import RunSpec
+from fusionllm.dag import trace
+from fusionllm.dag.planner import Plan
+from fusionllm.dht.records import TrainingProgress
+from fusionllm.node.control.daemon import NodeConfig, NodeDaemon
+from fusionllm.node.p2p.framing import FrameHeader
+from fusionllm.node.p2p.transport import TensorSpec, Transport, TransportConfig
+from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
+
+logger = get_logger(__name__)
+
+_NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
+
+
+class DaemonView:
+    """What the trainer may see of the daemon (``training.trainer.SwarmView``)."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self._daemon = daemon
+
+    def adopted(self) -> tuple[str, Plan] | None:
+        adopted = self._daemon.adopted
+        return (adopted.digest, adopted.plan) if adopted is not None else None
+
+    def addrs(self, peer: str) -> list[str]:
+        info = self._daemon.members.get(peer)
+        return list(info.addrs) if info is not None else []
+
+    def is_member(self, peer: str) -> bool:
+        return peer in self._daemon.members
+
+    def publish(self, replica: int | None, step: int, loss: float | None, finished: bool) -> None:
+        if loss is not None and not (math.isfinite(loss) and 0 <= loss <= 1e6):
+            loss = None  # a diverged run still reports its step; the record refuses NaN
+        self._daemon.progress = TrainingProgress(replica, step, loss, finished)
+
+    def run_finished(self) -> bool:
+        return self._daemon.run_finished
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmNodeConfig:
+    node: NodeConfig
+    work_dir: Path
+    step_timeout_s: float = 60.0
+
+    @property
+    def run(self) -> RunSpec:
+        return self.node.settings.run
+
+
+def build_model_graph(run: RunSpec):
+    """The run's seeded model traced at the micro-batch shape: the same in every node."""
+    config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
+    model = build_model(config)
+    example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
+    graph = trace(model, (example,), meta=False)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return graph, shapes, load_dataset(config)
+
+
+def run_node(
+    config: SwarmNodeConfig,
+    *,
+    on_event: Callable[[dict], None],
+    duration_s: float | None = None,
+    stop: threading.Event | None = None,
+) -> bool:
+    """Join, train what the swarm's plan asks, leave; True if the run reached its end."""
+    graph, shapes, dataset = build_model_graph(config.run)
+    daemon = NodeDaemon(config.node, on_event=on_event)
+    trainer: SwarmTrainer | None = None
+    transport: Transport | None = None
+
+    def expect(header: FrameHeader) -> TensorSpec:
+        return trainer.expect(header) if trainer is not None else _NEVER
+
+    try:
+        daemon.start()
+        transport = Transport(
+            TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
+            expect=expect,
+            host=daemon.host,
+        ).start()
+        trainer = SwarmTrainer(
+            TrainerConfig(
+                run=config.run, work_dir=config.work_dir, step_timeout_s=config.step_timeout_s
+            ),
+            peer_id=daemon.peer_id,
+            transport=transport,
+            graph=graph,
+            shapes=shapes,
+            dataset=dataset,
+            view=DaemonView(daemon),
+            on_event=on_event,
+        ).start()
+        watcher = threading.Thread(
+            target=_stop_when, args=(daemon, trainer.finished, stop), daemon=True
+        )
+        watcher.start()
+        daemon.run(duration_s=duration_s)
+        return trainer.finished.is_set()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        daemon.leave()
+        if transport is not None:
+            transport.close()
+        daemon.close()
+
+
+def _stop_when(daemon: NodeDaemon, finished: threading.Event, stop: threading.Event | None):
+    while not finished.wait(0.2):
+        if stop is not None and stop.is_set():
+            break
+    daemon.stop()

@@ -1,0 +1,192 @@
+"""Real SwarmTrainers (one thread each) over the in-memory data plane, the plan set by the test.
+
+What the daemons decide (the adopted plan) is a fake here; everything below it is real: the
+assignment, the READY barrier, the 1F1B runner, plan votes in the step summaries, state moved
+between members on a plan change.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fusionllm.common.run_spec import RunSpec
+from fusionllm.dag.cost import DeviceProfile, LinkProfile
+from fusionllm.dag.planner import Plan, PlanConfig, plan
+from fusionllm.dag.swarm import Peer, Swarm
+from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.swarm_node import build_model_graph
+from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
+from tests.support.memory_transport import MemoryNetwork
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RUN = RunSpec(seq_len=16, micro_batch_size=2, micro_batches=4, steps=10, lr=3e-3)
+TIMEOUT_S = 60.0
+
+
+class FakeView:
+    """The control plane as the trainer sees it; the test decides the adopted plan."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = set(members)
+        self.current: tuple[str, Plan] | None = None
+        self.published: list[tuple] = []
+        self.finished = False
+
+    def adopted(self):
+        return self.current
+
+    def addrs(self, peer: str) -> list[str]:
+        return []
+
+    def is_member(self, peer: str) -> bool:
+        return peer in self.members
+
+    def publish(self, replica, step, loss, finished) -> None:
+        self.published.append((replica, step, loss, finished))
+        self.finished = self.finished or finished
+
+    def run_finished(self) -> bool:
+        return self.finished
+
+
+def _plan(peers: list[str], stages: int) -> Plan:
+    """The planner's plan for equal peers on fast links, with exactly ``stages`` stages."""
+    graph, _, _ = build_model_graph(RUN)
+    device = DeviceProfile(flops=1e11, memory_bandwidth=5e9, memory_bytes=4 << 30)
+    swarm = Swarm.from_links(
+        [Peer(peer_id=p, device=device, uplink=1e9, downlink=1e9) for p in peers],
+        {(a, b): LinkProfile(bandwidth=1e9, rtt=1e-4) for a in peers for b in peers if a != b},
+    )
+    config = PlanConfig(
+        micro_batches=RUN.micro_batches,
+        batch_size=RUN.global_batch,
+        min_stages=stages,
+        max_stages=stages,
+        max_replicas=1,
+    )
+    return plan(graph.costs(), swarm, config)
+
+
+class Cluster:
+    def __init__(self, peers: list[str], tmp_path) -> None:
+        self.network = MemoryNetwork()
+        self.views = {p: FakeView(peers) for p in peers}
+        self.events: dict[str, list[dict]] = {p: [] for p in peers}
+        self.trainers: dict[str, SwarmTrainer] = {}
+        for peer in peers:
+            graph, shapes, dataset = build_model_graph(RUN)
+            holder: dict = {}
+            transport = self.network.transport(peer, expect=lambda h, x=holder: x["t"].expect(h))
+            trainer = SwarmTrainer(
+                TrainerConfig(run=RUN, work_dir=tmp_path / peer, step_timeout_s=TIMEOUT_S),
+                peer_id=peer,
+                transport=transport,
+                graph=graph,
+                shapes=shapes,
+                dataset=dataset,
+                view=self.views[peer],
+                on_event=self.events[peer].append,
+            )
+            holder["t"] = trainer
+            self.trainers[peer] = trainer
+
+    def adopt(self, plan_: Plan, peers=None) -> None:
+        for peer in peers or self.views:
+            self.views[peer].current = (plan_.digest(), plan_)
+
+    def losses(self, peer: str) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in list(self.events[peer]) if e["event"] == "step"}
+
+    def wait(self, predicate, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}: {self.events}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for trainer in self.trainers.values():
+            trainer.stop()
+        for trainer in self.trainers.values():
+            trainer.close()
+        self.network.close()
+
+
+@pytest.fixture
+def cluster_of(tmp_path):
+    made = []
+
+    def make(peers):
+        made.append(Cluster(peers, tmp_path))
+        return made[-1]
+
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def _reference(plan_: Plan) -> list[float]:
+    config = TrainConfig.for_run(
+        RUN, cuts=tuple(s.start for s in plan_.stages[1:]), replicas=(1,) * len(plan_.stages)
+    )
+    return train_local(config).losses
+
+
+def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
+    peers = ["peer-a", "peer-b", "peer-c"]
+    fixed = _plan(peers, 3)
+    cluster = cluster_of(peers)
+    cluster.adopt(fixed)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: all(t.finished.is_set() for t in cluster.trainers.values()), "the end")
+    reference = _reference(fixed)
+    for peer in peers:
+        losses = cluster.losses(peer)
+        assert sorted(losses) == list(range(RUN.steps))
+        np.testing.assert_allclose([losses[s] for s in range(RUN.steps)], reference, atol=1e-5)
+        assert (tmp_path / peer / "final-params.pt").exists()
+    assert all(v.finished for v in cluster.views.values())
+
+
+def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):
+    peers = ["peer-a", "peer-b", "peer-c"]
+    two = _plan(peers[:2], 2)
+    three = _plan(peers, 3)
+    cluster = cluster_of(peers)
+    cluster.adopt(two)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 4, "4 steps on the first plan")
+    cluster.adopt(three)  # peer-c joins; every member votes for the new plan at a step's end
+    cluster.wait(lambda: all(t.finished.is_set() for t in cluster.trainers.values()), "the end")
+    losses = cluster.losses("peer-c")
+    assert losses, "the joiner never trained"
+    first = min(losses)
+    assert first >= 4
+    merged = {**cluster.losses("peer-a"), **losses}
+    assert sorted(merged) == list(range(RUN.steps))
+    # No jump at the switch: the run equals one process (parameters and AdamW state moved).
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(two), atol=1e-5)
+    handovers = [e for p in peers for e in cluster.events[p] if e["event"] == "handover"]
+    assert sum(e["sent"] for e in handovers) > 0
+
+
+def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
+    peers = ["peer-a", "peer-b", "peer-c"]
+    two = _plan(peers[:2], 2)
+    cluster = cluster_of(peers)
+    cluster.adopt(two)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    ended = threading.Event()
+    cluster.wait(lambda: cluster.trainers["peer-a"].finished.is_set(), "the end")
+    cluster.views["peer-c"].finished = True  # as the daemon learns from the members' records
+    cluster.wait(lambda: cluster.trainers["peer-c"].finished.is_set(), "the backup to stop")
+    ended.set()
+    assert not cluster.losses("peer-c")
+    assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
