@@ -86,7 +86,8 @@ def test_runners_match_one_process(dataset, stages, replicas) -> None:
 
 @pytest.mark.parametrize("gradient_codec", ["topk", "ternary"])
 def test_a_compressed_link_still_converges(dataset, gradient_codec) -> None:
-    """Both directions of the one link at ratio 0.1: it learns, and it is not the dense run."""
+    """Both directions of the one link at ratio 0.1: it learns about as fast as the dense run
+    (measured here: last-3 mean +0.6% top-k, +0.2% ternary), and it is not the dense run."""
     config = _config(
         stages=2,
         steps=8,
@@ -106,6 +107,7 @@ def test_a_compressed_link_still_converges(dataset, gradient_codec) -> None:
     assert swarm.errors() == {}
     losses = swarm.losses()
     assert sum(losses[-3:]) / 3 < losses[0] * 0.9, losses
+    assert sum(losses[-3:]) < sum(dense.losses[-3:]) * 1.05, (losses, dense.losses)
     assert max(abs(a - b) for a, b in zip(losses, dense.losses, strict=True)) > 1e-3
     # Both directions really were compressed: every link frame well under the dense bytes.
     dense_bytes = len(pack_tensor(torch.zeros(swarm.layout.links[0].numel)))
