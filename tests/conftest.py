@@ -1,6 +1,5 @@
 """Shared pytest setup: no test may leave a process behind."""
 
-import contextlib
 import os
 
 import psutil
@@ -9,34 +8,18 @@ import torch
 from hypothesis import settings
 
 from fusionllm.common.logs import get_logger
+from tests.support.processes import child_pids, kill_process_tree, reap_new_children
 
 logger = get_logger("tests.conftest")
 
-_GRACE_S = 3.0
+# A child may still be exiting when its test returns (a launcher that just told it to quit):
+# this long to go on its own before it counts as left behind.
+_SETTLE_S = 2.0
 
 # The same examples every run, so a property test that passed in CI passes again; a change
 # of code changes the examples, which is where new cases get explored.
 settings.register_profile("deterministic", derandomize=True, deadline=None)
 settings.load_profile("deterministic")
-
-
-def kill_process_tree(root: psutil.Process, *, include_root: bool = False) -> list[int]:
-    """Terminate, then kill, every descendant of ``root``; returns the pids found."""
-    try:
-        victims = root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    if include_root:
-        victims.append(root)
-    for proc in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _gone, alive = psutil.wait_procs(victims, timeout=_GRACE_S)
-    for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=_GRACE_S)
-    return [proc.pid for proc in victims]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +30,23 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes_per_test(request):
+    """Fail the test that leaves a child process behind (after killing it), naming both.
+
+    Processes that exist when the test starts (a module- or session-scoped swarm, set up
+    before this function-scoped fixture) are not the test's and are left alone.
+    """
+    before = child_pids()
+    yield
+    leftovers = reap_new_children(before, settle_s=_SETTLE_S)
+    if leftovers:
+        pytest.fail(
+            f"{request.node.nodeid} left {len(leftovers)} child processes (killed): {leftovers}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True, scope="session")

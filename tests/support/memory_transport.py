@@ -15,19 +15,27 @@ Delivery is synchronous: a frame is in the receiver's inbox (or refused) before 
 returns its already resolved future, so runs are deterministic up to thread scheduling. A
 receiver that is gone fails the future with TransportError, like a reset stream.
 
+Where it is kinder than py-libp2p (what a test here cannot show): frames between two peers
+arrive in the order sent (the real transport promises delivery, not order, for concurrent
+sends); ``send_async`` never blocks (no ``max_in_flight`` backpressure, no bounded inbox); a
+refused frame costs only itself (over a real stream, frames written after it before the sender
+notices the reset are lost too); peer ids are any non-empty strings, not libp2p ids.
+
 Faults, for tests:
 
 - ``kill(peer)``: its transport closes (its ``recv`` and ``send_async`` raise
   TransportClosedError); frames sent to it fail with TransportError.
 - ``stall(peer)`` / ``resume(peer)``: frames the peer sends are held, their futures pending,
   until ``resume`` delivers them in order or their send timeout passes (DeadlineError).
-- ``drop``, ``corrupt`` and ``kill_on``: a ``Fault`` applied to the next ``times`` frames that
-  match a ``FrameMatch``; ``Fault.fired`` is an event to wait on, ``Fault.hits`` a count.
+- ``drop``, ``corrupt``, ``kill_on`` and ``stall_on``: a ``Fault`` applied to the next
+  ``times`` frames that match a ``FrameMatch``; ``Fault.fired`` is an event to wait on
+  (``fired_at`` its time), ``Fault.hits`` a count. ``tap`` records frames, changing nothing.
 """
 
 import contextlib
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -121,6 +129,7 @@ class Fault:
         self.hits = 0
         self.frames: list[Frame] = []  # the frames it was applied to, as they were sent
         self.fired = threading.Event()  # set at the first hit
+        self.fired_at: float | None = None  # time.monotonic() of the first hit
 
     @property
     def spent(self) -> bool:
@@ -167,7 +176,7 @@ class MemoryTransport:
         self._counters: dict[str, _Counters] = {}
         self._closed = False
 
-    # ----- the Transport surface ----------------------------------------------------------------
+    # ----- the Transport surface ------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -238,7 +247,7 @@ class MemoryTransport:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ----- the network's side -----------------------------------------------------------------
+    # ----- the network's side ---------------------------------------------------------------------
 
     def _count(self, peer: str) -> _Counters:
         # Called with self._lock held.
@@ -349,6 +358,10 @@ class MemoryNetwork:
             self._faults.append(fault)
         return fault
 
+    def tap(self, match: FrameMatch) -> Fault:
+        """Record every matching frame (``Fault.frames``) and let it pass unchanged."""
+        return self.add_fault(match, lambda frame: frame, times=1 << 62)
+
     def drop(self, match: FrameMatch, *, times: int = 1) -> Fault:
         """Lose matching frames on the way: the sender's send succeeds, nobody receives them."""
         return self.add_fault(match, lambda frame: None, times=times)
@@ -370,7 +383,16 @@ class MemoryNetwork:
 
         return self.add_fault(match, die)
 
-    # ----- delivery ------------------------------------------------------------------------
+    def stall_on(self, match: FrameMatch, peer: str) -> Fault:
+        """Stall ``peer`` as the first matching frame is sent (held too, if ``peer`` sends it)."""
+
+        def hang(frame: Frame) -> Frame:
+            self.stall(peer)
+            return frame
+
+        return self.add_fault(match, hang)
+
+    # ----- delivery -------------------------------------------------------------------------------
 
     def _send(self, frame: Frame, future: Future, timeout: float) -> None:
         with self._lock:
@@ -378,6 +400,8 @@ class MemoryNetwork:
             if fault is not None:
                 fault.hits += 1
                 fault.frames.append(frame)
+                if fault.fired_at is None:
+                    fault.fired_at = time.monotonic()
         if fault is not None:
             fault.fired.set()
             changed = fault.action(frame)

@@ -83,7 +83,7 @@ class ThreadSwarm:
         self.results: dict[Role, RoleRun] = {role: RoleRun() for role in self.roles}
         self._started = False
 
-    # ----- running -------------------------------------------------------------------------------
+    # ----- running --------------------------------------------------------------------------------
 
     def run(self, steps: int | None = None, *, join_timeout_s: float = 60.0) -> dict[Role, RoleRun]:
         """Steps 0 .. steps - 1 (default ``config.steps``) on every role; see the module doc."""
@@ -134,7 +134,7 @@ class ThreadSwarm:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ----- results -------------------------------------------------------------------------------
+    # ----- results --------------------------------------------------------------------------------
 
     def errors(self) -> dict[Role, BaseException]:
         return {role: r.error for role, r in self.results.items() if r.error is not None}

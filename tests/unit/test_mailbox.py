@@ -55,14 +55,23 @@ def test_admission_by_sender_role(layout) -> None:
     rank = {role: i for i, role in enumerate(roles_of(CONFIG))}
     ok = _header(FrameKind.ACTIVATION, tag=1, stage=0)
     assert middle.admit(rank[Role(0, 0)], ok) is None
-    assert "not ours" in middle.admit(rank[Role(0, 0)], _header(FrameKind.ACTIVATION, tag=2))
-    assert "sender is stage" in middle.admit(rank[Role(2, 0)], ok)
-    assert "from stage 2" in middle.admit(
-        rank[Role(2, 0)], _header(FrameKind.ACTIVATION, tag=1, stage=2)
-    )
+    not_ours = _header(FrameKind.ACTIVATION, tag=2)
+    assert middle.admit(rank[Role(0, 0)], not_ours) == "micro-batch 2 is not ours"
+    assert middle.admit(rank[Role(2, 0)], ok) == "header says stage 0, the sender is stage 2"
+    backwards = _header(FrameKind.ACTIVATION, tag=1, stage=2)
+    assert middle.admit(rank[Role(2, 0)], backwards) == "activation from stage 2 to stage 1"
     dp = _header(FrameKind.CONTROL, tag=TAG_DP, stage=1)
     assert middle.admit(rank[Role(1, 0)], dp) is None
-    assert middle.admit(rank[Role(0, 0)], _header(FrameKind.CONTROL, tag=TAG_DP)) is not None
+    assert (
+        middle.admit(rank[Role(0, 0)], _header(FrameKind.CONTROL, tag=TAG_DP))
+        == "gradients from another stage's replica"
+    )
+    tied = _header(FrameKind.CONTROL, tag=TAG_TIED, stage=0)  # stage 1 holds no tied weight
+    assert middle.admit(rank[Role(0, 0)], tied) == f"unexpected control tag {TAG_TIED}"
+    first = Expectations(CONFIG, layout, Role(0, 0))
+    odd = _header(FrameKind.GRADIENT, tag=1, stage=1)  # replica 1 of stage 1 owns it
+    assert first.admit(rank[Role(1, 0)], odd) == "micro-batch 1 is not the sender's"
+    assert first.admit(rank[Role(1, 1)], odd) is None
 
 
 MIDDLE = Role(1, 1)

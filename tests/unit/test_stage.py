@@ -1,13 +1,19 @@
-"""Stage workers in one process, driven by their 1F1B schedules, match the whole model.
+"""Stage workers, layouts and run configs: the parts of a pipeline process below its runner.
 
-The driver here plays the network: mailboxes keyed by (kind, stage, micro-batch), tied
-gradients summed over the stages that hold them, the global norm summed over stages.
+Whole pipeline runs (the real ``PipelineRunner``s, 1F1B, tied and replicated parameters)
+are compared with the single-process reference in ``test_runner.py``.
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.dag.cost import DeviceProfile, LinkProfile, mbps
+from fusionllm.dag.graph import GraphCosts, OpNode
+from fusionllm.dag.planner import PlanConfig, plan
+from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.layout import (
@@ -17,11 +23,15 @@ from fusionllm.node.pipeline.layout import (
     cut_problem,
 )
 from fusionllm.node.pipeline.local_train import train_local
-from fusionllm.node.pipeline.schedule import one_f_one_b
 from fusionllm.node.pipeline.stage import StageWorker, clip_coefficient
-from fusionllm.node.pipeline.train_config import TrainConfig, build_layout, build_model
+from fusionllm.node.pipeline.train_config import (
+    TrainConfig,
+    build_layout,
+    build_model,
+    ratios_from_plan,
+)
 
-ATOL = 1e-6
+SMALL_GPU = DeviceProfile(name="small", flops=10e12, memory_bandwidth=1e12, memory_bytes=3 << 30)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,88 +48,8 @@ def _config(**overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def run_in_process(config: TrainConfig, dataset: TokenDataset):
-    """(per-step losses, canonical parameters) of the pipeline, every stage in this process."""
-    layout = build_layout(config, build_model(config))
-    workers = [
-        StageWorker(layout, s, optimizer=config.optimizer, micro_batches=config.micro_batches)
-        for s in range(layout.num_stages)
-    ]
-    stages, m = layout.num_stages, config.micro_batches
-    losses = []
-    for step in range(config.steps):
-        mail: dict = {}
-        orders = [one_f_one_b(s, stages, m) for s in range(stages)]
-        cursors = [0] * stages
-        step_loss = [0.0] * m
-        while any(cursors[s] < len(orders[s]) for s in range(stages)):
-            progressed = False
-            for s, worker in enumerate(workers):
-                while cursors[s] < len(orders[s]):
-                    kind, mb = orders[s][cursors[s]]
-                    if kind == "F":
-                        if s == 0:
-                            idx, _ = dataset.batch(config.batch, step, mb)
-                            inputs = {"idx": idx}
-                        elif ("F", s, mb) in mail:
-                            inputs = layout.links[s - 1].unpack(mail.pop(("F", s, mb)))
-                        else:
-                            break
-                        targets = (
-                            dataset.batch(config.batch, step, mb)[1] if worker.is_last else None
-                        )
-                        out = worker.forward(step, mb, inputs, targets)
-                        if worker.is_last:
-                            step_loss[mb] = out
-                        else:
-                            mail[("F", s + 1, mb)] = layout.links[s].pack(out)
-                    else:
-                        if worker.is_last:
-                            grads = worker.backward(step, mb)
-                        elif ("B", s, mb) in mail:
-                            flat = mail.pop(("B", s, mb))
-                            grads = worker.backward(step, mb, layout.links[s].unpack(flat))
-                        else:
-                            break
-                        if s > 0:
-                            mail[("B", s - 1, mb)] = layout.links[s - 1].pack(grads)
-                    cursors[s] += 1
-                    progressed = True
-            assert progressed, "the schedules deadlocked"
-        assert not mail
-        for name, holders in layout.tied.items():
-            total = workers[holders[0]].grad(name)
-            for h in holders[1:]:
-                total = total + workers[h].grad(name)
-            for h in holders:
-                workers[h].set_grad(name, total)
-        sq = sum(w.local_grad_sq_norm(layout.counted_elsewhere(w.stage)) for w in workers)
-        for worker in workers:
-            worker.clip_and_step(sq**0.5)
-        losses.append(sum(step_loss) / m)
-    params: dict[str, torch.Tensor] = {}
-    for worker in workers:
-        for name, value in worker.state_dict().items():
-            if name in params:  # tied copies must have stayed identical
-                torch.testing.assert_close(value, params[name], atol=0, rtol=0)
-            params[name] = value
-    return losses, params
-
-
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_in_process_matches_the_whole_model(dataset, stages) -> None:
-    config = _config(stages=stages)
-    reference = train_local(config, dataset=dataset)
-    losses, params = run_in_process(config, dataset)
-    assert max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)) < ATOL
-    assert reference.losses[-1] < reference.losses[0]
-    assert params.keys() == reference.parameters.keys()
-    for name, value in reference.parameters.items():
-        torch.testing.assert_close(params[name], value, atol=ATOL, rtol=0, msg=name)
-
-
-def test_clipping_is_active_in_that_test(dataset) -> None:
-    """With max_grad_norm 0.5 the early steps clip, so the global norm is really exercised."""
+def test_clipping_changes_the_reference_run(dataset) -> None:
+    """With max_grad_norm 0.5 the early steps clip (the runner tests' setting)."""
     config = _config(steps=1, max_grad_norm=0.0)
     unclipped = train_local(config, dataset=dataset)
     clipped = train_local(_config(steps=1), dataset=dataset)
@@ -185,18 +115,47 @@ def test_worker_refuses_out_of_order_calls(dataset) -> None:
         last.forward(0, 0, layout.links[0].unpack(torch.zeros(layout.links[0].numel)))
 
 
+def _three_peer_plan():
+    """An OP-Fence plan of three 3 GiB peers that each hold a third of a 1.5 GiB model: the
+    c-b link is the bottleneck (top-k), b-a has room for fp16."""
+    peers = [
+        Peer(peer_id=name, device=SMALL_GPU, uplink=mbps(10_000), downlink=mbps(10_000), rtt=0.001)
+        for name in "abc"
+    ]
+    bandwidth = {"ab": mbps(30), "bc": mbps(10), "ac": mbps(8)}
+    links = {
+        (x, y): LinkProfile(bandwidth=bandwidth["".join(sorted(x + y))], rtt=0.001)
+        for x in "abc"
+        for y in "abc"
+        if x != y
+    }
+    nodes, prev = [], "x"
+    for i in range(6):
+        nodes.append(
+            OpNode(node_id=f"n{i}", op="linear", inputs=(prev,), forward_flops=10**12,
+                   backward_flops=2 * 10**12, param_bytes=256 << 20, output_bytes=4 << 20,
+                   peak_activation_bytes=4 << 20)
+        )  # fmt: skip
+        prev = f"n{i}"
+    graph = GraphCosts(nodes=tuple(nodes), input_bytes={"x": 1000}, output_names=(prev,))
+    return plan(graph, Swarm.from_links(peers, links), PlanConfig(micro_batches=4, batch_size=4))
+
+
 def test_link_ratios_come_from_a_plan() -> None:
-    from types import SimpleNamespace
-
-    from fusionllm.node.pipeline.train_config import ratios_from_plan
-
-    links = [
-        SimpleNamespace(src_stage=1, forward_codec="fp16", forward_ratio=1.0,
-                        backward_codec="topk", backward_ratio=0.05),
-        SimpleNamespace(src_stage=0, forward_codec="topk", forward_ratio=0.1,
-                        backward_codec="dense", backward_ratio=1.0),
-    ]  # fmt: skip
-    assert ratios_from_plan(SimpleNamespace(links=links)) == ((0.1, 1.0), (1.0, 0.05))
+    result = _three_peer_plan()
+    assert [s.peers for s in result.stages] == [("c",), ("b",), ("a",)]
+    codecs = [(link.src_stage, link.forward_codec, link.backward_codec) for link in result.links]
+    assert codecs == [(0, "topk", "topk"), (1, "fp16", "fp16")]
+    forward, backward = result.links[0].forward_ratio, result.links[0].backward_ratio
+    assert 0 < forward < 1
+    assert 0 < backward < 1
+    expected = ((forward, 1.0), (backward, 1.0))  # fp16 runs dense: the runtime has no fp16
+    assert ratios_from_plan(result) == expected
+    assert ratios_from_plan(replace(result, links=result.links[::-1])) == expected  # by stage
+    activation, gradient = expected
+    config = _config(stages=3, activation_ratios=activation, gradient_ratios=gradient)
+    assert config.activation_ratio(0) == forward
+    assert config.gradient_ratio(1) == 1.0
 
 
 def test_gradient_codec_is_validated_and_survives_json() -> None:
