@@ -72,6 +72,22 @@ class DhtConfig:
         }
 
 
+def start_client(config: DhtConfig, *, attempts: int = 3) -> "DhtClient":
+    """A started client; a worker that could not reach its bootstrap peers is tried again.
+
+    A bootstrap node whose machine is busy (training) sometimes misses the new daemon's dial
+    deadline; the whole start is cheap to repeat, a node that exits instead is not.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return DhtClient(config).start()
+        except DhtError as exc:
+            if attempt == attempts or not config.initial_peers:
+                raise
+            logger.warning("DHT start failed (attempt %d of %d): %s", attempt, attempts, exc)
+    raise AssertionError("unreachable")
+
+
 class DhtClient:
     def __init__(self, config: DhtConfig) -> None:
         self.config = config

@@ -111,8 +111,16 @@ class LocalSwarm:
         self.device_path.write_text(json.dumps(device or TEST_DEVICE))
         self.nodes: list[NodeProcess] = []
 
-    def start(self, name: str, *, bootstrap: str | None = None) -> NodeProcess:
-        args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(self.device_path)]
+    def start(
+        self, name: str, *, bootstrap: str | None = None, device: dict | None = None
+    ) -> NodeProcess:
+        """Start node ``name`` (its key, work dir and log named after it under ``root``);
+        ``device``: advertise this device instead of the swarm's."""
+        device_path = self.device_path
+        if device is not None:
+            device_path = self.root / f"{name}.device.json"
+            device_path.write_text(json.dumps(device))
+        args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(device_path)]
         args += ["--events"]
         for option, value in self.options.items():
             if value is True:

@@ -39,7 +39,7 @@ from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.planner import InfeasiblePlanError, Plan, plan
 from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.trace import trace
-from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
+from fusionllm.dht.client import DhtClient, DhtConfig, DhtError, start_client
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import (
     MAX_LINKS,
@@ -195,7 +195,7 @@ class NodeDaemon:
                 cfg.control_config(), validate=self._valid_gossip, host=self.host
             ).start()
             self.control.subscribe(self.topic)
-            self.dht = DhtClient(
+            self.dht = start_client(
                 DhtConfig(
                     swarm=settings.swarm,
                     initial_peers=cfg.bootstrap,
@@ -206,7 +206,7 @@ class NodeDaemon:
                     peer_timeout_s=min(3.0, max(0.5, settings.heartbeat_s)),
                     log_level=cfg.dht_log_level,
                 )
-            ).start()
+            )
         except BaseException:
             self.close()
             raise

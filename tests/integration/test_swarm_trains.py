@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusionllm.common.run_spec import RunSpec
-from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 
@@ -111,3 +111,39 @@ def test_daemons_change_nothing_numerically(tmp_path):
     spec = RunSpec(steps=steps, seq_len=32, micro_batch_size=2, micro_batches=4, lr=3e-3)
     local = train_local(TrainConfig.for_run(spec, cuts=(), replicas=(1,)))
     np.testing.assert_allclose([merged[s] for s in range(steps)], local.losses, atol=1e-5)
+
+
+def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_path):
+    """Two daemons train; a third, faster one joins. The swarm re-plans, every member switches
+    after the same step (state moved peer to peer) and the run goes on as if nothing happened:
+    dense, so every step's loss equals one process's."""
+    steps = 120
+    run = {**RUN, "steps": steps, "seq-len": 32, "dense": True}
+    swarm = LocalSwarm(tmp_path, extra=run)
+    try:
+        a = swarm.start("a")
+        wait_for(lambda: a.last("ready"), 60, "the first node to be ready")
+        b = swarm.start("b", bootstrap=a.dht_addr)
+        wait_for(lambda: len(_steps(a)) >= 10, 240, "ten steps on two nodes")
+        fast = {**TEST_DEVICE, "name": "test-fast", "flops": 8 * TEST_DEVICE["flops"]}
+        c = swarm.start("c", bootstrap=a.dht_addr, device=fast)
+        wait_for(lambda: c.last("train_plan"), 240, "the newcomer to be placed")
+        placed = c.last("train_plan")
+        wait_for(lambda: all(not n.alive() for n in (a, b, c)), 300, "every node to exit")
+        merged: dict[int, float] = {}
+        for node in (a, b, c):
+            assert node.process.returncode == 0, swarm.logs()
+            merged.update(_steps(node))
+    except BaseException:
+        print(swarm.logs())
+        raise
+    finally:
+        swarm.close()
+    assert 10 <= placed["start_step"] < steps, placed
+    handed = sum(e["sent"] for n in (a, b) for e in n.snapshot() if e["event"] == "handover")
+    assert handed > 0, "the newcomer's stage came from the others, peer to peer"
+    assert sorted(merged) == list(range(steps))
+    spec = RunSpec(steps=steps, seq_len=32, micro_batch_size=2, micro_batches=4, lr=3e-3)
+    local = train_local(TrainConfig.for_run(spec, cuts=(), replicas=(1,)))
+    # No jump at the switch: the loss curve is one process's (summation order aside).
+    np.testing.assert_allclose([merged[s] for s in range(steps)], local.losses, atol=1e-4)
