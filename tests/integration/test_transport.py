@@ -32,8 +32,8 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from fusionllm.compression import pack_tensor
-from fusionllm.node import transport as transport_module
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.p2p import transport as transport_module
 from fusionllm.node.p2p.framing import PREFIX, FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL, new_secure_host
 from fusionllm.node.p2p.identity import peer_id_of
