@@ -16,20 +16,12 @@ import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.chain_cuts import _Chain, _make_unit, _Model, _solve_chain, _Unit
 from fusionllm.dag.cost import LinkProfile
 from fusionllm.dag.fences import group_links
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.planner import (
-    Plan,
-    PlanConfig,
-    _Chain,
-    _infeasible,
-    _make_unit,
-    _Model,
-    _solve_chain,
-    _Unit,
-    build_plan,
-)
+from fusionllm.dag.plan_build import _infeasible, build_plan
+from fusionllm.dag.plan_records import Plan, PlanConfig
 from fusionllm.dag.swarm import Swarm
 
 logger = get_logger(__name__)
