@@ -165,6 +165,16 @@ class _Sends:
         self.futures.clear()
 
 
+@dataclass
+class _Tally:
+    """One step's schedule so far: compute and frame-wait seconds, and the last stage's losses."""
+
+    busy: float = 0.0
+    wait: float = 0.0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+
 class PipelineRunner:
     """Drives one process's part of every step; the transport must already be started."""
 
@@ -247,73 +257,27 @@ class PipelineRunner:
         started = time.perf_counter()
         self.mailbox.advance(step)
         sends = _Sends()
-        busy, wait = 0.0, 0.0
-        loss_sum, loss_count = 0.0, 0
-        s, worker = self.role.stage, self.worker
+        tally = _Tally()
+        s = self.role.stage
         order = replica_schedule(
             s, len(self.replicas), self.config.micro_batches, self.replicas[s], self.role.replica
         )
         for kind, mb in order:
             if kind == "F":
-                t0 = time.perf_counter()
-                if worker.is_first:
-                    inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
-                else:
-                    flat = self._take(
-                        FrameKind.ACTIVATION,
-                        step,
-                        mb,
-                        Role(s - 1, owner(mb, self.replicas[s - 1])),
-                        sends,
-                    )
-                    inputs = self.layout.links[s - 1].unpack(flat)
-                targets = (
-                    self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
-                )
-                t1 = time.perf_counter()
-                out = worker.forward(step, mb, inputs, targets)
-                busy += time.perf_counter() - t1
-                wait += t1 - t0
-                if worker.is_last:
-                    loss_sum += out  # type: ignore[operator]
-                    loss_count += 1
-                else:
-                    target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-                    flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-                    codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
-                    sends.futures.append(
-                        self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
-                    )
+                self._forward(step, mb, sends, tally)
             else:
-                t0 = time.perf_counter()
-                grads = None
-                if not worker.is_last:
-                    flat = self._take(
-                        FrameKind.GRADIENT,
-                        step,
-                        mb,
-                        Role(s + 1, owner(mb, self.replicas[s + 1])),
-                        sends,
-                    )
-                    grads = self.layout.links[s].unpack(flat)
-                t1 = time.perf_counter()
-                input_grads = worker.backward(step, mb, grads)
-                busy += time.perf_counter() - t1
-                wait += t1 - t0
-                if not worker.is_first:
-                    target = Role(s - 1, owner(mb, self.replicas[s - 1]))
-                    flat = self.layout.links[s - 1].pack(input_grads)
-                    body = self._pack_gradient(s - 1, target, flat)
-                    sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+                self._backward(step, mb, sends, tally)
         self._all_reduce_replicas(step, sends)
         self._sum_tied(step, sends)
-        sq, loss_sum, loss_count, votes = self._summary(step, sends, loss_sum, loss_count)
+        sq, loss_sum, loss_count, votes = self._summary(
+            step, sends, tally.loss_sum, tally.loss_count
+        )
         if loss_count != self.config.micro_batches:  # before the step: never half-apply one
             raise PipelineError(
                 f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
             )
         norm = math.sqrt(sq)
-        worker.clip_and_step(norm)
+        self.worker.clip_and_step(norm)
         self.completed_steps = step + 1  # from here on the step counts, even if a send fails
         sends.wait(self.timeout_s)
         return StepReport(
@@ -321,10 +285,67 @@ class PipelineRunner:
             loss=loss_sum / loss_count,
             grad_norm=norm,
             seconds=time.perf_counter() - started,
-            busy_s=busy,
-            wait_s=wait,
+            busy_s=tally.busy,
+            wait_s=tally.wait,
             votes=votes,
         )
+
+    def _forward(self, step: int, mb: int, sends: _Sends, tally: _Tally) -> None:
+        """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
+        stage s + 1 (or its loss into the tally, on the last stage)."""
+        s, worker = self.role.stage, self.worker
+        t0 = time.perf_counter()
+        if worker.is_first:
+            inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
+        else:
+            flat = self._take(
+                FrameKind.ACTIVATION,
+                step,
+                mb,
+                Role(s - 1, owner(mb, self.replicas[s - 1])),
+                sends,
+            )
+            inputs = self.layout.links[s - 1].unpack(flat)
+        targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
+        t1 = time.perf_counter()
+        out = worker.forward(step, mb, inputs, targets)
+        tally.busy += time.perf_counter() - t1
+        tally.wait += t1 - t0
+        if worker.is_last:
+            tally.loss_sum += out  # type: ignore[operator]
+            tally.loss_count += 1
+        else:
+            target = Role(s + 1, owner(mb, self.replicas[s + 1]))
+            flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
+            codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
+            sends.futures.append(
+                self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
+            )
+
+    def _backward(self, step: int, mb: int, sends: _Sends, tally: _Tally) -> None:
+        """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
+        stage: the loss), the input gradients to stage s - 1."""
+        s, worker = self.role.stage, self.worker
+        t0 = time.perf_counter()
+        grads = None
+        if not worker.is_last:
+            flat = self._take(
+                FrameKind.GRADIENT,
+                step,
+                mb,
+                Role(s + 1, owner(mb, self.replicas[s + 1])),
+                sends,
+            )
+            grads = self.layout.links[s].unpack(flat)
+        t1 = time.perf_counter()
+        input_grads = worker.backward(step, mb, grads)
+        tally.busy += time.perf_counter() - t1
+        tally.wait += t1 - t0
+        if not worker.is_first:
+            target = Role(s - 1, owner(mb, self.replicas[s - 1]))
+            flat = self.layout.links[s - 1].pack(input_grads)
+            body = self._pack_gradient(s - 1, target, flat)
+            sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
 
     # ----- the exchanges after the schedule ----------------------------------------------------
 
