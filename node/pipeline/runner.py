@@ -165,16 +165,6 @@ class _Sends:
         self.futures.clear()
 
 
-@dataclass
-class _Tally:
-    """One step's schedule so far: compute and frame-wait seconds, and the last stage's losses."""
-
-    busy: float = 0.0
-    wait: float = 0.0
-    loss_sum: float = 0.0
-    loss_count: int = 0
-
-
 class PipelineRunner:
     """Drives one process's part of every step; the transport must already be started."""
 
@@ -257,21 +247,25 @@ class PipelineRunner:
         started = time.perf_counter()
         self.mailbox.advance(step)
         sends = _Sends()
-        tally = _Tally()
+        busy, wait = 0.0, 0.0
+        loss_sum, loss_count = 0.0, 0
         s = self.role.stage
         order = replica_schedule(
             s, len(self.replicas), self.config.micro_batches, self.replicas[s], self.role.replica
         )
         for kind, mb in order:
             if kind == "F":
-                self._forward(step, mb, sends, tally)
+                computed, waited, loss = self._forward(step, mb, sends)
+                if loss is not None:
+                    loss_sum += loss
+                    loss_count += 1
             else:
-                self._backward(step, mb, sends, tally)
+                computed, waited = self._backward(step, mb, sends)
+            busy += computed
+            wait += waited
         self._all_reduce_replicas(step, sends)
         self._sum_tied(step, sends)
-        sq, loss_sum, loss_count, votes = self._summary(
-            step, sends, tally.loss_sum, tally.loss_count
-        )
+        sq, loss_sum, loss_count, votes = self._summary(step, sends, loss_sum, loss_count)
         if loss_count != self.config.micro_batches:  # before the step: never half-apply one
             raise PipelineError(
                 f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
@@ -285,14 +279,15 @@ class PipelineRunner:
             loss=loss_sum / loss_count,
             grad_norm=norm,
             seconds=time.perf_counter() - started,
-            busy_s=tally.busy,
-            wait_s=tally.wait,
+            busy_s=busy,
+            wait_s=wait,
             votes=votes,
         )
 
-    def _forward(self, step: int, mb: int, sends: _Sends, tally: _Tally) -> None:
+    def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
-        stage s + 1 (or its loss into the tally, on the last stage)."""
+        stage s + 1. (compute seconds, seconds waiting for the input, the loss on the last
+        stage or None)."""
         s, worker = self.role.stage, self.worker
         t0 = time.perf_counter()
         if worker.is_first:
@@ -309,22 +304,21 @@ class PipelineRunner:
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
         t1 = time.perf_counter()
         out = worker.forward(step, mb, inputs, targets)
-        tally.busy += time.perf_counter() - t1
-        tally.wait += t1 - t0
+        computed = time.perf_counter() - t1
         if worker.is_last:
-            tally.loss_sum += out  # type: ignore[operator]
-            tally.loss_count += 1
-        else:
-            target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-            flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-            codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
-            sends.futures.append(
-                self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
-            )
+            return computed, t1 - t0, out  # type: ignore[return-value]
+        target = Role(s + 1, owner(mb, self.replicas[s + 1]))
+        flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
+        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
+        sends.futures.append(
+            self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
+        )
+        return computed, t1 - t0, None
 
-    def _backward(self, step: int, mb: int, sends: _Sends, tally: _Tally) -> None:
+    def _backward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float]:
         """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
-        stage: the loss), the input gradients to stage s - 1."""
+        stage: the loss), the input gradients to stage s - 1. (compute seconds, seconds
+        waiting for the gradient)."""
         s, worker = self.role.stage, self.worker
         t0 = time.perf_counter()
         grads = None
@@ -339,13 +333,13 @@ class PipelineRunner:
             grads = self.layout.links[s].unpack(flat)
         t1 = time.perf_counter()
         input_grads = worker.backward(step, mb, grads)
-        tally.busy += time.perf_counter() - t1
-        tally.wait += t1 - t0
+        computed = time.perf_counter() - t1
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
             flat = self.layout.links[s - 1].pack(input_grads)
             body = self._pack_gradient(s - 1, target, flat)
             sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+        return computed, t1 - t0
 
     # ----- the exchanges after the schedule ----------------------------------------------------
 
