@@ -20,7 +20,6 @@ import json
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fusionllm.compression import pack_tensor, unpack_tensor
+from fusionllm.node.children import JsonChild
 from fusionllm.node.p2p.framing import FrameHeader, encode_head, read_exactly, read_head
 from fusionllm.node.p2p.transport import _WRITE_CHUNK_BYTES, Transport, TransportConfig
 
@@ -66,11 +66,8 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytearray | None:
 
 
 def bench_raw_tcp(sizes_mb: list[int], rounds: int) -> dict[int, dict[str, float]]:
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--raw-server"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        port = int(child.stdout.readline())
+    with JsonChild([sys.executable, __file__, "--raw-server"]) as child:
+        port = int(child.next_event(_START_S))
         conn = socket.create_connection(("127.0.0.1", port), timeout=_START_S)
         results = {}
         for size_mb in sizes_mb:
@@ -86,14 +83,11 @@ def bench_raw_tcp(sizes_mb: list[int], rounds: int) -> dict[int, dict[str, float
             results[size_mb] = {"ack_s": statistics.median(times)}
         conn.close()
         return results
-    finally:
-        child.kill()
-        child.wait()
 
 
 def bench_transport(sizes_mb: list[int], rounds: int, workdir: Path) -> dict[int, dict[str, float]]:
     max_frame = max(sizes_mb) * _MB + _MB
-    child = subprocess.Popen(
+    child = JsonChild(
         [
             sys.executable,
             "-m",
@@ -105,13 +99,11 @@ def bench_transport(sizes_mb: list[int], rounds: int, workdir: Path) -> dict[int
             "--max-frame-bytes",
             str(max_frame),
         ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        stdin=True,
         cwd=Path(__file__).resolve().parents[1],  # the repo root: tests.support imports
     )
     try:
-        ready = json.loads(child.stdout.readline())
+        ready = child.next_event(_START_S)
         config = TransportConfig(key_path=workdir / "sender.key", max_frame_bytes=max_frame)
         results = {}
         with Transport(config) as transport:
@@ -135,12 +127,7 @@ def bench_transport(sizes_mb: list[int], rounds: int, workdir: Path) -> dict[int
                 }
         return results
     finally:
-        child.stdin.close()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        child.finish(timeout=10)  # the node exits when its stdin closes
 
 
 def _best_of(fn, repeats: int = 3) -> float:

@@ -16,20 +16,12 @@ import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.chain_cuts import _Chain, _make_unit, _Model, _solve_chain, _Unit
 from fusionllm.dag.cost import LinkProfile
 from fusionllm.dag.fences import group_links
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.planner import (
-    Plan,
-    PlanConfig,
-    _Chain,
-    _infeasible,
-    _make_unit,
-    _Model,
-    _solve_chain,
-    _Unit,
-    build_plan,
-)
+from fusionllm.dag.plan_build import _infeasible, build_plan
+from fusionllm.dag.plan_records import Plan, PlanConfig
 from fusionllm.dag.swarm import Swarm
 
 logger = get_logger(__name__)
@@ -121,83 +113,104 @@ def brute_force_plan(
     """
     if swarm.n > BRUTE_FORCE_MAX_PEERS:
         raise ConfigError(f"brute force is for <= {BRUTE_FORCE_MAX_PEERS} peers, got {swarm.n}")
-    model = _Model(graph, swarm, config)
-    n, nodes, m = swarm.n, model.n, config.micro_batches
-    a_idx, b_idx = np.triu_indices(nodes + 1, k=1)
-    stage_cache: dict[tuple[int, int], np.ndarray] = {}
-    link_cache: dict[tuple[int, int], np.ndarray] = {}
+    search = _BruteForce(graph, swarm, config, incumbent)
+    # Big groups first: good incumbents early make the pruning bite.
+    full = (1 << swarm.n) - 1
+    for sub in sorted(range(1, full + 1), key=lambda x: (-bin(x).count("1"), x)):
+        search.extend((sub,), sub, search.stage_matrix(sub, 1)[:, search.nodes].copy())
+    if search.best is None:
+        raise _infeasible(search.model, 0)
+    return search.best
 
-    def members(mask: int) -> np.ndarray:
-        return np.array([i for i in range(n) if mask >> i & 1], dtype=np.int64)
 
-    def stage_matrix(mask: int, inflight: int) -> np.ndarray:
-        key = (mask, min(inflight, m))
-        if key not in stage_cache:
-            chain = _Chain(model, [_make_unit(model, members(mask), 0)] * key[1], _no_links(key[1]))
-            occ, ok = chain.stage(0, a_idx, b_idx)
+class _BruteForce:
+    """The branch and bound of ``brute_force_plan``: sequences of peer-group bit masks (stage
+    order), cached stage and link costs, and the best plan so far."""
+
+    def __init__(
+        self, graph: GraphCosts, swarm: Swarm, config: PlanConfig, incumbent: Plan | None
+    ) -> None:
+        self.graph, self.swarm, self.config = graph, swarm, config
+        self.model = _Model(graph, swarm, config)
+        self.n, self.nodes, self.m = swarm.n, self.model.n, config.micro_batches
+        self.a_idx, self.b_idx = np.triu_indices(self.nodes + 1, k=1)
+        self._stage_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._link_cache: dict[tuple[int, int], np.ndarray] = {}
+        self.best: Plan | None = incumbent
+
+    @property
+    def bar(self) -> float:
+        return self.best.estimated_step_time if self.best is not None else math.inf
+
+    def members(self, mask: int) -> np.ndarray:
+        return np.array([i for i in range(self.n) if mask >> i & 1], dtype=np.int64)
+
+    def stage_matrix(self, mask: int, inflight: int) -> np.ndarray:
+        """cost[a, b]: the occupancy of group ``mask`` on nodes[a:b] with ``inflight``
+        micro-batches in flight (inf where it does not fit)."""
+        key = (mask, min(inflight, self.m))
+        if key not in self._stage_cache:
+            model, nodes = self.model, self.nodes
+            units = [_make_unit(model, self.members(mask), 0)] * key[1]
+            chain = _Chain(model, units, _no_links(key[1]))
+            occ, ok = chain.stage(0, self.a_idx, self.b_idx)
             cost = np.full((nodes + 1, nodes + 1), np.inf)
-            cost[a_idx, b_idx] = np.where(ok, occ, np.inf)
-            stage_cache[key] = cost
-        return stage_cache[key]
+            cost[self.a_idx, self.b_idx] = np.where(ok, occ, np.inf)
+            self._stage_cache[key] = cost
+        return self._stage_cache[key]
 
-    def link_vector(src: int, dst: int) -> np.ndarray:
-        if (src, dst) not in link_cache:
-            _, _, fwd, bwd = model.best_pair(members(src), members(dst))
-            occ = m * model.wire / min(fwd.bandwidth, bwd.bandwidth)
-            occ[0] = occ[nodes] = np.inf  # every stage gets at least one node
-            link_cache[(src, dst)] = occ
-        return link_cache[(src, dst)]
+    def link_vector(self, src: int, dst: int) -> np.ndarray:
+        """occ[b]: the link from group ``src`` to ``dst`` carrying cut b, per step."""
+        if (src, dst) not in self._link_cache:
+            _, _, fwd, bwd = self.model.best_pair(self.members(src), self.members(dst))
+            occ = self.m * self.model.wire / min(fwd.bandwidth, bwd.bandwidth)
+            occ[0] = occ[self.nodes] = np.inf  # every stage gets at least one node
+            self._link_cache[(src, dst)] = occ
+        return self._link_cache[(src, dst)]
 
-    ids = swarm.peer_ids
-    best: list[Plan] = [incumbent] if incumbent is not None else []
-
-    def bar() -> float:
-        return best[0].estimated_step_time if best else math.inf
-
-    def latency_floor(seq: tuple[int, ...]) -> float:
+    def latency_floor(self, seq: tuple[int, ...]) -> float:
         """1F1B keeps at most S micro-batches in flight at stage 0, and each must go down the
         chain and back before the next round starts: ceil(M/S) round trips of latency."""
         trip = 0.0
         for src, dst in itertools.pairwise(seq):
-            _, _, fwd, bwd = model.best_pair(members(src), members(dst))
+            _, _, fwd, bwd = self.model.best_pair(self.members(src), self.members(dst))
             trip += (fwd.rtt + bwd.rtt) / 2
-        return math.ceil(m / len(seq)) * trip
+        return math.ceil(self.m / len(seq)) * trip
 
-    def evaluate(seq: tuple[int, ...]) -> None:
-        units = [_make_unit(model, members(mask), i) for i, mask in enumerate(seq)]
+    def evaluate(self, seq: tuple[int, ...]) -> None:
+        model, swarm, ids = self.model, self.swarm, self.swarm.peer_ids
+        units = [_make_unit(model, self.members(mask), i) for i, mask in enumerate(seq)]
         cuts = _solve_chain(_Chain(model, units, group_links(swarm, [u.members for u in units])))
         if cuts is None:
             return
         groups = [[ids[i] for i in u.members] for u in units]
-        plan = build_plan(graph, swarm, config, groups, cuts, method="brute-force", _model=model)
+        plan = build_plan(
+            self.graph, swarm, self.config, groups, cuts, method="brute-force", _model=model
+        )
         step = plan.estimated_step_time
         # Digests (canonical JSON of the whole plan) only break exact ties: they are costly.
-        if not best or step < bar() or (step == bar() and plan.digest() < best[0].digest()):
-            best[:] = [plan]
+        if (
+            self.best is None
+            or step < self.bar
+            or (step == self.bar and plan.digest() < self.best.digest())
+        ):
+            self.best = plan
 
-    def extend(seq: tuple[int, ...], used: int, value: np.ndarray) -> None:
+    def extend(self, seq: tuple[int, ...], used: int, value: np.ndarray) -> None:
         # The simulated step is never below the bottleneck nor the latency floor: prune on both.
-        if np.isfinite(value[0]) and max(float(value[0]), latency_floor(seq)) < bar():
-            evaluate(seq)
-        if value.min() >= bar():
+        if np.isfinite(value[0]) and max(float(value[0]), self.latency_floor(seq)) < self.bar:
+            self.evaluate(seq)
+        if value.min() >= self.bar:
             return
-        free = ((1 << n) - 1) & ~used
+        free = ((1 << self.n) - 1) & ~used
         sub = free
         while sub:
-            cost = stage_matrix(sub, len(seq) + 1)
-            through = np.maximum(link_vector(sub, seq[0]), value)  # indexed by b
+            cost = self.stage_matrix(sub, len(seq) + 1)
+            through = np.maximum(self.link_vector(sub, seq[0]), value)  # indexed by b
             new = np.maximum(cost, through[None, :]).min(axis=1)
-            if new.min() < bar():
-                extend((sub, *seq), used | sub, new)
+            if new.min() < self.bar:
+                self.extend((sub, *seq), used | sub, new)
             sub = (sub - 1) & free
-
-    # Big groups first: good incumbents early make the pruning bite.
-    full = (1 << n) - 1
-    for sub in sorted(range(1, full + 1), key=lambda x: (-bin(x).count("1"), x)):
-        extend((sub,), sub, stage_matrix(sub, 1)[:, nodes].copy())
-    if not best:
-        raise _infeasible(model, 0)
-    return best[0]
 
 
 def _no_links(stages: int) -> tuple[np.ndarray, np.ndarray]:

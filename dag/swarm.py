@@ -66,24 +66,7 @@ class Swarm:
         n = len(self.peers)
         new_index = np.empty(n, dtype=np.int64)
         new_index[np.asarray(order, dtype=np.int64)] = np.arange(n, dtype=np.int64)
-        src = np.asarray(src, dtype=np.int64)
-        dst = np.asarray(dst, dtype=np.int64)
-        bandwidth = np.asarray(bandwidth, dtype=np.float64)
-        rtt = np.asarray(rtt, dtype=np.float64)
-        if not (src.shape == dst.shape == bandwidth.shape == rtt.shape) or src.ndim != 1:
-            raise ConfigError(
-                f"link arrays must be 1-D of one length, got {src.shape}, {dst.shape}, "
-                f"{bandwidth.shape}, {rtt.shape}"
-            )
-        if src.size:
-            if src.min() < 0 or dst.min() < 0 or max(src.max(), dst.max()) >= n:
-                raise ConfigError(f"link endpoints must index the {n} peers")
-            if np.any(src == dst):
-                raise ConfigError("a link must join two different peers")
-            if not (np.all(np.isfinite(bandwidth)) and np.all(bandwidth > 0)):
-                raise ConfigError(f"link bandwidths must be > 0, min {bandwidth.min()}")
-            if not (np.all(np.isfinite(rtt)) and np.all(rtt >= 0)):
-                raise ConfigError(f"link rtts must be >= 0, min {rtt.min()}")
+        src, dst, bandwidth, rtt = _checked_links(n, src, dst, bandwidth, rtt)
         src, dst = new_index[src], new_index[dst]
         key = src * n + dst
         by_key = np.argsort(key, kind="stable")
@@ -195,3 +178,28 @@ class Swarm:
         np.fill_diagonal(bw, np.inf)
         np.fill_diagonal(rtt, 0.0)
         return bw, rtt
+
+
+def _checked_links(
+    n: int, src: np.ndarray, dst: np.ndarray, bandwidth: np.ndarray, rtt: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The link arrays as int64/float64; ConfigError unless they describe valid links."""
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    bandwidth = np.asarray(bandwidth, dtype=np.float64)
+    rtt = np.asarray(rtt, dtype=np.float64)
+    if not (src.shape == dst.shape == bandwidth.shape == rtt.shape) or src.ndim != 1:
+        raise ConfigError(
+            f"link arrays must be 1-D of one length, got {src.shape}, {dst.shape}, "
+            f"{bandwidth.shape}, {rtt.shape}"
+        )
+    if src.size:
+        if src.min() < 0 or dst.min() < 0 or max(src.max(), dst.max()) >= n:
+            raise ConfigError(f"link endpoints must index the {n} peers")
+        if np.any(src == dst):
+            raise ConfigError("a link must join two different peers")
+        if not (np.all(np.isfinite(bandwidth)) and np.all(bandwidth > 0)):
+            raise ConfigError(f"link bandwidths must be > 0, min {bandwidth.min()}")
+        if not (np.all(np.isfinite(rtt)) and np.all(rtt >= 0)):
+            raise ConfigError(f"link rtts must be >= 0, min {rtt.min()}")
+    return src, dst, bandwidth, rtt

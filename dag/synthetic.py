@@ -126,6 +126,72 @@ def _devices(rng: np.random.Generator, n: int, datacenter_share: float) -> list[
     return [GPUS[x] for x in names]
 
 
+@dataclass(frozen=True)
+class _Sites:
+    """The "sites" topology: each peer's site (sorted) and its device; per site a LAN and a
+    WAN bandwidth; RTTs between sites."""
+
+    site: np.ndarray  # (n,) site index of each peer
+    devices: list[DeviceProfile]
+    lan: np.ndarray  # (k,) bytes/s
+    wan: np.ndarray  # (k,) bytes/s
+    base_rtt: np.ndarray  # (k, k) s, symmetric
+
+    @classmethod
+    def draw(
+        cls, rng: np.random.Generator, n: int, sites: int | None, datacenter_share: float
+    ) -> "_Sites":
+        k = sites if sites is not None else int(rng.integers(2, 7))
+        site = np.sort(rng.integers(0, k, n))
+        site_is_dc = rng.random(k) < datacenter_share
+        lan = _log_uniform(rng, mbps(1000), mbps(10000), k)
+        wan = _log_uniform(rng, mbps(8), mbps(1000), k)
+        devices = [
+            GPUS[DATACENTER[rng.integers(3)]] if site_is_dc[s] else GPUS[CONSUMER[rng.integers(5)]]
+            for s in site
+        ]
+        base_rtt = _log_uniform(rng, 0.01, 0.15, (k, k))
+        base_rtt = (base_rtt + base_rtt.T) / 2
+        np.fill_diagonal(base_rtt, 0.0005)
+        return cls(site=site, devices=devices, lan=lan, wan=wan, base_rtt=base_rtt)
+
+    def links(
+        self, rng: np.random.Generator, src: np.ndarray, dst: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth, rtt) of the links src -> dst: LAN inside a site, WAN between sites."""
+        site = self.site
+        same = site[src] == site[dst]
+        lan_bw = np.minimum(self.lan[site[src]], self.lan[site[dst]])
+        wan_bw = np.minimum(self.wan[site[src]], self.wan[site[dst]])
+        bw = np.where(same, lan_bw, wan_bw) * rng.uniform(0.8, 1.0, src.size)
+        rtt = self.base_rtt[site[src], site[dst]] * rng.uniform(1.0, 1.2, src.size)
+        return bw, rtt
+
+
+def _probed_pairs(
+    rng: np.random.Generator, n: int, sample: int | None, site: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of the measured links, both directions of every probed pair: all pairs, or
+    ``sample`` probes per peer (half inside its own site when ``site`` is given)."""
+    if sample is None and n <= 64:
+        src, dst = np.nonzero(~np.eye(n, dtype=bool))
+        return src, dst
+    m = sample if sample is not None else 32
+    local = rng.integers(0, n, (n, m))
+    if site is not None:
+        # Half the probes go to random peers of the own site.
+        starts = np.searchsorted(site, site)
+        counts = np.bincount(site, minlength=site.max() + 1)[site]
+        offs = (rng.random((n, m // 2)) * counts[:, None]).astype(np.int64)
+        local[:, : m // 2] = starts[:, None] + offs
+    src = np.repeat(np.arange(n), m)
+    dst = local.ravel()
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    key = np.unique(np.concatenate([src * n + dst, dst * n + src]))  # both directions
+    return key // n, key % n
+
+
 def generate_swarm(
     topology: str,
     n: int,
@@ -146,23 +212,13 @@ def generate_swarm(
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
-    site = np.zeros(n, dtype=np.int64)
+    layout = None
     if topology == "sites":
-        k = sites if sites is not None else int(rng.integers(2, 7))
-        site = np.sort(rng.integers(0, k, n))
-        site_is_dc = rng.random(k) < datacenter_share
-        lan = _log_uniform(rng, mbps(1000), mbps(10000), k)
-        wan = _log_uniform(rng, mbps(8), mbps(1000), k)
-        devices = [
-            GPUS[DATACENTER[rng.integers(3)]] if site_is_dc[s] else GPUS[CONSUMER[rng.integers(5)]]
-            for s in site
-        ]
+        layout = _Sites.draw(rng, n, sites, datacenter_share)
+        devices = layout.devices
         # A peer's access link is its LAN port; the WAN limit shows in measured cross-site
         # links (the estimate min(up, down) is only used where nothing was measured).
-        up = down = lan[site]
-        base_rtt = _log_uniform(rng, 0.01, 0.15, (k, k))
-        base_rtt = (base_rtt + base_rtt.T) / 2
-        np.fill_diagonal(base_rtt, 0.0005)
+        up = down = layout.lan[layout.site]
     elif topology == "flat":
         devices = _devices(rng, n, datacenter_share)
         up = _log_uniform(rng, mbps(8), mbps(10000), n)
@@ -172,30 +228,9 @@ def generate_swarm(
         up = _log_uniform(rng, mbps(8), mbps(100), n)
         down = _log_uniform(rng, mbps(50), mbps(1000), n)
     peer_rtt = _log_uniform(rng, 0.005, 0.1, n)
-
-    if sample is None and n <= 64:
-        src, dst = np.nonzero(~np.eye(n, dtype=bool))
-    else:
-        m = sample if sample is not None else 32
-        local = rng.integers(0, n, (n, m))
-        if topology == "sites":
-            # Half the probes go to random peers of the own site.
-            starts = np.searchsorted(site, site)
-            counts = np.bincount(site, minlength=site.max() + 1)[site]
-            offs = (rng.random((n, m // 2)) * counts[:, None]).astype(np.int64)
-            local[:, : m // 2] = starts[:, None] + offs
-        src = np.repeat(np.arange(n), m)
-        dst = local.ravel()
-        keep = src != dst
-        src, dst = src[keep], dst[keep]
-        key = np.unique(np.concatenate([src * n + dst, dst * n + src]))  # both directions
-        src, dst = key // n, key % n
-    if topology == "sites":
-        same = site[src] == site[dst]
-        lan_bw = np.minimum(lan[site[src]], lan[site[dst]])
-        wan_bw = np.minimum(wan[site[src]], wan[site[dst]])
-        bw = np.where(same, lan_bw, wan_bw) * rng.uniform(0.8, 1.0, src.size)
-        rtt = base_rtt[site[src], site[dst]] * rng.uniform(1.0, 1.2, src.size)
+    src, dst = _probed_pairs(rng, n, sample, layout.site if layout is not None else None)
+    if layout is not None:
+        bw, rtt = layout.links(rng, src, dst)
     else:
         bw = np.minimum(up[src], down[dst]) * rng.uniform(0.5, 1.0, src.size)
         rtt = (peer_rtt[src] + peer_rtt[dst]) / 2 * rng.uniform(1.0, 1.5, src.size)

@@ -216,6 +216,44 @@ def _op_name(node: fx.Node, module: nn.Module | None) -> str:
     return _target_name(node)
 
 
+def _op_node(
+    node: fx.Node,
+    module_called: nn.Module | None,
+    gm: fx.GraphModule,
+    metas: dict[str, ValueMeta],
+    getattr_nodes: set[str],
+    canonical: dict[str, str],
+) -> tuple[OpNode, tuple[str, ...]]:
+    """One call node's OpNode (costs from its argument, parameter and output metas) and the
+    canonical names of the parameters it uses."""
+    params = _node_parameters(node, module_called, gm)
+    unique = {id(p): p for _, p in params}
+    names = tuple(dict.fromkeys(canonical.get(name, name) for name, _ in params))
+    call = OpCall(
+        name=node.name,
+        module=module_called,
+        args=tuple(
+            t
+            for arg in _call_order(node)
+            for t in _tensor_metas(_arg_meta(metas[arg.name], arg, getattr_nodes))
+        ),
+        params=tuple(TensorMeta.of(p, is_param=True) for p in unique.values()),
+        outputs=_tensor_metas(metas[node.name]),
+    )
+    cost = op_cost(call, target=node.target)
+    op_node = OpNode(
+        node_id=node.name,
+        op=_op_name(node, module_called),
+        inputs=tuple(a.name for a in node.all_input_nodes if a.name not in getattr_nodes),
+        forward_flops=cost.forward_flops,
+        backward_flops=cost.backward_flops,
+        param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
+        output_bytes=sum(t.nbytes for t in call.outputs),
+        peak_activation_bytes=cost.saved_bytes,
+    )
+    return op_node, names
+
+
 def trace(module: nn.Module, example_inputs: Any, *, meta: bool = True) -> OpGraph:
     """Trace ``module`` into an OpGraph costed for ``example_inputs``.
 
@@ -249,33 +287,8 @@ def trace(module: nn.Module, example_inputs: Any, *, meta: bool = True) -> OpGra
             output_names = _output_names(node, getattr_nodes)
             continue
         module_called = modules[node.target] if node.op == "call_module" else None
-        params = _node_parameters(node, module_called, gm)
-        unique = {id(p): p for _, p in params}
-        names = tuple(dict.fromkeys(canonical.get(name, name) for name, _ in params))
-        call = OpCall(
-            name=node.name,
-            module=module_called,
-            args=tuple(
-                t
-                for arg in _call_order(node)
-                for t in _tensor_metas(_arg_meta(metas[arg.name], arg, getattr_nodes))
-            ),
-            params=tuple(TensorMeta.of(p, is_param=True) for p in unique.values()),
-            outputs=_tensor_metas(metas[node.name]),
-        )
-        cost = op_cost(call, target=node.target)
-        nodes.append(
-            OpNode(
-                node_id=node.name,
-                op=_op_name(node, module_called),
-                inputs=tuple(a.name for a in node.all_input_nodes if a.name not in getattr_nodes),
-                forward_flops=cost.forward_flops,
-                backward_flops=cost.backward_flops,
-                param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
-                output_bytes=sum(t.nbytes for t in call.outputs),
-                peak_activation_bytes=cost.saved_bytes,
-            )
-        )
+        op_node, names = _op_node(node, module_called, gm, metas, getattr_nodes, canonical)
+        nodes.append(op_node)
         node_params[node.name] = names
         targets[node.name] = _target_name(node)
 

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, BinaryIO
 
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.dht.wire import PipeClosedError, read_message, write_message
@@ -78,34 +78,39 @@ def main() -> None:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         write_message(channel_out, {"ok": True, "peer_id": dht.peer_id.to_base58(),
                                     "maddrs": maddrs})  # fmt: skip
-        write_lock = threading.Lock()
-        slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
-
-        def handle(message: dict[str, Any]) -> None:
-            try:
-                reply = {"id": message.get("id"), "ok": True, **_serve(dht, message)}
-            except Exception as exc:
-                logger.debug("DHT request failed", exc_info=True)
-                error = f"{type(exc).__name__}: {exc}"
-                reply = {"id": message.get("id"), "ok": False, "error": error}
-            finally:
-                slots.release()
-            with write_lock, contextlib.suppress(OSError, ValueError):
-                write_message(channel_out, reply)
-
-        # Requests run concurrently (hivemind's DHT handle is thread-safe): a heartbeat
-        # store must not wait behind a get that is waiting on a dead peer.
-        while True:
-            try:
-                message = read_message(channel_in)
-            except PipeClosedError:
-                return
-            if message.get("op") == "stop":
-                return
-            slots.acquire()
-            threading.Thread(target=handle, args=(message,), daemon=True).start()
+        _serve_requests(dht, channel_in, channel_out)
     finally:
         dht.shutdown()
+
+
+def _serve_requests(dht: Any, channel_in: BinaryIO, channel_out: BinaryIO) -> None:
+    """Answer requests until stdin closes or a "stop" arrives."""
+    write_lock = threading.Lock()
+    slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
+
+    def handle(message: dict[str, Any]) -> None:
+        try:
+            reply = {"id": message.get("id"), "ok": True, **_serve(dht, message)}
+        except Exception as exc:
+            logger.debug("DHT request failed", exc_info=True)
+            error = f"{type(exc).__name__}: {exc}"
+            reply = {"id": message.get("id"), "ok": False, "error": error}
+        finally:
+            slots.release()
+        with write_lock, contextlib.suppress(OSError, ValueError):
+            write_message(channel_out, reply)
+
+    # Requests run concurrently (hivemind's DHT handle is thread-safe): a heartbeat
+    # store must not wait behind a get that is waiting on a dead peer.
+    while True:
+        try:
+            message = read_message(channel_in)
+        except PipeClosedError:
+            return
+        if message.get("op") == "stop":
+            return
+        slots.acquire()
+        threading.Thread(target=handle, args=(message,), daemon=True).start()
 
 
 if __name__ == "__main__":

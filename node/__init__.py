@@ -11,7 +11,10 @@
 - errors.py:  ``TransportError``, ``DeadlineError``, ``PipelineError``, ... (every concern's)
 - local_swarm.py: ``LocalSwarm``: real node processes on one machine (``fusionllm swarm``,
               tests, benchmarks)
+- children.py: ``JsonChild``: a child process that talks JSON lines, always reaped with its
+              process tree (local_swarm, the pipeline launcher, tests, benchmarks)
 
 Imports point one way: cli -> (top level) -> control, pipeline -> p2p; control and pipeline
-never import each other.
+never import each other. children.py and errors.py import nothing of the node: any layer may
+use them.
 """

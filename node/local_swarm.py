@@ -1,22 +1,20 @@
 """Real ``fusionllm node`` processes on one machine, for integration tests and benchmarks.
 
-Each node runs with ``--events``; a reader thread collects its JSON event lines; its log goes
-to a file. Waits have deadlines, and ``LocalSwarm.close`` kills every process (and the DHT
-worker of a node killed with SIGKILL, which cannot take it down itself).
+Each node runs with ``--events`` as a ``JsonChild`` (children.py) that collects its JSON event
+lines; its log goes to a file. Waits have deadlines, and ``LocalSwarm.close`` kills every
+process (and the DHT worker of a node killed with SIGKILL, which cannot take it down itself).
 """
 
 import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
+from fusionllm.node.children import JsonChild
 
 # Fast timing for tests: a record lives 5 s after its last 1 s heartbeat; epochs of 2 s.
 FAST = {
@@ -41,31 +39,22 @@ TEST_DEVICE = {
 
 
 class NodeProcess:
+    """A ``fusionllm node --events`` process: its events, its log file, its process tree."""
+
     def __init__(self, name: str, args: list[str], log_path: Path) -> None:
         self.name = name
-        self.events: list[dict] = []
-        self._lock = threading.Lock()
-        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in kill())
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node", *args],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
+        self._child = JsonChild([*argv, *args], name=name, env=env, stderr=log_path)
+        self.process = self._child.process
 
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                with self._lock:
-                    self.events.append(event)
+    @property
+    def events(self) -> list[dict]:
+        """Every event so far (a copy), oldest first."""
+        return self._child.snapshot()
 
     def snapshot(self) -> list[dict]:
-        with self._lock:
-            return list(self.events)
+        return self._child.snapshot()
 
     def last(self, kind: str) -> dict | None:
         return next((e for e in reversed(self.snapshot()) if e["event"] == kind), None)
@@ -80,23 +69,12 @@ class NodeProcess:
         return self.last("ready")["dht_addrs"][0]
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self._child.alive()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Kill the node and its DHT worker (a SIGKILLed node cannot take it down itself)."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            children = psutil.Process(self.process.pid).children(recursive=True)
-            self.process.send_signal(sig)
-            if sig == signal.SIGKILL:
-                for child in children:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        child.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=20)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self._log.close()
+        """Stop the node with ``sig`` and reap it with its DHT worker (a SIGKILLed node cannot
+        take the worker down itself)."""
+        self._child.kill(sig, timeout=20)
 
 
 class LocalSwarm:

@@ -1,1 +1,2 @@
-"""The ``fusionllm`` console script: main.py (commands), demo.py (the codec demo)."""
+"""The ``fusionllm`` console script: main.py (the parser, ``main``), one ``*_cmd.py`` a command,
+options.py (the shared run options), demo.py (the codec demo)."""

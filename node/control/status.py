@@ -101,35 +101,40 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
         "skipped_records": skipped,
     }
     if plan is not None:
-        result["plan"] = {
-            "digest": plan.digest(),
-            "estimated_step_time_s": plan.estimated_step_time,
-            "bubble_fraction": plan.bubble_fraction,
-            "fences": [list(f) for f in plan.fences],
-            "stages": [
-                {
-                    "index": s.index,
-                    "nodes": [s.start, s.stop],
-                    "first_node": s.node_ids[0],
-                    "last_node": s.node_ids[-1],
-                    "peers": list(s.peers),
-                    "memory_mib": [round(b / 2**20, 1) for b in s.memory_bytes],
-                }
-                for s in plan.stages
-            ],
-            "links": [
-                {
-                    "after_stage": link.src_stage,
-                    "forward": f"{link.forward_codec} {link.forward_ratio:g}",
-                    "backward": f"{link.backward_codec} {link.backward_ratio:g}",
-                }
-                for link in plan.links
-            ],
-            "backup": sorted(
-                p for p, m in members.items() if p not in serving and str(m.state) != "leaving"
-            ),
-        }
+        result["plan"] = _plan_summary(plan, members, serving)
     return result
+
+
+def _plan_summary(plan, members: dict[str, NodeInfo], serving: set[str]) -> dict[str, Any]:
+    """The agreed plan: digest, estimates, fences, stages, links and the backup pool."""
+    return {
+        "digest": plan.digest(),
+        "estimated_step_time_s": plan.estimated_step_time,
+        "bubble_fraction": plan.bubble_fraction,
+        "fences": [list(f) for f in plan.fences],
+        "stages": [
+            {
+                "index": s.index,
+                "nodes": [s.start, s.stop],
+                "first_node": s.node_ids[0],
+                "last_node": s.node_ids[-1],
+                "peers": list(s.peers),
+                "memory_mib": [round(b / 2**20, 1) for b in s.memory_bytes],
+            }
+            for s in plan.stages
+        ],
+        "links": [
+            {
+                "after_stage": link.src_stage,
+                "forward": f"{link.forward_codec} {link.forward_ratio:g}",
+                "backward": f"{link.backward_codec} {link.backward_ratio:g}",
+            }
+            for link in plan.links
+        ],
+        "backup": sorted(
+            p for p, m in members.items() if p not in serving and str(m.state) != "leaving"
+        ),
+    }
 
 
 def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:

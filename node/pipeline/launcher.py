@@ -1,17 +1,16 @@
-"""A whole training run on this machine: one ``pipeline_main`` process per stage replica.
+"""A whole training run on this machine: one ``stage_main`` process per stage replica.
 
-``LocalSwarm`` starts the processes, hands each the others' addresses, relays their step
-events, and always reaps them: on success it tells them to quit, on any failure (or Ctrl-C)
-it terminates, then kills, every process it started, by pid.
+``run_swarm`` starts the processes (each a ``JsonChild``), hands each the others' addresses,
+relays their step events, and always reaps them: on success it tells them to quit, on any
+failure (or Ctrl-C) it terminates, then kills, every process it started, by pid.
 """
 
 import contextlib
-import json
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.runner import roles_of
@@ -44,43 +44,6 @@ class SwarmResult:
 Events = queue.Queue[tuple[int, dict[str, Any] | None]]  # (rank, event or None at exit)
 
 
-class _Process:
-    def __init__(self, rank: int, role: Role, argv: list[str], events: Events) -> None:
-        self.rank = rank
-        self.role = role
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._events = events
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self._events.put((self.rank, json.loads(line)))
-            except ValueError:
-                logger.debug("stage %s printed %r", self.role, line)
-        self._events.put((self.rank, None))
-
-    def send(self, command: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.proc.stdin.write(json.dumps(command) + "\n")
-            self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(_GRACE_S)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
-
-
 def run_swarm(
     config: TrainConfig,
     *,
@@ -100,83 +63,126 @@ def run_swarm(
         config_path.write_text(config.to_json())
         roles = roles_of(config)
         last = roles.index(Role(config.stages - 1, 0))
-        processes: list[_Process] = []
-        events: Events = queue.Queue()
+        stages = _Stages(roles)
+        stack.callback(stages.stop)  # after quit on success; on any failure or Ctrl-C
+        options = ["--threads", str(threads), "--timeout", str(step_timeout_s)]
+        for role in roles:
+            stages.start(_stage_argv(config_path, workdir, role, options, log_level))
+        peers = stages.wait_ready(start_timeout_s)
+        started = time.perf_counter()
+        stages.send_all({"cmd": "start", "peers": peers})
+        # A first step includes dialing everyone; later ones only wait on frames.
+        steps, done = stages.train(start_timeout_s + step_timeout_s, last, on_step)
+        seconds = time.perf_counter() - started
+        stages.quit()
+        parameters: dict[str, torch.Tensor] = {}
+        for role in roles:
+            if role.replica == 0:
+                parameters.update(torch.load(workdir / f"{_name(role)}.pt", weights_only=True))
+        return SwarmResult(
+            losses=[e["loss"] for e in steps[last]],
+            steps=[e for per_rank in steps for e in per_rank],
+            parameters=parameters,
+            seconds=seconds,
+            done=done,
+        )
 
-        def next_event(timeout: float) -> tuple[int, dict[str, Any]]:
-            """The next event of any process; PipelineError on an error, an exit or silence."""
-            try:
-                rank, event = events.get(timeout=timeout)
-            except queue.Empty:
-                raise PipelineError(f"no stage process said anything for {timeout}s") from None
-            role = roles[rank]
-            if event is None:
-                code = processes[rank].proc.poll()
-                raise PipelineError(f"{role} exited early (code {code})")
-            if event.get("event") == "error":
-                raise PipelineError(f"{role} failed: {event.get('error')}")
-            return rank, event
 
+def _name(role: Role) -> str:
+    return f"stage{role.stage}_replica{role.replica}"
+
+
+def _stage_argv(
+    config_path: Path, workdir: Path, role: Role, options: list[str], log_level: str
+) -> list[str]:
+    name = _name(role)
+    return [
+        sys.executable, "-m", "fusionllm.node.pipeline.stage_main",
+        "--config", str(config_path),
+        "--stage", str(role.stage), "--replica", str(role.replica),
+        "--key", str(workdir / f"{name}.key"),
+        "--out", str(workdir / f"{name}.pt"),
+        *options,
+        "--log-level", log_level,
+    ]  # fmt: skip
+
+
+class _Stages:
+    """The stage processes of one run, by rank, and their events merged into one queue."""
+
+    def __init__(self, roles: list[Role]) -> None:
+        self.roles = roles
+        self.children: list[JsonChild] = []
+        self.events: Events = queue.Queue()
+
+    def start(self, argv: list[str]) -> None:
+        """Start the process of the next rank."""
+        rank = len(self.children)
+        child = JsonChild(argv, name=str(self.roles[rank]), stdin=True, on_event=self._relay(rank))
+        self.children.append(child)
+
+    def _relay(self, rank: int) -> Callable[[dict[str, Any] | None], None]:
+        return lambda event: self.events.put((rank, event))
+
+    def next_event(self, timeout: float) -> tuple[int, dict[str, Any]]:
+        """The next event of any process; PipelineError on an error, an exit or silence."""
         try:
-            for role in roles:
-                name = f"stage{role.stage}_replica{role.replica}"
-                argv = [
-                    sys.executable, "-m", "fusionllm.node.pipeline.stage_main",
-                    "--config", str(config_path),
-                    "--stage", str(role.stage), "--replica", str(role.replica),
-                    "--key", str(workdir / f"{name}.key"),
-                    "--out", str(workdir / f"{name}.pt"),
-                    "--threads", str(threads),
-                    "--timeout", str(step_timeout_s),
-                    "--log-level", log_level,
-                ]  # fmt: skip
-                processes.append(_Process(len(processes), role, argv, events))
-            ready: dict[int, dict[str, Any]] = {}
-            while len(ready) < len(processes):
-                rank, event = next_event(start_timeout_s)
-                if event["event"] == "ready":
-                    ready[rank] = event
-            peers = [
-                {"stage": p.role.stage, "replica": p.role.replica,
-                 "peer_id": ready[p.rank]["peer_id"], "addr": ready[p.rank]["addrs"][0]}
-                for p in processes
-            ]  # fmt: skip
-            started = time.perf_counter()
-            for p in processes:
-                p.send({"cmd": "start", "peers": peers})
-            steps: list[list[dict[str, Any]]] = [[] for _ in processes]
-            done: list[dict[str, Any]] = []
-            while len(done) < len(processes):
-                # A first step includes dialing everyone; later ones only wait on frames.
-                rank, event = next_event(start_timeout_s + step_timeout_s)
-                if event["event"] == "step":
-                    steps[rank].append(event)
-                    if rank == last and on_step is not None:
-                        on_step(event)
-                elif event["event"] == "done":
-                    done.append(event)
-            seconds = time.perf_counter() - started
-            for p in processes:
-                p.send({"cmd": "quit"})
-            # They exit together (transport close, torch teardown): one shared deadline.
-            deadline = time.monotonic() + _EXIT_S
-            for p in processes:
-                try:
-                    p.proc.wait(max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s did not exit within %ss of quit", p.role, _EXIT_S)
-            parameters: dict[str, torch.Tensor] = {}
-            for role in roles:
-                if role.replica == 0:
-                    name = f"stage{role.stage}_replica{role.replica}.pt"
-                    parameters.update(torch.load(workdir / name, weights_only=True))
-            return SwarmResult(
-                losses=[e["loss"] for e in steps[last]],
-                steps=[e for per_rank in steps for e in per_rank],
-                parameters=parameters,
-                seconds=seconds,
-                done=done,
-            )
-        finally:
-            for p in processes:
-                p.stop()
+            rank, event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise PipelineError(f"no stage process said anything for {timeout}s") from None
+        role = self.roles[rank]
+        if event is None:
+            code = self.children[rank].process.poll()
+            raise PipelineError(f"{role} exited early (code {code})")
+        if event.get("event") == "error":
+            raise PipelineError(f"{role} failed: {event.get('error')}")
+        return rank, event
+
+    def wait_ready(self, timeout: float) -> list[dict[str, Any]]:
+        """Every process's peer id and address, once all are ready."""
+        ready: dict[int, dict[str, Any]] = {}
+        while len(ready) < len(self.children):
+            rank, event = self.next_event(timeout)
+            if event["event"] == "ready":
+                ready[rank] = event
+        return [
+            {"stage": role.stage, "replica": role.replica,
+             "peer_id": ready[rank]["peer_id"], "addr": ready[rank]["addrs"][0]}
+            for rank, role in enumerate(self.roles)
+        ]  # fmt: skip
+
+    def send_all(self, command: dict[str, Any]) -> None:
+        for child in self.children:
+            child.send(command)
+
+    def train(
+        self, timeout: float, last: int, on_step: Callable[[dict[str, Any]], None] | None
+    ) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+        """Every process's step events (by rank) and its "done" event, once all are done;
+        ``on_step`` sees the steps of rank ``last``."""
+        steps: list[list[dict[str, Any]]] = [[] for _ in self.children]
+        done: list[dict[str, Any]] = []
+        while len(done) < len(self.children):
+            rank, event = self.next_event(timeout)
+            if event["event"] == "step":
+                steps[rank].append(event)
+                if rank == last and on_step is not None:
+                    on_step(event)
+            elif event["event"] == "done":
+                done.append(event)
+        return steps, done
+
+    def quit(self) -> None:
+        self.send_all({"cmd": "quit"})
+        # They exit together (transport close, torch teardown): one shared deadline.
+        deadline = time.monotonic() + _EXIT_S
+        for role, child in zip(self.roles, self.children, strict=True):
+            try:
+                child.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not exit within %ss of quit", role, _EXIT_S)
+
+    def stop(self) -> None:
+        """Terminate, then kill, every process still running; reap them all."""
+        for child in self.children:
+            child.kill(signal.SIGTERM, timeout=_GRACE_S)

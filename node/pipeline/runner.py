@@ -249,62 +249,20 @@ class PipelineRunner:
         sends = _Sends()
         busy, wait = 0.0, 0.0
         loss_sum, loss_count = 0.0, 0
-        s, worker = self.role.stage, self.worker
+        s = self.role.stage
         order = replica_schedule(
             s, len(self.replicas), self.config.micro_batches, self.replicas[s], self.role.replica
         )
         for kind, mb in order:
             if kind == "F":
-                t0 = time.perf_counter()
-                if worker.is_first:
-                    inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
-                else:
-                    flat = self._take(
-                        FrameKind.ACTIVATION,
-                        step,
-                        mb,
-                        Role(s - 1, owner(mb, self.replicas[s - 1])),
-                        sends,
-                    )
-                    inputs = self.layout.links[s - 1].unpack(flat)
-                targets = (
-                    self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
-                )
-                t1 = time.perf_counter()
-                out = worker.forward(step, mb, inputs, targets)
-                busy += time.perf_counter() - t1
-                wait += t1 - t0
-                if worker.is_last:
-                    loss_sum += out  # type: ignore[operator]
+                computed, waited, loss = self._forward(step, mb, sends)
+                if loss is not None:
+                    loss_sum += loss
                     loss_count += 1
-                else:
-                    target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-                    flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-                    codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
-                    sends.futures.append(
-                        self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
-                    )
             else:
-                t0 = time.perf_counter()
-                grads = None
-                if not worker.is_last:
-                    flat = self._take(
-                        FrameKind.GRADIENT,
-                        step,
-                        mb,
-                        Role(s + 1, owner(mb, self.replicas[s + 1])),
-                        sends,
-                    )
-                    grads = self.layout.links[s].unpack(flat)
-                t1 = time.perf_counter()
-                input_grads = worker.backward(step, mb, grads)
-                busy += time.perf_counter() - t1
-                wait += t1 - t0
-                if not worker.is_first:
-                    target = Role(s - 1, owner(mb, self.replicas[s - 1]))
-                    flat = self.layout.links[s - 1].pack(input_grads)
-                    body = self._pack_gradient(s - 1, target, flat)
-                    sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+                computed, waited = self._backward(step, mb, sends)
+            busy += computed
+            wait += waited
         self._all_reduce_replicas(step, sends)
         self._sum_tied(step, sends)
         sq, loss_sum, loss_count, votes = self._summary(step, sends, loss_sum, loss_count)
@@ -313,7 +271,7 @@ class PipelineRunner:
                 f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
             )
         norm = math.sqrt(sq)
-        worker.clip_and_step(norm)
+        self.worker.clip_and_step(norm)
         self.completed_steps = step + 1  # from here on the step counts, even if a send fails
         sends.wait(self.timeout_s)
         return StepReport(
@@ -325,6 +283,63 @@ class PipelineRunner:
             wait_s=wait,
             votes=votes,
         )
+
+    def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
+        """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
+        stage s + 1. (compute seconds, seconds waiting for the input, the loss on the last
+        stage or None)."""
+        s, worker = self.role.stage, self.worker
+        t0 = time.perf_counter()
+        if worker.is_first:
+            inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
+        else:
+            flat = self._take(
+                FrameKind.ACTIVATION,
+                step,
+                mb,
+                Role(s - 1, owner(mb, self.replicas[s - 1])),
+                sends,
+            )
+            inputs = self.layout.links[s - 1].unpack(flat)
+        targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
+        t1 = time.perf_counter()
+        out = worker.forward(step, mb, inputs, targets)
+        computed = time.perf_counter() - t1
+        if worker.is_last:
+            return computed, t1 - t0, out  # type: ignore[return-value]
+        target = Role(s + 1, owner(mb, self.replicas[s + 1]))
+        flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
+        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
+        sends.futures.append(
+            self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
+        )
+        return computed, t1 - t0, None
+
+    def _backward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float]:
+        """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
+        stage: the loss), the input gradients to stage s - 1. (compute seconds, seconds
+        waiting for the gradient)."""
+        s, worker = self.role.stage, self.worker
+        t0 = time.perf_counter()
+        grads = None
+        if not worker.is_last:
+            flat = self._take(
+                FrameKind.GRADIENT,
+                step,
+                mb,
+                Role(s + 1, owner(mb, self.replicas[s + 1])),
+                sends,
+            )
+            grads = self.layout.links[s].unpack(flat)
+        t1 = time.perf_counter()
+        input_grads = worker.backward(step, mb, grads)
+        computed = time.perf_counter() - t1
+        if not worker.is_first:
+            target = Role(s - 1, owner(mb, self.replicas[s - 1]))
+            flat = self.layout.links[s - 1].pack(input_grads)
+            body = self._pack_gradient(s - 1, target, flat)
+            sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+        return computed, t1 - t0
 
     # ----- the exchanges after the schedule ----------------------------------------------------
 

@@ -6,11 +6,9 @@ was forwarded by b, and anything b rejects must never reach c.
 """
 
 import contextlib
-import json
 import math
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +22,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import (
     ControlError,
     DeadlineError,
@@ -364,18 +363,11 @@ with ControlHost(config) as host:
 
 
 def test_gossip_and_probe_with_a_host_in_another_process(hosts, tmp_path):
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "child-key"), TOPIC, "25"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    argv = [sys.executable, "-c", _CHILD, str(tmp_path / "child-key"), TOPIC, "25"]
+    with JsonChild(argv) as child:
         ready: dict = {}
-        reader = threading.Thread(
-            target=lambda: ready.update(json.loads(child.stdout.readline() or "{}")), daemon=True
-        )
-        reader.start()
-        reader.join(15)
+        with contextlib.suppress(TimeoutError, EOFError):
+            ready = child.next_event(15)
         assert ready, "the child host did not start"
         a = hosts(max_messages_per_peer_per_s=100.0)
         assert a.connect(ready["addr"]) == ready["peer_id"]
@@ -387,6 +379,3 @@ def test_gossip_and_probe_with_a_host_in_another_process(hosts, tmp_path):
         result = a.probe(ready["peer_id"])
         assert 0 < result.bandwidth < math.inf
         assert 0 < result.rtt < 1.0
-    finally:
-        child.kill()
-        child.wait(5)

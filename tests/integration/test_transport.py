@@ -6,11 +6,8 @@ that writes whatever bytes the test wants on the tensor protocol. Every bad fram
 only its own stream, be counted against the peer, and leave the node serving good frames.
 """
 
-import json
 import math
-import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +29,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from fusionllm.compression import pack_tensor
+from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p import transport as transport_module
 from fusionllm.node.p2p.framing import PREFIX, FrameHeader, encode_head
@@ -52,33 +50,29 @@ class NodeProcess:
     """A transport_main process; JSON commands on its stdin, JSON events on its stdout."""
 
     def __init__(self, key: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(
+        self.child = JsonChild(
             [sys.executable, "-m", "tests.support.transport_main", "--key", str(key), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            stdin=True,
             cwd=Path(__file__).resolve().parents[2],  # the repo root: tests.support imports
         )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        ready = self.next_event(_START_S)
-        assert ready["event"] == "ready", ready
+        self.proc = self.child.process
+        try:
+            ready = self.next_event(_START_S)
+            assert ready["event"] == "ready", ready
+        except BaseException:
+            self.child.kill()
+            raise
         self.peer_id: str = ready["peer_id"]
         self.addr: str = ready["addrs"][0]
 
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
     def next_event(self, timeout: float = _WAIT_S) -> dict:
         try:
-            return json.loads(self._lines.get(timeout=timeout))
-        except queue.Empty:
+            return self.child.next_event(timeout)
+        except (TimeoutError, EOFError):
             raise AssertionError(f"node said nothing for {timeout}s") from None
 
     def command(self, **command) -> dict:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
+        self.child.send(command)
         return self.next_event()
 
     def errors_of(self, peer: str) -> dict[str, int]:
@@ -94,13 +88,7 @@ class NodeProcess:
         raise AssertionError(f"node never counted a {name} for {peer}: {errors}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # the node exits when its stdin closes
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        self.child.finish(timeout=10)  # the node exits when its stdin closes
 
 
 @pytest.fixture

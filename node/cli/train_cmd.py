@@ -1,0 +1,121 @@
+"""``fusionllm train``: GPT-2 in a local swarm of stage processes on 127.0.0.1."""
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+from fusionllm.node.cli.options import add_run_options, run_spec_from
+
+if TYPE_CHECKING:
+    from fusionllm.node.pipeline.train_config import TrainConfig
+
+
+def add_parser(commands) -> None:
+    train = commands.add_parser(
+        "train",
+        help="reference run: a launcher starts one stage process each on 127.0.0.1 (no daemons)",
+        description="Starts one process per pipeline stage (and replica) on this machine, "
+        "connected over the real transport, and trains a byte-level GPT-2 on the Python "
+        "standard library's source (or your token file). Ctrl-C stops every process.",
+    )
+    train.add_argument(
+        "--stages",
+        type=int,
+        default=2,
+        help="pipeline stages, a process each (default: %(default)s)",
+    )
+    train.add_argument(
+        "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
+    )
+    add_run_options(train)
+    train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
+    train.add_argument(
+        "--data-dtype",
+        default="uint16",
+        choices=["uint16", "uint32"],
+        help="element type of --data (default: %(default)s)",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="model vocabulary; --data token ids must be below it (default: %(default)s, bytes)",
+    )
+    train.add_argument(
+        "--topk-ratio",
+        type=float,
+        default=1.0,
+        help="top-k ratio on every link's gradients, with error feedback (default: dense)",
+    )
+    train.add_argument(
+        "--topk-activations",
+        action="store_true",
+        help="compress activations too, within --topk-ratio's bytes (a ternary code of every "
+        "element while it fits, else top-k)",
+    )
+    train.add_argument(
+        "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
+    )
+    train.add_argument("--json", action="store_true", help="one JSON line per step")
+    train.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionllm.node.pipeline.launcher import run_swarm
+
+    config = _train_config(args)
+    processes = sum(config.stage_replicas)
+    if not args.json:
+        print(
+            f"training GPT-2 {config.model} in {config.stages} stages ({processes} processes on "
+            f"127.0.0.1), {config.micro_batches} micro-batches x {config.batch_size} x "
+            f"{config.seq_len} tokens per step, data: {config.data_path or 'stdlib source'}",
+            flush=True,
+        )
+
+    def on_step(event: dict) -> None:
+        tokens_per_s = config.tokens_per_step / max(event["seconds"], 1e-9)
+        if args.json:
+            print(json.dumps({"step": event["step"], "loss": event["loss"],
+                              "tokens_per_s": tokens_per_s}), flush=True)  # fmt: skip
+        elif event["step"] % args.every == 0 or event["step"] == config.steps - 1:
+            print(
+                f"step {event['step']:>5}  loss {event['loss']:.4f}  "
+                f"grad norm {event['grad_norm']:.3f}  {tokens_per_s:,.0f} tokens/s",
+                flush=True,
+            )
+
+    # The stages log to this terminal too: only warnings, unless debugging.
+    stage_log_level = "DEBUG" if args.log_level == "DEBUG" else "WARNING"
+    result = run_swarm(config, on_step=on_step, log_level=stage_log_level)
+    if not args.json:
+        print(
+            f"done: {config.steps} steps in {result.seconds:.1f}s, "
+            f"final loss {result.losses[-1]:.4f}"
+        )
+    return 0
+
+
+def _train_config(args: argparse.Namespace) -> "TrainConfig":
+    from fusionllm.node.pipeline.train_config import TrainConfig
+
+    links = args.stages - 1
+    ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
+    run = run_spec_from(args)
+    return TrainConfig(
+        model=run.model,
+        stages=args.stages,
+        replicas=tuple(args.replicas) if args.replicas else None,
+        micro_batches=run.micro_batches,
+        batch_size=run.micro_batch_size,
+        seq_len=run.seq_len,
+        steps=run.steps,
+        lr=run.lr,
+        seed=run.seed,
+        data_path=args.data,
+        data_dtype=args.data_dtype,
+        vocab_size=args.vocab_size,
+        activation_ratios=ratio if args.topk_activations else (),
+        gradient_ratios=ratio,
+        gradient_codec=run.gradient_codec,
+    )
