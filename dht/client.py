@@ -9,6 +9,7 @@ import itertools
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class DhtConfig:
         }
 
 
-def start_client(config: DhtConfig, *, attempts: int = 3) -> "DhtClient":
+def start_client(config: DhtConfig, *, attempts: int = 4) -> "DhtClient":
     """A started client; a worker that could not reach its bootstrap peers is tried again.
 
     A bootstrap node whose machine is busy (training) sometimes misses the new daemon's dial
@@ -85,6 +86,7 @@ def start_client(config: DhtConfig, *, attempts: int = 3) -> "DhtClient":
             if attempt == attempts or not config.initial_peers:
                 raise
             logger.warning("DHT start failed (attempt %d of %d): %s", attempt, attempts, exc)
+            time.sleep(2.0 * attempt)  # many nodes starting at once: spread the retries
     raise AssertionError("unreachable")
 
 

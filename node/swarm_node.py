@@ -14,18 +14,23 @@ from pathlib import Path
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import RunSpec
-from fusionllm.dag import trace
+from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
+from fusionllm.dag import OpGraph, trace
+from fusionllm.dag.models import gpt2
 from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeConfig, NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport, TransportConfig
+from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
 logger = get_logger(__name__)
 
+# Seeded init draws from torch's global generator: two builds in one process (tests run
+# several trainers as threads) must not interleave, or their weights differ.
+_SEEDED_INIT = threading.Lock()
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
 
 
@@ -66,14 +71,21 @@ class SwarmNodeConfig:
         return self.node.settings.run
 
 
-def build_model_graph(run: RunSpec):
-    """The run's seeded model traced at the micro-batch shape: the same in every node."""
+def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
+    """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
+    every node (seconds of CPU: done when a node first serves, not at start)."""
     config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
-    model = build_model(config)
+    with _SEEDED_INIT:
+        model = build_model(config)
     example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
-    graph = trace(model, (example,), meta=False)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return graph, shapes, load_dataset(config)
+    return trace(model, (example,), meta=False), load_dataset(config)
+
+
+def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
+    """Every canonical parameter's shape, from a model that allocates nothing."""
+    with torch.device("meta"):
+        model = gpt2(run.model, vocab_size=STDLIB_VOCAB)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def run_node(
@@ -84,7 +96,6 @@ def run_node(
     stop: threading.Event | None = None,
 ) -> bool:
     """Join, train what the swarm's plan asks, leave; True if the run reached its end."""
-    graph, shapes, dataset = build_model_graph(config.run)
     daemon = NodeDaemon(config.node, on_event=on_event)
     trainer: SwarmTrainer | None = None
     transport: Transport | None = None
@@ -105,9 +116,8 @@ def run_node(
             ),
             peer_id=daemon.peer_id,
             transport=transport,
-            graph=graph,
-            shapes=shapes,
-            dataset=dataset,
+            workload=lambda: build_workload(config.run),
+            shapes=parameter_shapes(config.run),
             view=DaemonView(daemon),
             on_event=on_event,
         ).start()

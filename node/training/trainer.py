@@ -72,9 +72,8 @@ class SwarmTrainer:
         *,
         peer_id: str,
         transport,
-        graph: OpGraph,
+        workload: Callable[[], tuple[OpGraph, TokenDataset]],  # built on first need, once
         shapes: dict[str, tuple[int, ...]],  # every canonical parameter of the model
-        dataset: TokenDataset,
         view: SwarmView,
         on_event: Callable[[dict], None],
     ) -> None:
@@ -82,8 +81,8 @@ class SwarmTrainer:
         self.run_spec = config.run
         self.peer_id = peer_id
         self.transport = transport
-        self.graph = graph
-        self.dataset = dataset
+        self._workload = workload
+        self._built: tuple[OpGraph, TokenDataset] | None = None
         self.view = view
         self._emit = on_event
         self._session: PlanSession | None = None
@@ -95,6 +94,16 @@ class SwarmTrainer:
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
         self._thread = threading.Thread(target=self._main, name="node-train", daemon=True)
+
+    @property
+    def graph(self) -> OpGraph:
+        return self._build()[0]
+
+    def _build(self) -> tuple[OpGraph, TokenDataset]:
+        # A node in the backup pool never pays for the model, its trace or the corpus.
+        if self._built is None:
+            self._built = self._workload()
+        return self._built
 
     def expect(self, header: FrameHeader) -> TensorSpec:
         """The transport's hook: what a frame must hold, by header, before it is kept."""
@@ -160,7 +169,7 @@ class SwarmTrainer:
         session = PlanSession(
             assignment=plan_of,
             graph=self.graph,
-            dataset=self.dataset,
+            dataset=self._build()[1],
             transport=self.transport,
             board=self.board,
             router=self.router,

@@ -17,7 +17,7 @@ from fusionllm.dag.planner import Plan, PlanConfig, plan
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
-from fusionllm.node.swarm_node import build_model_graph
+from fusionllm.node.swarm_node import build_workload, parameter_shapes
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 from tests.support.memory_transport import MemoryNetwork
 
@@ -55,7 +55,7 @@ class FakeView:
 
 def _plan(peers: list[str], stages: int) -> Plan:
     """The planner's plan for equal peers on fast links, with exactly ``stages`` stages."""
-    graph, _, _ = build_model_graph(RUN)
+    graph, _ = build_workload(RUN)
     device = DeviceProfile(flops=1e11, memory_bandwidth=5e9, memory_bytes=4 << 30)
     swarm = Swarm.from_links(
         [Peer(peer_id=p, device=device, uplink=1e9, downlink=1e9) for p in peers],
@@ -78,16 +78,14 @@ class Cluster:
         self.events: dict[str, list[dict]] = {p: [] for p in peers}
         self.trainers: dict[str, SwarmTrainer] = {}
         for peer in peers:
-            graph, shapes, dataset = build_model_graph(RUN)
             holder: dict = {}
             transport = self.network.transport(peer, expect=lambda h, x=holder: x["t"].expect(h))
             trainer = SwarmTrainer(
                 TrainerConfig(run=RUN, work_dir=tmp_path / peer, step_timeout_s=TIMEOUT_S),
                 peer_id=peer,
                 transport=transport,
-                graph=graph,
-                shapes=shapes,
-                dataset=dataset,
+                workload=lambda: build_workload(RUN),
+                shapes=parameter_shapes(RUN),
                 view=self.views[peer],
                 on_event=self.events[peer].append,
             )
