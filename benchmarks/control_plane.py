@@ -184,7 +184,9 @@ def run(sizes: list[int], timing: dict) -> list[dict]:
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            swarm = LocalSwarm(root, extra={"max-replicas": 1, "max-stages": 4, **timing})
+            swarm = LocalSwarm(
+                root, extra={"max-replicas": 1, "max-stages": 4, "no-train": True, **timing}
+            )
             try:
                 row = {"nodes": n, **_agreement(swarm, n)}
                 nodes = list(swarm.nodes)

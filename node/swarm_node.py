@@ -65,6 +65,7 @@ class SwarmNodeConfig:
     node: NodeConfig
     work_dir: Path
     step_timeout_s: float = 60.0
+    train: bool = True  # False: the control plane alone (tests and benchmarks of it)
 
     @property
     def run(self) -> RunSpec:
@@ -103,30 +104,21 @@ def run_node(
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER
 
+    finished = threading.Event()
     try:
         daemon.start()
-        transport = Transport(
-            TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
-            expect=expect,
-            host=daemon.host,
-        ).start()
-        trainer = SwarmTrainer(
-            TrainerConfig(
-                run=config.run, work_dir=config.work_dir, step_timeout_s=config.step_timeout_s
-            ),
-            peer_id=daemon.peer_id,
-            transport=transport,
-            workload=lambda: build_workload(config.run),
-            shapes=parameter_shapes(config.run),
-            view=DaemonView(daemon),
-            on_event=on_event,
-        ).start()
-        watcher = threading.Thread(
-            target=_stop_when, args=(daemon, trainer.finished, stop), daemon=True
-        )
+        if config.train:
+            transport = Transport(
+                TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
+                expect=expect,
+                host=daemon.host,
+            ).start()
+            trainer = _trainer(config, daemon, transport, on_event).start()
+            finished = trainer.finished
+        watcher = threading.Thread(target=_stop_when, args=(daemon, finished, stop), daemon=True)
         watcher.start()
         daemon.run(duration_s=duration_s)
-        return trainer.finished.is_set()
+        return finished.is_set()
     finally:
         if trainer is not None:
             trainer.close()
@@ -134,6 +126,20 @@ def run_node(
         if transport is not None:
             transport.close()
         daemon.close()
+
+
+def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -> SwarmTrainer:
+    return SwarmTrainer(
+        TrainerConfig(
+            run=config.run, work_dir=config.work_dir, step_timeout_s=config.step_timeout_s
+        ),
+        peer_id=daemon.peer_id,
+        transport=transport,
+        workload=lambda: build_workload(config.run),
+        shapes=parameter_shapes(config.run),
+        view=DaemonView(daemon),
+        on_event=on_event,
+    )
 
 
 def _stop_when(daemon: NodeDaemon, finished: threading.Event, stop: threading.Event | None):

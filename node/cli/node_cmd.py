@@ -50,6 +50,11 @@ def add_parser(commands) -> None:
         "--threads", type=int, help="torch threads for compute (default: torch's choice)"
     )
     node.add_argument("--duration", type=float, help="leave after this many seconds")
+    node.add_argument(
+        "--no-train",
+        action="store_true",
+        help="agree on plans but train nothing (a control-plane observer, tests, benchmarks)",
+    )
     node.add_argument("--events", action="store_true", help="print events as JSON lines")
     node.set_defaults(handler=run)
 
@@ -193,7 +198,12 @@ def run(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else key.with_suffix("")
     if work_dir == key:
         work_dir = key.parent / f"{key.name}.work"
-    config = SwarmNodeConfig(node=node_config, work_dir=work_dir, step_timeout_s=args.step_timeout)
+    config = SwarmNodeConfig(
+        node=node_config,
+        work_dir=work_dir,
+        step_timeout_s=args.step_timeout,
+        train=not args.no_train,
+    )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -32,7 +32,7 @@ def _agreed(nodes, *, members: int, since: float = 0.0, without: str = ""):
 
 
 def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -> None:
-    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 3})
+    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 3, "no-train": True})
     try:
         first = swarm.start("n0")
         wait_for(lambda: first.last("ready"), 120, "the first node to start")
