@@ -115,7 +115,7 @@ def _add_probe_options(node: argparse.ArgumentParser) -> None:
 
 def _node_config(args: argparse.Namespace):
     from fusionllm.dht.records import DeviceInfo
-    from fusionllm.node.control.daemon import NodeConfig
+    from fusionllm.node.control.node_config import NodeConfig
     from fusionllm.node.control.swarm_settings import SwarmSettings
 
     settings = SwarmSettings(

@@ -18,20 +18,16 @@ JSON lines with ``--events`` (tests and benchmarks read those), and logs a summa
 import contextlib
 import hashlib
 import logging
-import os
 import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-import psutil
 import torch
 
-from fusionllm.common.errors import ConfigError, FusionError
+from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import STDLIB_VOCAB
 from fusionllm.dag.models import gpt2
@@ -43,7 +39,6 @@ from fusionllm.dht.client import DhtClient, DhtConfig, DhtError, start_client
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import (
     MAX_LINKS,
-    DeviceInfo,
     NodeInfo,
     NodeState,
     PlanProposal,
@@ -63,90 +58,16 @@ from fusionllm.node.control.agreement import (
 from fusionllm.node.control.bandwidth import (
     BandwidthBook,
     BandwidthReport,
-    LinkSample,
-    choose_probe_targets,
 )
-from fusionllm.node.control.swarm_settings import SwarmSettings
-from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
-from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
+from fusionllm.node.control.links import LinkMonitor, gossip_validator
+from fusionllm.node.control.node_config import NodeConfig, local_device, software_version
+from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
+from fusionllm.node.p2p.peer_host import PeerHost
 
 logger = get_logger(__name__)
 
 _DEFAULT_LINK_BYTES_PER_S = 12.5e6  # 100 Mbit/s until we have measured anything
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeConfig:
-    settings: SwarmSettings = field(default_factory=SwarmSettings)
-    key_path: Path
-    bootstrap: tuple[str, ...] = ()  # DHT multiaddrs of any node already in the swarm
-    listen_host: str = "127.0.0.1"
-    dht_port: int = 0
-    control_port: int = 0  # the node's one py-libp2p host: control and data planes
-    probe_interval_s: float = 10.0
-    probe_fanout: int = 3  # peers probed per interval
-    probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
-    max_connections: int = 32
-    device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
-    device_cache: Path | None = None
-    uplink: float | None = None  # bytes/s; None: our best measurement
-    downlink: float | None = None
-    dht_log_level: str = "WARNING"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "key_path", Path(self.key_path))
-        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
-        if not self.probe_interval_s > 0:
-            raise ConfigError(f"probe_interval_s must be > 0, got {self.probe_interval_s}")
-        if not 0 <= self.probe_fanout <= 64:
-            raise ConfigError(f"probe_fanout must be in [0, 64], got {self.probe_fanout}")
-        for name in ("uplink", "downlink"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0 bytes/s, got {value}")
-        # The host and the control plane check their own fields (address, port, probe sizes);
-        # building their configs here makes a bad value a ConfigError now, not at start().
-        self.control_config()
-
-    def control_config(self) -> ControlConfig:
-        return ControlConfig(
-            key_path=self.key_path,
-            listen_host=self.listen_host,
-            listen_port=self.control_port,
-            probe_bytes=self.probe_bytes,
-        )
-
-    def host_config(self) -> HostConfig:
-        """The node's one py-libp2p host: the control plane's listen address and deadlines."""
-        return self.control_config().host_config()
-
-
-def software_version() -> str:
-    try:
-        return metadata.version("fusionllm")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def local_device(cache: Path | None) -> DeviceInfo:
-    """This machine's device, measured once and cached (a few seconds on first start)."""
-    from fusionllm.node.control.probe import cached_measurement
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
-    measured = cached_measurement(device, cache)
-    return DeviceInfo(
-        name=measured.device_name[:128],
-        kind=device.type,
-        memory_bytes=measured.memory_bytes,
-        flops=measured.flops,
-        memory_bandwidth=measured.memory_bandwidth,
-        op_overhead=measured.op_overhead,
-        cpu_cores=os.cpu_count() or 1,
-        ram_bytes=psutil.virtual_memory().total,
-    )
 
 
 class NodeDaemon:
@@ -168,9 +89,11 @@ class NodeDaemon:
         self.state = NodeState.JOINING
         self._last_plan: tuple[bytes, Plan] | None = None
         self.progress: TrainingProgress | None = None  # what our trainer last reported
-        self.run_finished = False
-        self._last_plan_failure = ""  # some member's record says the run reached its end
-        self.counters = {"invalid_proposals": 0, "plans_failed": 0, "probes_failed": 0}
+        self.run_finished = False  # some member's record says the run reached its end
+        self._last_plan_failure = ""
+        self.links: LinkMonitor | None = None
+        self.host: PeerHost | None = None  # the node's one py-libp2p host, from start()
+        self.counters = {"invalid_proposals": 0, "plans_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,13 +109,41 @@ class NodeDaemon:
         self.node_ids = tuple(graph.node_ids)
         self.plan_config = settings.plan_config()
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
-        # The node's one py-libp2p host: the control plane attaches to it here; a Transport
-        # can attach to it later (Transport(..., host=daemon.host)).
-        self.host: PeerHost | None = None
+        self._start_network()
+        if self.dht.peer_id != self.peer_id:
+            logger.warning("DHT peer id %s differs from ours %s", self.dht.peer_id, self.peer_id)
+        self.directory = SwarmDirectory(
+            self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
+        )
+        self.links = self._link_monitor()
+        self._heartbeat()
+        loops = (
+            ("heartbeat", self._heartbeat_loop),
+            ("probes", self.links.probe_loop),
+            ("gossip", self.links.gossip_loop),
+        )
+        for name, target in loops:
+            thread = threading.Thread(target=target, name=f"node-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._emit(
+            "ready",
+            addrs=self.host.addrs,
+            dht_addrs=self.dht.maddrs,
+            device=self.device.to_wire(),
+        )
+        return self
+
+    def _start_network(self) -> None:
+        """The node's one py-libp2p host with the control plane on it, and the DHT worker; a
+        Transport can attach to the host later (``Transport(..., host=daemon.host)``)."""
+        cfg, settings = self.config, self.settings
         try:
             self.host = PeerHost(cfg.host_config()).start()
             self.control = ControlHost(
-                cfg.control_config(), validate=self._valid_gossip, host=self.host
+                cfg.control_config(),
+                validate=gossip_validator(self.topic, settings.swarm),
+                host=self.host,
             ).start()
             self.control.subscribe(self.topic)
             self.dht = start_client(
@@ -210,28 +161,23 @@ class NodeDaemon:
         except BaseException:
             self.close()
             raise
-        if self.dht.peer_id != self.peer_id:
-            logger.warning("DHT peer id %s differs from ours %s", self.dht.peer_id, self.peer_id)
-        self.directory = SwarmDirectory(
-            self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
+
+    def _link_monitor(self) -> LinkMonitor:
+        cfg = self.config
+        return LinkMonitor(
+            control=self.control,
+            book=self.book,
+            peer_id=self.peer_id,
+            swarm=self.settings.swarm,
+            topic=self.topic,
+            probe_interval_s=cfg.probe_interval_s,
+            probe_fanout=cfg.probe_fanout,
+            probe_bytes=cfg.probe_bytes,
+            max_connections=cfg.max_connections,
+            members=self._members_now,
+            neighbours=self._plan_neighbours,
+            stop=self._stop,
         )
-        self._heartbeat()
-        loops = (
-            ("heartbeat", self._heartbeat_loop),
-            ("probes", self._probe_loop),
-            ("gossip", self._gossip_loop),
-        )
-        for name, target in loops:
-            thread = threading.Thread(target=target, name=f"node-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        self._emit(
-            "ready",
-            addrs=self.host.addrs,
-            dht_addrs=self.dht.maddrs,
-            device=self.device.to_wire(),
-        )
-        return self
 
     def run(self, *, duration_s: float | None = None) -> None:
         """Heartbeats and epochs until ``stop()`` (or ``duration_s``)."""
@@ -303,7 +249,7 @@ class NodeDaemon:
         if self.control is not None:
             self.control.close()
         # After the control plane detached; whatever else is attached to it ends with it.
-        host = getattr(self, "host", None)  # set by start()
+        host = self.host
         if host is not None:
             host.close()
         if self.dht is not None:
@@ -496,89 +442,10 @@ class NodeDaemon:
         stats = asdict(self.control.stats()) if self.control is not None else {}
         return {
             **self.counters,
+            "probes_failed": self.links.probes_failed if self.links else 0,
             "skipped_records": self.directory.skipped if self.directory else 0,
             **{f"gossip_{k}": v for k, v in stats.items()},
         }
-
-    # ------------------------------------------------------------------ links
-
-    def _valid_gossip(self, topic: str, author: str, data: bytes) -> bool:
-        if topic != self.topic:
-            return False
-        try:
-            report = BandwidthReport.from_bytes(data)
-        except RecordError:
-            return False
-        return report.swarm == self.settings.swarm
-
-    def _gossip_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                message = self.control.recv(timeout=0.5)
-            except DeadlineError:
-                continue
-            except TransportClosedError:
-                return
-            try:
-                report = BandwidthReport.from_bytes(message.data)
-            except RecordError:
-                continue  # the validator let it through, so this cannot happen; be safe anyway
-            self.book.record_report(message.author, report, now=time.time())
-
-    def _probe_loop(self) -> None:
-        cfg = self.config
-        while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self.members else 0):
-            with self._lock:
-                members = dict(self.members)
-            self._connect(members)
-            priority = self._plan_neighbours()
-            targets = choose_probe_targets(
-                self.peer_id,
-                [p for p in members if p in set(self.control.connected_peers())],
-                self.book.last_measured(self.peer_id, time.time()),
-                count=cfg.probe_fanout,
-                priority=priority,
-                rng=self._rng,
-            )
-            for peer in targets:
-                if self._stop.is_set():
-                    return
-                # Links the plan uses get full-size probes (a better estimate where it
-                # matters); the rest a quarter, enough to rank them.
-                nbytes = (
-                    cfg.probe_bytes if peer in priority else max(16 << 10, cfg.probe_bytes // 4)
-                )
-                try:
-                    result = self.control.probe(peer, nbytes=min(nbytes, cfg.probe_bytes))
-                except (TransportError, FusionError) as exc:
-                    self.counters["probes_failed"] += 1
-                    logger.debug("probe of %s failed: %s", peer[:16], exc)
-                    continue
-                self.book.record(
-                    self.peer_id,
-                    peer,
-                    LinkSample(result.bandwidth, result.rtt, time.time()),
-                    now=time.time(),
-                )
-            report = self.book.own_report(self.peer_id, self.settings.swarm, now=time.time())
-            if report.links:
-                with contextlib.suppress(FusionError, ValueError):
-                    self.control.publish(self.topic, report.to_bytes())
-            if self._stop.wait(cfg.probe_interval_s * self._rng.uniform(0.8, 1.2)):
-                return
-
-    def _connect(self, members: dict[str, NodeInfo]) -> None:
-        connected = set(self.control.connected_peers())
-        missing = [p for p in sorted(members) if p != self.peer_id and p not in connected]
-        room = max(0, self.config.max_connections - len(connected))
-        self._rng.shuffle(missing)
-        for peer in missing[:room]:
-            for addr in members[peer].addrs[:2]:
-                try:
-                    self.control.connect(addr)
-                    break
-                except (TransportError, FusionError) as exc:
-                    logger.debug("could not connect to %s at %s: %s", peer[:16], addr, exc)
 
     def _plan_neighbours(self) -> list[str]:
         adopted = self.adopted
@@ -592,6 +459,10 @@ class NodeDaemon:
                 ]
                 return [p for p in near if p != self.peer_id]
         return []
+
+    def _members_now(self) -> dict[str, NodeInfo]:
+        with self._lock:
+            return dict(self.members)
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})

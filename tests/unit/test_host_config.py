@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.control.daemon import NodeConfig
+from fusionllm.node.control.node_config import NodeConfig
 from fusionllm.node.p2p.control_host import ControlConfig
 from fusionllm.node.p2p.peer_host import HostConfig
 from fusionllm.node.p2p.transport import TransportConfig

@@ -1,0 +1,147 @@
+"""Measured links: probe a sample of members, gossip what we measured, file what others say.
+
+``LinkMonitor`` runs two of the daemon's threads (probes, gossip) over the node's control host
+and its BandwidthBook; it sees the daemon only through two callables (the members, and the
+plan neighbours whose links deserve full-size probes).
+"""
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from fusionllm.common.errors import FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.dht.records import NodeInfo, RecordError
+from fusionllm.node.control.bandwidth import (
+    BandwidthBook,
+    BandwidthReport,
+    LinkSample,
+    choose_probe_targets,
+)
+from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.p2p.control_host import ControlHost
+
+logger = get_logger(__name__)
+
+
+def gossip_validator(topic: str, swarm: str) -> Callable[[str, str, bytes], bool]:
+    """The control host's check of every gossip message: a bandwidth report of our swarm."""
+
+    def valid(message_topic: str, author: str, data: bytes) -> bool:
+        if message_topic != topic:
+            return False
+        try:
+            report = BandwidthReport.from_bytes(data)
+        except RecordError:
+            return False
+        return report.swarm == swarm
+
+    return valid
+
+
+class LinkMonitor:
+    def __init__(
+        self,
+        *,
+        control: ControlHost,
+        book: BandwidthBook,
+        peer_id: str,
+        swarm: str,
+        topic: str,
+        probe_interval_s: float,
+        probe_fanout: int,
+        probe_bytes: int,
+        max_connections: int,
+        members: Callable[[], dict[str, NodeInfo]],
+        neighbours: Callable[[], list[str]],
+        stop: threading.Event,
+    ) -> None:
+        self.control = control
+        self.book = book
+        self.peer_id = peer_id
+        self.swarm = swarm
+        self.topic = topic
+        self.probe_interval_s = probe_interval_s
+        self.probe_fanout = probe_fanout
+        self.probe_bytes = probe_bytes
+        self.max_connections = max_connections
+        self._members = members
+        self._neighbours = neighbours
+        self._stop = stop
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._probes_failed = 0
+
+    @property
+    def probes_failed(self) -> int:
+        with self._lock:
+            return self._probes_failed
+
+    def gossip_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.control.recv(timeout=0.5)
+            except DeadlineError:
+                continue
+            except TransportClosedError:
+                return
+            try:
+                report = BandwidthReport.from_bytes(message.data)
+            except RecordError:
+                continue  # the validator let it through, so this cannot happen; be safe anyway
+            self.book.record_report(message.author, report, now=time.time())
+
+    def probe_loop(self) -> None:
+        while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self._members() else 0):
+            members = self._members()
+            self.connect(members)
+            self._probe_round(members)
+            report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
+            if report.links:
+                with contextlib.suppress(FusionError, ValueError):
+                    self.control.publish(self.topic, report.to_bytes())
+            if self._stop.wait(self.probe_interval_s * self._rng.uniform(0.8, 1.2)):
+                return
+
+    def _probe_round(self, members: dict[str, NodeInfo]) -> None:
+        priority = self._neighbours()
+        connected = set(self.control.connected_peers())
+        targets = choose_probe_targets(
+            self.peer_id,
+            [p for p in members if p in connected],
+            self.book.last_measured(self.peer_id, time.time()),
+            count=self.probe_fanout,
+            priority=priority,
+            rng=self._rng,
+        )
+        for peer in targets:
+            if self._stop.is_set():
+                return
+            # Links the plan uses get full-size probes (a better estimate where it matters);
+            # the rest a quarter, enough to rank them.
+            full = peer in priority
+            nbytes = self.probe_bytes if full else max(16 << 10, self.probe_bytes // 4)
+            try:
+                result = self.control.probe(peer, nbytes=min(nbytes, self.probe_bytes))
+            except (TransportError, FusionError) as exc:
+                with self._lock:
+                    self._probes_failed += 1
+                logger.debug("probe of %s failed: %s", peer[:16], exc)
+                continue
+            sample = LinkSample(result.bandwidth, result.rtt, time.time())
+            self.book.record(self.peer_id, peer, sample, now=time.time())
+
+    def connect(self, members: dict[str, NodeInfo]) -> None:
+        connected = set(self.control.connected_peers())
+        missing = [p for p in sorted(members) if p != self.peer_id and p not in connected]
+        room = max(0, self.max_connections - len(connected))
+        self._rng.shuffle(missing)
+        for peer in missing[:room]:
+            for addr in members[peer].addrs[:2]:
+                try:
+                    self.control.connect(addr)
+                    break
+                except (TransportError, FusionError) as exc:
+                    logger.debug("could not connect to %s at %s: %s", peer[:16], addr, exc)

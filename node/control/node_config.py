@@ -1,0 +1,90 @@
+"""How one node runs: its key, addresses, probing and device (validated), and this machine.
+
+The swarm-wide part (what every node must share) is ``SwarmSettings``; this is the rest.
+"""
+
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+import torch
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control.swarm_settings import SwarmSettings
+from fusionllm.node.p2p.control_host import ControlConfig
+from fusionllm.node.p2p.peer_host import HostConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    settings: SwarmSettings = field(default_factory=SwarmSettings)
+    key_path: Path
+    bootstrap: tuple[str, ...] = ()  # DHT multiaddrs of any node already in the swarm
+    listen_host: str = "127.0.0.1"
+    dht_port: int = 0
+    control_port: int = 0  # the node's one py-libp2p host: control and data planes
+    probe_interval_s: float = 10.0
+    probe_fanout: int = 3  # peers probed per interval
+    probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
+    max_connections: int = 32
+    device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
+    device_cache: Path | None = None
+    uplink: float | None = None  # bytes/s; None: our best measurement
+    downlink: float | None = None
+    dht_log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_path", Path(self.key_path))
+        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
+        if not self.probe_interval_s > 0:
+            raise ConfigError(f"probe_interval_s must be > 0, got {self.probe_interval_s}")
+        if not 0 <= self.probe_fanout <= 64:
+            raise ConfigError(f"probe_fanout must be in [0, 64], got {self.probe_fanout}")
+        for name in ("uplink", "downlink"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 bytes/s, got {value}")
+        # The host and the control plane check their own fields (address, port, probe sizes);
+        # building their configs here makes a bad value a ConfigError now, not at start().
+        self.control_config()
+
+    def control_config(self) -> ControlConfig:
+        return ControlConfig(
+            key_path=self.key_path,
+            listen_host=self.listen_host,
+            listen_port=self.control_port,
+            probe_bytes=self.probe_bytes,
+        )
+
+    def host_config(self) -> HostConfig:
+        """The node's one py-libp2p host: the control plane's listen address and deadlines."""
+        return self.control_config().host_config()
+
+
+def software_version() -> str:
+    try:
+        return metadata.version("fusionllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def local_device(cache: Path | None) -> DeviceInfo:
+    """This machine's device, measured once and cached (a few seconds on first start)."""
+    from fusionllm.node.control.probe import cached_measurement
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
+    measured = cached_measurement(device, cache)
+    return DeviceInfo(
+        name=measured.device_name[:128],
+        kind=device.type,
+        memory_bytes=measured.memory_bytes,
+        flops=measured.flops,
+        memory_bandwidth=measured.memory_bandwidth,
+        op_overhead=measured.op_overhead,
+        cpu_cores=os.cpu_count() or 1,
+        ram_bytes=psutil.virtual_memory().total,
+    )
