@@ -28,9 +28,10 @@ from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
 logger = get_logger(__name__)
 
-# Seeded init draws from torch's global generator: two builds in one process (tests run
-# several trainers as threads) must not interleave, or their weights differ.
-_SEEDED_INIT = threading.Lock()
+# Seeded init draws from torch's global generator and torch.fx patches globals while it
+# traces: two builds in one process (tests run several trainers as threads) must not
+# interleave, or their weights differ or a trace breaks.
+_ONE_BUILD_AT_A_TIME = threading.Lock()
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
 
 
@@ -76,10 +77,11 @@ def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
     """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
     every node (seconds of CPU: done when a node first serves, not at start)."""
     config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
-    with _SEEDED_INIT:
-        model = build_model(config)
     example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
-    return trace(model, (example,), meta=False), load_dataset(config)
+    with _ONE_BUILD_AT_A_TIME:
+        model = build_model(config)
+        graph = trace(model, (example,), meta=False)
+    return graph, load_dataset(config)
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_run_options, add_swarm_address, run_spec_from
 
 
 def add_parser(commands) -> None:
@@ -23,14 +23,7 @@ def add_parser(commands) -> None:
         "--steps the node writes its stage's parameters to --work-dir, leaves and exits 0. "
         "Ctrl-C or SIGTERM leaves politely.",
     )
-    node.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
-    node.add_argument(
-        "--bootstrap",
-        nargs="+",
-        metavar="MADDR",
-        help="DHT multiaddr(s) of any node in the swarm (printed by that node); omit to "
-        "start a new swarm",
-    )
+    add_swarm_address(node, joining=True)
     node.add_argument(
         "--key",
         default="~/.fusionllm/identity.key",

@@ -36,6 +36,19 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
     )
 
 
+def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None:
+    """--swarm and --bootstrap: which swarm, and where to reach it."""
+    parser.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
+    parser.add_argument(
+        "--bootstrap",
+        nargs="+",
+        required=not joining,
+        metavar="MADDR",
+        help="DHT multiaddr(s) of any node in the swarm (each node prints its own)"
+        + ("; omit to start a new swarm" if joining else ""),
+    )
+
+
 def run_spec_from(args: argparse.Namespace) -> RunSpec:
     return RunSpec(
         model=args.model,

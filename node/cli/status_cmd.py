@@ -3,6 +3,8 @@
 import argparse
 import json
 
+from fusionllm.node.cli.options import add_swarm_address
+
 
 def add_parser(commands) -> None:
     status = commands.add_parser(
@@ -12,14 +14,7 @@ def add_parser(commands) -> None:
         "and stores nothing) and prints what the nodes published and the plan most of them "
         "follow.",
     )
-    status.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
-    status.add_argument(
-        "--bootstrap",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="DHT multiaddr(s) of any node in the swarm",
-    )
+    add_swarm_address(status, joining=False)
     status.add_argument(
         "--timeout",
         type=float,

@@ -48,7 +48,13 @@ from fusionllm.node.p2p.gossip import (
     Validate,
     check_topic,
 )
-from fusionllm.node.p2p.peer_host import HostConfig, HostService, PeerHost, reset_quietly
+from fusionllm.node.p2p.peer_host import (
+    HostConfig,
+    HostService,
+    PeerHost,
+    host_config_of,
+    reset_quietly,
+)
 from fusionllm.node.p2p.probes import (
     MAX_PROBE_BYTES,
     PROBE_PROTOCOL,
@@ -132,13 +138,7 @@ class ControlConfig:
 
     def host_config(self) -> HostConfig:
         """The host a standalone control plane runs (raises ConfigError for bad fields)."""
-        return HostConfig(
-            key_path=self.key_path,
-            listen_host=self.listen_host,
-            listen_port=self.listen_port,
-            dial_timeout_s=self.dial_timeout_s,
-            close_timeout_s=self.close_timeout_s,
-        )
+        return host_config_of(self)
 
     @property
     def listen_multiaddr(self) -> multiaddr.Multiaddr:

@@ -80,6 +80,18 @@ class HostConfig:
         return multiaddr.Multiaddr(f"/{family}/{self.listen_host}/tcp/{self.listen_port}")
 
 
+def host_config_of(config) -> HostConfig:
+    """The host a component's own config asks for (its key, address and timeouts), for a
+    component that runs standalone; raises ConfigError for bad fields."""
+    return HostConfig(
+        key_path=config.key_path,
+        listen_host=config.listen_host,
+        listen_port=config.listen_port,
+        dial_timeout_s=config.dial_timeout_s,
+        close_timeout_s=config.close_timeout_s,
+    )
+
+
 class HostService:
     """A service running in a PeerHost's nursery (``PeerHost.start_service``)."""
 

@@ -18,7 +18,7 @@ from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
 from fusionllm.node.p2p.checks import positive_seconds
 from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
-from fusionllm.node.p2p.peer_host import HostConfig
+from fusionllm.node.p2p.peer_host import HostConfig, host_config_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,13 +69,7 @@ class TransportConfig:
 
     def host_config(self) -> HostConfig:
         """The host a standalone transport runs (raises ConfigError for bad fields)."""
-        return HostConfig(
-            key_path=self.key_path,
-            listen_host=self.listen_host,
-            listen_port=self.listen_port,
-            dial_timeout_s=self.dial_timeout_s,
-            close_timeout_s=self.close_timeout_s,
-        )
+        return host_config_of(self)
 
     @property
     def listen_multiaddr(self) -> multiaddr.Multiaddr:

@@ -102,6 +102,10 @@ class Cluster:
     def wait(self, predicate, what: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
+            crashed = [
+                p for p, ev in self.events.items() if any(e["event"] == "train_error" for e in ev)
+            ]
+            assert not crashed, f"training crashed on {crashed} (see the log)"
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}: {self.events}")
             time.sleep(0.05)
