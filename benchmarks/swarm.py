@@ -1,6 +1,6 @@
 """The swarm of daemons against the launcher run of the same layout, in one run.
 
-    python benchmarks/swarm.py [--nodes 3] [--steps 30] [--min-stages 2] [--json PATH]
+    python benchmarks/swarm.py [--nodes 3] [--steps 30] [--min-stages 2] [--calm] [--json PATH]
 
 ``swarm``: N `fusionllm node` processes on 127.0.0.1 (no launcher): time from launching them to
 the first trained step, steady-state tokens/s (median step time after a quarter of the steps),
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from fusionllm.common.run_spec import RunSpec
-from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import CALM, LocalSwarm, wait_for
 from fusionllm.node.pipeline.launcher import run_swarm
 from fusionllm.node.pipeline.train_config import TrainConfig
 
@@ -35,7 +35,7 @@ def bench_swarm(args: argparse.Namespace, root: Path) -> dict:
     run = _run(args)
     extra = {"steps": run.steps, "seq-len": run.seq_len, "micro-batch-size": run.micro_batch_size,
              "micro-batches": run.micro_batches, "lr": run.lr, "min-stages": args.min_stages,
-             "threads": 1}  # fmt: skip
+             "threads": 1, **(CALM if args.calm else {})}  # fmt: skip
     swarm = LocalSwarm(root, extra=extra)
     launched = time.monotonic()
     try:
@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument(
+        "--calm",
+        action="store_true",
+        help="the control-plane timing `fusionllm swarm` uses (default: the tests' FAST)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fusionllm-bench-") as tmp:

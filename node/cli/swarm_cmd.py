@@ -91,6 +91,8 @@ def _device() -> dict:
 
 
 def _options(args: argparse.Namespace) -> dict:
+    from fusionllm.node.local_swarm import CALM
+
     run = run_spec_from(args)
     return {
         "model": run.model,
@@ -104,6 +106,7 @@ def _options(args: argparse.Namespace) -> dict:
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
+        **CALM,
     }
 
 
