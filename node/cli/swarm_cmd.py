@@ -58,11 +58,18 @@ class Progress:
     losses: dict[int, float] = field(default_factory=dict)
     step_seconds: dict[int, float] = field(default_factory=dict)
     plan: dict | None = None
-    serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> stage, replica
+    serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> its last role
+    names: dict[str, str] = field(default_factory=dict)  # peer id -> node name
     bytes_out: dict[str, int] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None
+
+    def current(self) -> list[list[str]]:
+        """Node names per stage of the newest plan the nodes train."""
+        if self.plan is None:
+            return []
+        return [[self.names.get(p, p[:8]) for p in peers] for peers in self.plan["stages"]]
 
     def absorb(self, name: str, event: dict) -> None:
         kind = event.get("event")
@@ -72,8 +79,11 @@ class Progress:
             self.bytes_out[name] = event.get("bytes_out", 0)
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
+        elif kind == "ready":
+            self.names[event["peer_id"]] = name
         elif kind == "train_plan":
-            self.plan = event
+            if self.plan is None or event["start_step"] >= self.plan["start_step"]:
+                self.plan = event
             self.serving[name] = (event["stage"], event["replica"])
         elif kind == "finished":
             self.finished.add(name)
@@ -171,14 +181,7 @@ def _update_bar(bar, progress: Progress, args: argparse.Namespace) -> None:
         bar.update(done - bar.n)
         last = max(progress.losses)
         tokens = run_spec_from(args).tokens_per_step / max(progress.step_seconds[last], 1e-9)
-        stages = (
-            " | ".join(
-                f"s{s}:" + ",".join(n for n, (st, _) in sorted(progress.serving.items()) if st == s)
-                for s in range(len(progress.plan["ranges"]))
-            )
-            if progress.plan
-            else "-"
-        )
+        stages = " | ".join(f"s{s}:" + ",".join(n) for s, n in enumerate(progress.current()))
         bar.set_postfix_str(f"loss {progress.losses[last]:.4f} {tokens:,.0f} tok/s [{stages}]")
 
 

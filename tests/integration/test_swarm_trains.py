@@ -155,3 +155,25 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
     after = np.mean([merged[s] for s in range(switch, min(steps, switch + 20))])
     assert abs(after - before) < 0.3, (before, after)
     assert after < merged[0] - 1.5, (merged[0], after)
+
+
+def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
+    plot = tmp_path / "loss.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "swarm",
+         "--nodes", "2", "--steps", "6", "--seq-len", "16", "--work-dir", str(tmp_path / "w"),
+         "--json", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"steps", "loss_first", "loss_last", "tokens_per_s", "nodes",
+                            "plan_digest"}  # fmt: skip
+    assert summary["steps"] == 6
+    assert summary["nodes"] == 2
+    assert summary["tokens_per_s"] > 0
+    assert summary["loss_last"] < summary["loss_first"]
+    assert len(summary["plan_digest"]) == 64
+    assert plot.stat().st_size > 1000
+    for name in ("node0", "node1"):
+        assert (tmp_path / "w" / name / "final-params.pt").exists()
