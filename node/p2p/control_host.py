@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-import multiaddr
 import trio
 from libp2p.abc import INetwork, INotifee
 from libp2p.custom_types import TProtocol
@@ -139,10 +138,6 @@ class ControlConfig:
     def host_config(self) -> HostConfig:
         """The host a standalone control plane runs (raises ConfigError for bad fields)."""
         return host_config_of(self)
-
-    @property
-    def listen_multiaddr(self) -> multiaddr.Multiaddr:
-        return self.host_config().listen_multiaddr
 
 
 @dataclass(frozen=True)

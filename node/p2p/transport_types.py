@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import multiaddr
 import torch
 
 from fusionllm.common.errors import ConfigError, FrameError
@@ -71,10 +70,6 @@ class TransportConfig:
         """The host a standalone transport runs (raises ConfigError for bad fields)."""
         return host_config_of(self)
 
-    @property
-    def listen_multiaddr(self) -> multiaddr.Multiaddr:
-        return self.host_config().listen_multiaddr
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -109,6 +104,18 @@ class PeerStats:
     bytes_out: int
     errors: dict[str, int]  # error type name -> count, for frames/streams this peer broke
     streams_ended_by_peer: int  # our outbound streams it reset or closed (refusals among them)
+
+    @classmethod
+    def of(cls, counters) -> "PeerStats":
+        """A snapshot of live counters (any object with these fields; call under their lock)."""
+        return cls(
+            frames_in=counters.frames_in,
+            frames_out=counters.frames_out,
+            bytes_in=counters.bytes_in,
+            bytes_out=counters.bytes_out,
+            errors=dict(counters.errors),
+            streams_ended_by_peer=counters.streams_ended_by_peer,
+        )
 
 
 @dataclass
@@ -164,17 +171,7 @@ class PeerCounters:
 
     def snapshot(self) -> dict[str, PeerStats]:
         with self._lock:
-            return {
-                peer: PeerStats(
-                    frames_in=c.frames_in,
-                    frames_out=c.frames_out,
-                    bytes_in=c.bytes_in,
-                    bytes_out=c.bytes_out,
-                    errors=dict(c.errors),
-                    streams_ended_by_peer=c.streams_ended_by_peer,
-                )
-                for peer, c in self._by_peer.items()
-            }
+            return {peer: PeerStats.of(c) for peer, c in self._by_peer.items()}
 
     def _of(self, peer: str) -> _Counters:
         # Called with self._lock held.

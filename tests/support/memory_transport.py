@@ -220,17 +220,7 @@ class MemoryTransport:
     def stats(self) -> dict[str, PeerStats]:
         """Per-peer counters, a consistent snapshot."""
         with self._lock:
-            return {
-                peer: PeerStats(
-                    frames_in=c.frames_in,
-                    frames_out=c.frames_out,
-                    bytes_in=c.bytes_in,
-                    bytes_out=c.bytes_out,
-                    errors=dict(c.errors),
-                    streams_ended_by_peer=c.streams_ended_by_peer,
-                )
-                for peer, c in self._counters.items()
-            }
+            return {peer: PeerStats.of(c) for peer, c in self._counters.items()}
 
     def close(self) -> None:
         """Stop: ``recv`` wakes with TransportClosedError, frames to us fail from now on."""
