@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_match_the_interface():
     assert c.max_probe_bytes == 4 << 20
     assert c.probe_timeout_s == 5.0
     assert c.max_probes_served_per_peer_per_min == 30
-    assert str(c.listen_multiaddr) == "/ip4/127.0.0.1/tcp/0"
+    assert str(c.host_config().listen_multiaddr) == "/ip4/127.0.0.1/tcp/0"
 
 
 def test_key_path_becomes_a_path_and_config_is_frozen():
@@ -50,7 +50,8 @@ def test_keyword_only():
 
 
 def test_ipv6_listen_address():
-    assert str(config(listen_host="::1", listen_port=4001).listen_multiaddr) == "/ip6/::1/tcp/4001"
+    on_v6 = config(listen_host="::1", listen_port=4001).host_config()
+    assert str(on_v6.listen_multiaddr) == "/ip6/::1/tcp/4001"
 
 
 @pytest.mark.parametrize("host", ["localhost", "", "1.2.3", "example.com"])

@@ -33,7 +33,7 @@ def test_config_refuses_bad_values(tmp_path, override):
 
 def test_config_defaults_listen_on_loopback(tmp_path):
     config = TransportConfig(key_path=str(tmp_path / "k"), idle_timeout_s=float("inf"))
-    assert str(config.listen_multiaddr) == "/ip4/127.0.0.1/tcp/0"
+    assert str(config.host_config().listen_multiaddr) == "/ip4/127.0.0.1/tcp/0"
     assert config.max_body_bytes == min(config.max_frame_bytes, config.limits.max_frame_bytes)
 
 
