@@ -5,7 +5,6 @@ assignment, the READY barrier, the 1F1B runner, plan votes in the step summaries
 between members on a plan change.
 """
 
-import threading
 import time
 
 import numpy as np
@@ -185,10 +184,8 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     cluster.adopt(two)
     for trainer in cluster.trainers.values():
         trainer.start()
-    ended = threading.Event()
     cluster.wait(lambda: cluster.trainers["peer-a"].finished.is_set(), "the end")
     cluster.views["peer-c"].finished = True  # as the daemon learns from the members' records
     cluster.wait(lambda: cluster.trainers["peer-c"].finished.is_set(), "the backup to stop")
-    ended.set()
     assert not cluster.losses("peer-c")
     assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
