@@ -23,7 +23,8 @@ def _no_signing(data: bytes) -> bytes:
     raise FusionError("the status reader never writes to the DHT")
 
 
-_ATTEMPTS = 3
+_ATTEMPTS = 4
+_RETRY_PAUSE_S = 2.0  # a busy bootstrap node answers a moment later
 
 
 def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -37,6 +38,7 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
             if attempt == _ATTEMPTS or deadline - time.monotonic() < 5.0:
                 raise
             logger.info("could not read the swarm (attempt %d): %s; retrying", attempt, exc)
+            time.sleep(_RETRY_PAUSE_S)
     raise AssertionError("unreachable")
 
 
