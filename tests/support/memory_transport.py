@@ -36,10 +36,9 @@ import contextlib
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from fusionllm.common.errors import ConfigError, PeerError
@@ -55,6 +54,7 @@ from fusionllm.node.p2p.framing import (
     parse_prefix,
 )
 from fusionllm.node.p2p.transport import PeerStats, Received, SpecFor
+from fusionllm.node.p2p.transport_types import _Counters  # the same counters the real one keeps
 
 logger = get_logger(__name__)
 
@@ -134,16 +134,6 @@ class Fault:
     @property
     def spent(self) -> bool:
         return self.hits >= self.times
-
-
-@dataclass
-class _Counters:
-    frames_in: int = 0
-    frames_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    errors: Counter = field(default_factory=Counter)
-    streams_ended_by_peer: int = 0
 
 
 @dataclass
