@@ -43,12 +43,14 @@ from fusionllm.node.p2p.framing import FrameHeader, encode_head, read_exactly, r
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, reset_quietly
 from fusionllm.node.p2p.transport_types import (
+    CLOSED,
     PeerCounters,
     PeerStats,
     Received,
     SpecFor,
     TensorSpec,
     TransportConfig,
+    take_from_inbox,
 )
 
 # The value types live in transport_types.py; importing them from here keeps working.
@@ -91,9 +93,6 @@ class _StreamReader:
             return b""
         except StreamReset as exc:
             raise TransportError("stream reset by peer") from exc
-
-
-_CLOSED = object()  # put in the inbox when the transport stops, to wake a blocked recv()
 
 
 class Transport:
@@ -164,7 +163,7 @@ class Transport:
             self._service.stop()
         if self._owns_host:
             self.host.close()
-        self._inbox.put(_CLOSED)
+        self._inbox.put(CLOSED)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -239,13 +238,7 @@ class Transport:
 
     def recv(self, *, timeout: float | None = None) -> Received:
         """The next received frame from any peer; DeadlineError if none within ``timeout``."""
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise DeadlineError(f"no frame received within {timeout}s") from None
-        if item is _CLOSED:
-            self._inbox.put(_CLOSED)  # wake the next waiter too
-            raise TransportClosedError("transport closed")
+        item = take_from_inbox(self._inbox, timeout)
         received, release = item
         with contextlib.suppress(TransportClosedError):  # a closed host needs no release
             self.host.run_sync_soon(release)
@@ -294,7 +287,7 @@ class Transport:
             for out in self._outbound.values():
                 stream, out.stream = out.stream, None
                 await reset_quietly(stream)
-            self._inbox.put(_CLOSED)
+            self._inbox.put(CLOSED)
 
     def _spawn_send(
         self, future: Future, peer: str, head: bytes, body: bytes, timeout: float

@@ -5,6 +5,7 @@
 counters shared by the trio thread and callers, always behind one lock).
 """
 
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
+from fusionllm.node.errors import DeadlineError, TransportClosedError
 from fusionllm.node.p2p.checks import positive_seconds
 from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
 from fusionllm.node.p2p.peer_host import HostConfig, host_config_of
@@ -179,3 +181,19 @@ class PeerCounters:
         if counters is None:
             counters = self._by_peer[peer] = _Counters()
         return counters
+
+
+CLOSED = object()  # put in an inbox when its transport stops, to wake a blocked recv()
+
+
+def take_from_inbox(inbox: "queue.Queue", timeout: float | None):
+    """The next item of a transport's inbox: DeadlineError if none within ``timeout``,
+    TransportClosedError once the transport closed (the marker stays for the next waiter)."""
+    try:
+        item = inbox.get(timeout=timeout)
+    except queue.Empty:
+        raise DeadlineError(f"no frame received within {timeout}s") from None
+    if item is CLOSED:
+        inbox.put(CLOSED)
+        raise TransportClosedError("transport closed")
+    return item

@@ -54,11 +54,13 @@ from fusionllm.node.p2p.framing import (
     parse_prefix,
 )
 from fusionllm.node.p2p.transport import PeerStats, Received, SpecFor
-from fusionllm.node.p2p.transport_types import _Counters  # the same counters the real one keeps
+from fusionllm.node.p2p.transport_types import (  # the real transport's own pieces
+    CLOSED,
+    _Counters,
+    take_from_inbox,
+)
 
 logger = get_logger(__name__)
-
-_CLOSED = object()  # put in an inbox when its transport closes, to wake a blocked recv()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,14 +200,7 @@ class MemoryTransport:
 
     def recv(self, *, timeout: float | None = None) -> Received:
         """The next received frame from any peer; DeadlineError if none within ``timeout``."""
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise DeadlineError(f"no frame received within {timeout}s") from None
-        if item is _CLOSED:
-            self._inbox.put(_CLOSED)  # wake the next waiter too
-            raise TransportClosedError("transport closed")
-        return item
+        return take_from_inbox(self._inbox, timeout)
 
     def stats(self) -> dict[str, PeerStats]:
         """Per-peer counters, a consistent snapshot."""
@@ -218,7 +213,7 @@ class MemoryTransport:
             if self._closed:
                 return
             self._closed = True
-            self._inbox.put(_CLOSED)
+            self._inbox.put(CLOSED)
         self.network._closed(self.peer_id)
 
     def __enter__(self) -> Self:
