@@ -2,10 +2,17 @@
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> Path:
+def write_atomic(
+    path: str | os.PathLike[str],
+    data: bytes,
+    *,
+    mode: int = 0o644,
+    before_rename: Callable[[], None] | None = None,  # fault injection: a crash lands here
+) -> Path:
     """Temp file in the same directory, fsync, rename over ``path``, fsync the directory.
 
     The temp name is unique per call (mkstemp), so two writers, or a restarted container
@@ -20,6 +27,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644
             file.flush()
             os.fsync(file.fileno())
         os.chmod(tmp, mode)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -6,8 +6,10 @@ One spec, one meaning: ``micro_batch_size`` sequences of ``seq_len`` tokens per 
 digest: nodes that run another spec are never planned together.
 """
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from fusionllm.common.errors import ConfigError
 
@@ -68,3 +70,10 @@ class RunSpec:
 
     def runs_forever(self) -> bool:
         return self.steps == 0
+
+    def lineage(self) -> str:
+        """What makes two runs' states interchangeable: every field but ``steps`` (a run given
+        more steps continues the same trajectory), as a short digest."""
+        fields = {k: v for k, v in asdict(self).items() if k != "steps"}
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

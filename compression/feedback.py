@@ -47,6 +47,13 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> torch.Tensor | None:
         return self._residuals.get(key)
 
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        """Every key's residual (copies: a checkpoint keeps them)."""
+        return {key: r.detach().clone() for key, r in self._residuals.items()}
+
+    def load(self, key: Hashable, residual: torch.Tensor) -> None:
+        self._residuals[key] = residual.detach().clone()
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget one key's residual, or all of them."""
         if key is None:

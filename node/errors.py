@@ -23,6 +23,10 @@ class PipelineError(FusionError):
     """The pipeline cannot go on: a bad layout, a missing micro-batch, a stage that failed."""
 
 
+class StepAbortedError(PipelineError):
+    """The step was given up on purpose (a member left, the node stops): do not wait longer."""
+
+
 class PeerProtocolError(PeerError):
     """A pipeline peer sent a frame we did not ask for (wrong step, stage, kind or shape)."""
 

@@ -23,6 +23,7 @@ from fusionllm.node.errors import (
     DeadlineError,
     PeerProtocolError,
     PipelineError,
+    StepAbortedError,
     TransportClosedError,
 )
 from fusionllm.node.p2p.framing import FrameHeader
@@ -106,7 +107,7 @@ class Mailbox:
         with self._cond:
             while key not in self._frames:
                 if self._closed is not None:
-                    raise PipelineError(
+                    raise StepAbortedError(
                         f"no more frames ({self._closed!r}) while waiting for {key}"
                     )
                 left = deadline - time.monotonic()

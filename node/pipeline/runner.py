@@ -42,7 +42,7 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
-from fusionllm.node.errors import PipelineError
+from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.data import TokenDataset
@@ -240,6 +240,20 @@ class PipelineRunner:
     def abort(self, reason: BaseException) -> None:
         """Make a step blocked on a frame fail now (a peer is gone, the node stops)."""
         self.mailbox.close(reason)
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """Error-feedback residuals by link and receiver ("gradient/<link>/<stage>.<replica>")."""
+        return {
+            f"{kind}/{link}/{target.stage}.{target.replica}": residual
+            for (kind, link, target), residual in self._feedback.residuals().items()
+        }
+
+    def load_residuals(self, table: dict[str, torch.Tensor]) -> None:
+        """Take ``residuals()`` back (same plan only: keys name this plan's links and peers)."""
+        for key, residual in table.items():
+            kind, link, target = key.split("/")
+            stage, replica = (int(x) for x in target.split("."))
+            self._feedback.load((kind, int(link), Role(stage, replica)), residual)
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -439,6 +453,8 @@ class PipelineRunner:
             left = deadline - time.monotonic()
             try:
                 return self.mailbox.take(key, timeout=min(max(left, 0.0), _CHECK_S))
+            except StepAbortedError:
+                raise
             except PipelineError:
                 if left <= _CHECK_S:
                     raise PipelineError(

@@ -6,10 +6,14 @@ members only), everything else in the current session's mailbox. A session's mai
 not exist yet, or not know its first step yet, when a peer's first frames arrive: those wait
 in a bounded queue until the session opens.
 
-READY (control tag ``TAG_READY``): float64 ``[vote, next_step]``: the sender built its stage
-of the plan with that vote and holds the run's state up to ``next_step`` (-1: none).
+READY (control tag ``TAG_READY``): float64 ``[vote, n, (step, start, stop) x MAX_HOLDINGS]``:
+the sender built its stage of the plan with that vote and holds the n ``Holding``s listed
+(unused slots are -1).
 STATE (control tag ``TAG_STATE + i``, i the parameter's index in sorted canonical names):
 one parameter and its AdamW state (``StageWorker.export_state``), for the step in the header.
+CUSTODY (``TAG_CUSTODY + i``, same body) and MANIFEST (``TAG_MANIFEST``, float64 ``[step,
+start, stop, count, digest48]``): a copy of a peer's stage state to keep (its checkpoint, or
+its state as it leaves); the parts are kept only once the manifest's count and digest match.
 """
 
 import threading
@@ -23,12 +27,17 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import DeadlineError, TransportClosedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, TensorSpec
+from fusionllm.node.training.holdings import MAX_HOLDINGS, Holding
 
 logger = get_logger(__name__)
 
 TAG_READY = 1 << 24
+TAG_MANIFEST = TAG_READY + 1
 TAG_STATE = 1 << 25  # + parameter index
-READY_LEN = 2
+TAG_CUSTODY = 1 << 26  # + parameter index
+READY_LEN = 2 + 3 * MAX_HOLDINGS
+MANIFEST_LEN = 5
+_PENDING_COPIES_PER_PEER = 2
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _POLL_S = 0.2
 _MAX_EARLY_FRAMES = 4096
@@ -37,36 +46,102 @@ _MAX_EARLY_FRAMES = 4096
 @dataclass(frozen=True)
 class Ready:
     vote: float
-    next_step: int  # -1: the sender holds no state of the run
+    holdings: tuple[Holding, ...]  # what the sender can supply, in its order of preference
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A peer's stage state handed to us for keeping, verified against its manifest."""
+
+    peer: str
+    holding: Holding
+    state: dict[str, torch.Tensor]
+    digest48: int
+
+
+def encode_ready(vote: float, holdings: list[Holding]) -> torch.Tensor:
+    body = torch.full((READY_LEN,), -1.0, dtype=torch.float64)
+    body[0], body[1] = vote, float(len(holdings[:MAX_HOLDINGS]))
+    for i, h in enumerate(holdings[:MAX_HOLDINGS]):
+        body[2 + 3 * i : 5 + 3 * i] = torch.tensor([h.step, h.start, h.stop], dtype=torch.float64)
+    return body
+
+
+def decode_ready(body: torch.Tensor) -> Ready | None:
+    """A READY body, or None if it is malformed (the frame is refused)."""
+    values = body.tolist()
+    count = values[1]
+    if not (count == int(count) and 0 <= count <= MAX_HOLDINGS):
+        return None
+    holdings = []
+    for i in range(int(count)):
+        triple = values[2 + 3 * i : 5 + 3 * i]
+        if not all(x == int(x) and 0 <= x < 2**62 for x in triple):
+            return None
+        step, start, stop = (int(x) for x in triple)
+        if start >= stop:
+            return None
+        holdings.append(Holding(step, start, stop))
+    return Ready(values[0], tuple(holdings))
 
 
 def is_ready(header: FrameHeader) -> bool:
     return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_READY
 
 
+def is_manifest(header: FrameHeader) -> bool:
+    return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_MANIFEST
+
+
 def state_index(header: FrameHeader) -> int | None:
-    if header.kind is FrameKind.CONTROL and header.micro_batch >= TAG_STATE:
+    if header.kind is FrameKind.CONTROL and TAG_STATE <= header.micro_batch < TAG_CUSTODY:
         return header.micro_batch - TAG_STATE
     return None
 
 
-class Board:
-    """READY and STATE frames from members, waited on by the trainer."""
+def custody_index(header: FrameHeader) -> int | None:
+    if header.kind is FrameKind.CONTROL and header.micro_batch >= TAG_CUSTODY:
+        return header.micro_batch - TAG_CUSTODY
+    return None
 
-    def __init__(self, *, shapes: dict[str, tuple[int, ...]], is_member: Callable[[str], bool]):
+
+def is_board_frame(header: FrameHeader) -> bool:
+    return (
+        is_ready(header)
+        or is_manifest(header)
+        or state_index(header) is not None
+        or custody_index(header) is not None
+    )
+
+
+class Board:
+    """READY, STATE and CUSTODY frames from members, waited on by the trainer."""
+
+    def __init__(
+        self,
+        *,
+        shapes: dict[str, tuple[int, ...]],
+        is_member: Callable[[str], bool],
+        on_copy: Callable[[Copy], None] = lambda copy: None,
+    ):
         self.names = sorted(shapes)
         self._numel = {n: int(torch.Size(shapes[n]).numel()) for n in self.names}
         self._is_member = is_member
+        self._on_copy = on_copy
         self._cond = threading.Condition()
         self._ready: dict[str, Ready] = {}
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (step, name) -> flat state
+        self._parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (peer, step) -> ...
         self.refused = 0
 
     def expect(self, header: FrameHeader) -> TensorSpec | None:
-        """dtype and shape of a READY/STATE frame; None if the header is neither."""
+        """dtype and shape of a board frame; None if the header is not one."""
         if is_ready(header):
             return TensorSpec(torch.float64, (READY_LEN,))
+        if is_manifest(header):
+            return TensorSpec(torch.float64, (MANIFEST_LEN,))
         index = state_index(header)
+        index = custody_index(header) if index is None else index
         if index is None:
             return None
         if index >= len(self.names):
@@ -75,17 +150,50 @@ class Board:
 
     def put(self, item: Received) -> None:
         if not self._is_member(item.peer):
-            self.refused += 1
-            logger.debug("refused a %s frame from non-member %s", item.header, item.peer[:16])
-            return
+            return self._refuse(item, "a non-member")
+        header = item.header
+        if is_ready(header):
+            ready = decode_ready(item.tensor)
+            if ready is None:
+                return self._refuse(item, "a malformed READY")
+            with self._cond:
+                self._ready[item.peer] = ready
+                self._cond.notify_all()
+        elif is_manifest(header):
+            self._close_copy(item)
+        elif (index := custody_index(header)) is not None:
+            self._add_part(item.peer, header.step, self.names[index], item.tensor)
+        else:
+            name = self.names[state_index(header)]  # type: ignore[index]
+            with self._cond:
+                self._state[(header.step, name)] = item.tensor
+                self._cond.notify_all()
+
+    def _refuse(self, item: Received, why: str) -> None:
+        self.refused += 1
+        logger.debug("refused %s frame %s from %s", why, item.header, item.peer[:16])
+
+    def _add_part(self, peer: str, step: int, name: str, tensor: torch.Tensor) -> None:
         with self._cond:
-            if is_ready(item.header):
-                vote, next_step = item.tensor.tolist()
-                self._ready[item.peer] = Ready(vote, int(next_step))
-            else:
-                name = self.names[state_index(item.header)]  # type: ignore[index]
-                self._state[(item.header.step, name)] = item.tensor
-            self._cond.notify_all()
+            mine = sorted(k for k in self._parts if k[0] == peer)
+            if (peer, step) not in self._parts and len(mine) >= _PENDING_COPIES_PER_PEER:
+                del self._parts[mine[0]]  # an unfinished older copy: the newer one replaces it
+            self._parts.setdefault((peer, step), {})[name] = tensor
+
+    def _close_copy(self, item: Received) -> None:
+        values = item.tensor.tolist()
+        if not all(x == int(x) and 0 <= x < 2**62 for x in values) or values[1] >= values[2]:
+            return self._refuse(item, "a malformed MANIFEST")
+        step, start, stop, count, digest48 = (int(x) for x in values)
+        with self._cond:
+            parts = self._parts.pop((item.peer, step), {})
+        if len(parts) != count or step != item.header.step:
+            logger.warning(
+                "a copy from %s for step %d has %d of %d parts: dropped",
+                item.peer[:16], step, len(parts), count,
+            )  # fmt: skip
+            return
+        self._on_copy(Copy(item.peer, Holding(step, start, stop), parts, digest48))
 
     def ready_of(self, peers: list[str], vote: float) -> dict[str, Ready]:
         with self._cond:
@@ -102,6 +210,10 @@ class Board:
                 self._cond.wait(min(left, _POLL_S))
             return True
 
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def take_state(self, step: int, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Every named parameter's state for ``step`` (removed from the board), or None."""
         with self._cond:
@@ -113,11 +225,13 @@ class Board:
         with self._cond:
             return [n for n in names if (step, n) not in self._state]
 
-    def forget(self, vote: float) -> None:
-        """A plan started: its READY frames are used up (a later plan with the same vote
-        must hear its members again); state frames of older steps are dropped."""
+    def forget(self, vote: float, before_step: int | None = None) -> None:
+        """A plan's meeting is over: its READY frames are used up (a later meeting with the same
+        vote must hear its members again); moved state of steps before ``before_step`` goes."""
         with self._cond:
             self._ready = {p: r for p, r in self._ready.items() if r.vote != vote}
+            if before_step is not None:
+                self._state = {k: v for k, v in self._state.items() if k[0] >= before_step}
 
 
 class Inbox:
@@ -180,7 +294,7 @@ class Router:
             except TransportClosedError:
                 return
             header = item.header
-            if is_ready(header) or state_index(header) is not None:
+            if is_board_frame(header):
                 self._board.put(item)
                 continue
             with self._lock:

@@ -1,24 +1,27 @@
 """One plan served by one node: build its stage, meet the other members, run steps.
 
-The barrier: a member announces READY (with the state it holds) to every other member once
-its stage and mailbox exist, and starts only when it has heard READY from all of them; so
-no member sends a frame a peer could not file. The first step is the newest one any member
-holds state for (every member computes the same from the same READY frames); a member that
-holds less waits for the parameters it lacks (``moves.py``) before it starts.
+The barrier: a member announces READY with what it holds (``holdings.Holding``: its live
+stage, its checkpoints, copies it keeps for others) to every other member once its stage and
+mailbox exist, and starts only when it has heard READY from all of them; so no member sends
+a frame a peer could not file. Every member then computes the same start (``choose_start``:
+the newest step whose state the members hold in full) and the same moves; each sends what it
+must, loads what it holds itself, and waits for the rest.
 
-The run ends at a step boundary for one of three reasons: the run's last step; a unanimous
-vote for another plan in a step's summary (every member sees the same votes, so all stop after
-the same step); or an error (a peer vanished), which is left to the next plan to heal.
+The run ends at a step boundary, the same one on every member, for one of four reasons: the
+run's last step; a unanimous vote for another plan in a step's summary; a member's vote to
+leave (SIGTERM); or an error (a peer vanished), which is left to the next plan to heal. Before
+members leave the plan (a switch that drops them, or a polite leave), a stage whose holders all
+go hands a copy of its state to a member that stays, so the next plan starts where this ended.
+Every ``checkpoint_every`` steps each member writes its stage and, unless the stage has another
+replica, gives a copy to the next stage's first replica.
 """
 
 import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -31,16 +34,21 @@ from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
-from fusionllm.node.training.board import TAG_READY, Board, Inbox, Router
+from fusionllm.node.training.board import TAG_READY, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.copies import delivered, send_state
+from fusionllm.node.training.holdings import Holding, ParamsOf, choose_start
+from fusionllm.node.training.parting import Parting
 
 logger = get_logger(__name__)
 
 _READY_RESEND_S = 2.0
+_WATCH_S = 0.5
+LEAVE_VOTE = -1.0  # a summary vote: this member leaves after this step
 
 
 @dataclass
 class Held:
-    """The run's state a node keeps between plans: its stage's worker, valid up to a step."""
+    """The run's state a node keeps between plans: its stage's worker, valid before a step."""
 
     assignment: Assignment
     layout: PipelineLayout
@@ -51,6 +59,7 @@ class Held:
 class Outcome(Enum):
     FINISHED = "finished"  # the run's last step is done
     SWITCH = "switch"  # the members voted for another plan
+    PARTED = "parted"  # members left (politely) after a step; their state stayed behind
     FAILED = "failed"  # a step failed (a peer vanished, a frame never came)
     STOPPED = "stopped"  # this node stops
     ABANDONED = "abandoned"  # the plan changed before every member was ready
@@ -61,6 +70,20 @@ class Ending:
     outcome: Outcome
     held: Held | None
     detail: str = ""
+    leavers: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class SessionHooks:
+    """What a session needs from its node beyond the data plane."""
+
+    vault: object  # vault.Vault (not imported: it imports this module)
+    params_of: ParamsOf
+    is_member: Callable[[str], bool]
+    vote: Callable[[], float]
+    next_plan: Callable[[float], Assignment | None]  # the plan a vote names, as we'd serve it
+    checkpoint_every: int  # 0: never
+    emit: Callable[[dict], None]
 
 
 class PlanSession:
@@ -73,13 +96,14 @@ class PlanSession:
         transport,
         board: Board,
         router: Router,
-        vote: Callable[[], float],
+        hooks: SessionHooks,
         timeout_s: float,
     ) -> None:
         if assignment.role is None:
             raise ValueError("a session needs a role in the plan")
         self.assignment = assignment
         self.role = assignment.role
+        self.me = assignment.peers[self.role]
         self.layout = PipelineLayout(graph, assignment.config.cuts or ())
         self.runner = PipelineRunner(
             config=assignment.config,
@@ -89,51 +113,60 @@ class PlanSession:
             transport=transport,
             peers=assignment.others(),
             timeout_s=timeout_s,
-            vote=vote,
+            vote=hooks.vote,
             own_pump=False,
         )
         self.transport = transport
         self.board = board
         self.router = router
+        self.hooks = hooks
+        self.vault = hooks.vault
+        self.timeout_s = timeout_s
         self.vote = plan_vote(assignment.digest)
         self.inbox = Inbox(self.runner.mailbox.put)
+        self.parting = Parting(self)
+        self.moved = (0, 0)  # parameters (sent, received) as the plan started
         router.route_to(self.inbox)
 
     def close(self) -> None:
         self.router.route_to(None)
+        self.board.forget(self.vote)
         self.runner.close()
 
     # ----- the barrier ------------------------------------------------------------------------
 
-    def meet(self, held: Held | None, *, current: Callable[[], bool], stop: threading.Event):
-        """READY to all, wait for everyone's READY and the state we lack; the first step or None
+    def meet(self, *, current: Callable[[], bool], stop: threading.Event) -> int | None:
+        """READY to all, wait for everyone's, gather the start's state: the first step, or None
         (the plan changed, or we stop, before the members met)."""
-        own_next = held.next_step if held is not None else -1
         others = list(self.assignment.others().values())
+        mine = self.vault.holdings()  # frozen: every member must decide on the same READY
         ready: dict = {}
         next_send = 0.0
         while len(ready) < len(others):
             if stop.is_set() or not current():
                 return None
             if time.monotonic() >= next_send:
-                self._announce(others, own_next)
+                self._announce(others, mine)
                 next_send = time.monotonic() + _READY_RESEND_S
             self.board.wait(
                 lambda: len(self.board.ready_of(others, self.vote)) == len(others), timeout=0.5
             )
             ready = self.board.ready_of(others, self.vote)
-        start = max([own_next, *(r.next_step for r in ready.values())])
-        if start < 0:
-            start = 0  # nobody holds state: the run starts here, from the seeded weights
-        elif not self._take_state(held, start, current=current, stop=stop):
-            return None
+        holdings = {peer: r.holdings for peer, r in ready.items()}
+        holdings[self.me] = tuple(mine)
+        ranges, params_of = self.assignment.ranges, self.hooks.params_of
+        needs = {p: params_of(*ranges[r.stage]) for r, p in self.assignment.peers.items()}
+        start = choose_start(self.assignment.members, holdings, needs, self.hooks.params_of)
         self.board.forget(self.vote)
-        self.runner.mailbox.advance(start)
+        self.vault.discard_after(start.step)
+        if not self._gather(start, stop=stop, current=current):
+            return None
+        self.runner.mailbox.advance(start.step)
         self.inbox.open()
-        return start
+        return start.step
 
-    def _announce(self, others: list[str], own_next: int) -> None:
-        body = pack_tensor(torch.tensor([self.vote, float(own_next)], dtype=torch.float64))
+    def _announce(self, others: list[str], mine: list[Holding]) -> None:
+        body = pack_tensor(encode_ready(self.vote, mine))
         header = FrameHeader(
             step=0, micro_batch=TAG_READY, kind=FrameKind.CONTROL, stage=self.role.stage
         )
@@ -143,27 +176,42 @@ class PlanSession:
             except FusionError as exc:
                 logger.debug("READY to %s not sent (will resend): %s", peer[:16], exc)
 
-    def _take_state(self, held: Held | None, start: int, *, current, stop) -> bool:
+    def _gather(self, start, *, stop, current) -> bool:
+        """Send our moves, load what we hold, wait for the rest; False if the plan changed."""
+        step, names = start.step, self.board.names
+        index = {name: i for i, name in enumerate(names)}
+        futures = []
+        for move in start.moves:
+            if move.src == self.me:
+                flat = self.vault.export(self._source(start, move.name), move.name)
+                futures.append(
+                    send_state(self.transport, move.dst, step, index[move.name], flat, 30.0)
+                )
         worker = self.runner.worker
-        mine = set(worker.parameters)
-        kept = set()
-        if held is not None and held.next_step == start:
-            kept = mine & set(held.worker.parameters)
-            for name in sorted(kept):
-                worker.import_state(name, held.worker.export_state(name))
-        lacking = sorted(mine - kept)
-        if lacking:
-            logger.info("waiting for %d parameters of step %d from peers", len(lacking), start)
-        while lacking:
-            state = self.board.take_state(start, lacking)
+        incoming = sorted(m.name for m in start.moves if m.dst == self.me)
+        for name in sorted(set(worker.parameters) - set(incoming)):
+            if step > 0:
+                worker.import_state(name, self.vault.export(self._source(start, name), name))
+        self.moved = (len(futures), len(incoming))
+        if incoming:
+            logger.info("start at step %d: waiting for %d parameters", step, len(incoming))
+        while incoming:
+            state = self.board.take_state(step, incoming)
             if state is not None:
                 for name, flat in state.items():
                     worker.import_state(name, flat)
                 break
             if stop.is_set() or not current():
                 return False
-            self.board.wait(lambda: not self.board.missing_state(start, lacking), timeout=0.5)
+            self.board.wait(lambda: not self.board.missing_state(step, incoming), timeout=0.5)
+        delivered(futures, 35.0)
         return True
+
+    def _source(self, start, name: str) -> Holding:
+        for holding in start.local[self.me]:
+            if name in self.hooks.params_of(holding.start, holding.stop):
+                return holding
+        raise PipelineError(f"no own holding of {name!r} at step {start.step}")
 
     # ----- steps ------------------------------------------------------------------------------
 
@@ -175,6 +223,17 @@ class PlanSession:
         stop: threading.Event,
         on_step: Callable[[StepReport], None],
     ) -> Ending:
+        self.vault.set_live(self._held(start))
+        done = threading.Event()
+        watcher = threading.Thread(target=self._watch_members, args=(done,), daemon=True)
+        watcher.start()
+        try:
+            return self._steps(start, last_step=last_step, stop=stop, on_step=on_step)
+        finally:
+            done.set()
+            watcher.join(2.0)
+
+    def _steps(self, start, *, last_step, stop, on_step) -> Ending:
         for step in itertools.count(start):
             if last_step and step >= last_step:
                 return Ending(Outcome.FINISHED, self._held(step))
@@ -183,20 +242,53 @@ class PlanSession:
             try:
                 report = self.runner.run_step(step)
             except (PipelineError, FusionError) as exc:
-                self.runner.worker.drop(step)
-                self.runner.worker.optimizer.zero_grad(set_to_none=True)
-                done = self.runner.completed_steps
-                logger.warning(
-                    "step %d of plan %s failed: %s", step, self.assignment.digest[:12], exc
-                )
-                return Ending(
-                    Outcome.FAILED, self._held(done if done is not None else step), str(exc)
-                )
+                return self._failed(step, exc)
             on_step(report)
-            votes = set(report.votes)
-            if len(votes) == 1 and 0.0 not in votes and votes != {self.vote}:
-                return Ending(Outcome.SWITCH, self._held(step + 1))
+            held = self._held(step + 1)
+            self.vault.set_live(held)
+            self.parting.checkpoint(held)
+            ending = self._after_votes(report.votes, held)
+            if ending is not None:
+                return ending
         raise AssertionError("unreachable")
+
+    def _after_votes(self, votes: tuple[float, ...], held: Held) -> Ending | None:
+        roles = self.runner.roles
+        leavers = frozenset(
+            self.assignment.peers[roles[i]] for i, v in enumerate(votes) if v == LEAVE_VOTE
+        )
+        if leavers:
+            self.parting.hand_over(held, leavers, preferred=())
+            return Ending(Outcome.PARTED, held, leavers=leavers)
+        unanimous = set(votes)
+        if len(unanimous) == 1 and 0.0 not in unanimous and unanimous != {self.vote}:
+            new = self.hooks.next_plan(votes[0])
+            if new is not None:
+                staying = frozenset(new.members)
+                leaving = frozenset(self.assignment.members) - staying
+                self.parting.hand_over(held, leaving, preferred=new.members)
+            return Ending(Outcome.SWITCH, held)
+        return None
+
+    def _failed(self, step: int, exc: Exception) -> Ending:
+        self.runner.worker.drop(step)
+        self.runner.worker.optimizer.zero_grad(set_to_none=True)
+        done = self.runner.completed_steps
+        logger.warning("step %d of plan %s failed: %s", step, self.assignment.digest[:12], exc)
+        held = self._held(done if done is not None else step)
+        self.vault.set_live(held)
+        return Ending(Outcome.FAILED, held, str(exc))
+
+    def _watch_members(self, done: threading.Event) -> None:
+        """Fail a step blocked on a peer the control plane no longer counts as a member."""
+        # Only peers our control plane has seen: a newcomer may not know every member yet.
+        watched = [p for p in self.assignment.others().values() if self.hooks.is_member(p)]
+        while not done.wait(_WATCH_S):
+            gone = [p for p in watched if not self.hooks.is_member(p)]
+            if gone:
+                logger.info("member %s is gone: abandoning the step", gone[0][:16])
+                self.runner.abort(PipelineError(f"member {gone[0]} left the swarm"))
+                return
 
     def _held(self, next_step: int) -> Held:
         return Held(self.assignment, self.layout, self.runner.worker, next_step)

@@ -1,16 +1,18 @@
 """A node's training: follow the plan the swarm adopted, serve this node's stage of it.
 
 No launcher hands out roles: each node reads the plan its own daemon adopted, computes its
-part (``assign``), hands the state the new plan moves away from it to the members that need
-it (``state_moves``), meets the other members (``PlanSession.meet``) and trains until the run
-ends or the members vote for another plan. The daemon side is a narrow ``SwarmView``, so this
-package never imports the control plane.
+part (``assign``), meets the other members (``PlanSession.meet``: all start from the newest
+step whose state they hold, live or checkpointed) and trains until the run ends, the members
+vote for another plan, a member leaves or fails. The daemon side is a narrow ``SwarmView``, so
+this package never imports the control plane. ``stop()`` leaves politely: this node votes to
+leave, finishes the step and hands its stage's state to a member that stays.
 """
 
 import io
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,24 +23,32 @@ from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import RunSpec
-from fusionllm.compression import pack_tensor
 from fusionllm.dag import OpGraph
 from fusionllm.dag.planner import Plan
-from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec
 from fusionllm.node.pipeline.data import TokenDataset
-from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
-from fusionllm.node.training.board import TAG_STATE, Board, Router
-from fusionllm.node.training.moves import state_moves
-from fusionllm.node.training.session import Ending, Held, Outcome, PlanSession
+from fusionllm.node.training.board import Board, Copy, Router
+from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
+from fusionllm.node.training.session import (
+    LEAVE_VOTE,
+    Ending,
+    Held,
+    Outcome,
+    PlanSession,
+    SessionHooks,
+)
+from fusionllm.node.training.vault import Vault
 
 logger = get_logger(__name__)
 
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
+_PLANS_REMEMBERED = 8
+DEFAULT_CHECKPOINT_EVERY = 20
 
 
 class SwarmView(Protocol):
@@ -58,11 +68,28 @@ class TrainerConfig:
     run: RunSpec
     work_dir: Path
     step_timeout_s: float = 60.0  # longest wait for one frame inside a step
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # steps; 0: never
+    checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
+        if not 0 <= self.checkpoint_pause_s <= 3600:
+            raise ConfigError(
+                f"checkpoint_pause_s must be in [0, 3600], got {self.checkpoint_pause_s}"
+            )
+
+    def stores(self) -> tuple[CheckpointStore, CheckpointStore]:
+        """(own checkpoints, copies kept for others), in a directory per run lineage."""
+        lineage = self.run.lineage()
+        pause = self.checkpoint_pause_s
+        return (
+            CheckpointStore(self.work_dir / "checkpoints" / lineage, pause_before_rename_s=pause),
+            CheckpointStore(self.work_dir / "custody" / lineage),
+        )
 
 
 class SwarmTrainer:
@@ -83,13 +110,20 @@ class SwarmTrainer:
         self.transport = transport
         self._workload = workload
         self._built: tuple[OpGraph, TokenDataset] | None = None
+        self._build_lock = threading.Lock()
+        self._ranges: dict[tuple[int, int], frozenset[str]] = {}
         self.view = view
         self._emit = on_event
         self._session: PlanSession | None = None
         self._role: int | None = None  # our replica in the plan we serve
-        self.board = Board(shapes=shapes, is_member=view.is_member)
+        self._plans: dict[float, tuple[str, Plan]] = {}  # recent votes -> the plans they name
+        own, custody = config.stores()
+        self.vault = Vault(own=own, custody=custody, params_of=self.params_of)
+        self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
+        self.board = Board(shapes=shapes, is_member=view.is_member, on_copy=self._on_copy)
         self.router = Router(transport, self.board)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
+        self._leaving = threading.Event()  # polite: vote to leave, hand the state over
         self.finished = threading.Event()
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
@@ -101,9 +135,22 @@ class SwarmTrainer:
 
     def _build(self) -> tuple[OpGraph, TokenDataset]:
         # A node in the backup pool never pays for the model, its trace or the corpus.
-        if self._built is None:
-            self._built = self._workload()
-        return self._built
+        with self._build_lock:
+            if self._built is None:
+                self._built = self._workload()
+            return self._built
+
+    def params_of(self, start: int, stop: int) -> frozenset[str]:
+        """The canonical parameters graph nodes [start, stop) use."""
+        key = (start, stop)
+        if key not in self._ranges:
+            graph = self.graph
+            if not 0 <= start < stop <= len(graph.node_ids):
+                raise CheckpointError(f"node range [{start}, {stop}) is outside the model")
+            canonical = graph.canonical_parameter_names()
+            module = graph.stage_module(graph.node_ids[start:stop])
+            self._ranges[key] = frozenset(canonical[n] for n, _ in module.named_parameters())
+        return self._ranges[key]
 
     def expect(self, header: FrameHeader) -> TensorSpec:
         """The transport's hook: what a frame must hold, by header, before it is kept."""
@@ -119,13 +166,33 @@ class SwarmTrainer:
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        """Leave politely: finish the step, hand our stage over, then stop."""
+        self._leaving.set()
+
+    def wait_gone(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def close(self) -> None:
+        self._leaving.set()
+        if self._thread.is_alive():
+            self._thread.join(2 * self.config.step_timeout_s + 35.0)
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(self.config.step_timeout_s + 5.0)
+            self._thread.join(5.0)
         self.router.close()
+        self._keeper.shutdown(wait=True)
+
+    def _on_copy(self, copy: Copy) -> None:
+        self._keeper.submit(self._keep, copy)
+
+    def _keep(self, copy: Copy) -> None:
+        try:
+            if self.vault.keep_copy(copy):
+                self._emit({"event": "kept", "from": copy.peer, "step": copy.holding.step,
+                            "range": [copy.holding.start, copy.holding.stop]})  # fmt: skip
+        except (OSError, FusionError) as exc:
+            logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -138,9 +205,8 @@ class SwarmTrainer:
             self.finished.set()
 
     def _follow_plans(self) -> None:
-        held: Held | None = None
-        handed: set[tuple[int, str]] = set()
-        while not self._stop.is_set():
+        parted_from = None  # a plan some member left: wait for the one without it
+        while not (self._stop.is_set() or self._leaving.is_set()):
             current = self.view.adopted()
             if current is None:
                 self._stop.wait(_IDLE_POLL_S)
@@ -149,22 +215,20 @@ class SwarmTrainer:
                 plan_of = assign(self.run_spec, current[1], current[0], self.peer_id)
             except ConfigError as exc:
                 logger.error("cannot run plan %s: %s", current[0][:12], exc)
-                self._wait_for_other_plan(current[0])
-                continue
-            if held is not None and (id(held), plan_of.digest) not in handed:
-                handed.add((id(held), plan_of.digest))
-                self._hand_over(held, plan_of)
-            if plan_of.role is None:
-                self.view.publish(None, self.step, self.loss, False)
-                if self._wait_for_other_plan(plan_of.digest):
+                plan_of = None
+            if plan_of is None or plan_of.role is None or plan_of.digest == parted_from:
+                if plan_of is not None and plan_of.role is None:
+                    self.view.publish(None, self.step, self.loss, False)
+                if self._wait_for_other_plan(current[0]):
                     return self._finish(None)
                 continue
-            ending = self._serve(plan_of, held)
-            held = ending.held or held
+            ending = self._serve(plan_of)
             if ending.outcome is Outcome.FINISHED:
-                return self._finish(held)
+                return self._finish(ending.held)
+            if ending.outcome is Outcome.PARTED:
+                parted_from = plan_of.digest
 
-    def _serve(self, plan_of: Assignment, held: Held | None) -> Ending:
+    def _serve(self, plan_of: Assignment) -> Ending:
         digest = plan_of.digest
         session = PlanSession(
             assignment=plan_of,
@@ -173,17 +237,19 @@ class SwarmTrainer:
             transport=self.transport,
             board=self.board,
             router=self.router,
-            vote=self._vote,
+            hooks=self._hooks(),
             timeout_s=self.config.step_timeout_s,
         )
         self._session = session
         try:
             self._connect(plan_of)
-            current = lambda: (self.view.adopted() or ("",))[0] == digest  # noqa: E731
-            start = session.meet(held, current=current, stop=self._stop)
+            current = lambda: (  # noqa: E731
+                (self.view.adopted() or ("",))[0] == digest and not self._leaving.is_set()
+            )
+            start = session.meet(current=current, stop=self._stop)
             if start is None:
                 return Ending(Outcome.ABANDONED, None)
-            self._emit_plan(plan_of, start)
+            self._emit_plan(plan_of, start, session.moved)
             ending = session.run(
                 start, last_step=self.run_spec.steps, stop=self._stop, on_step=self._on_step
             )
@@ -195,13 +261,41 @@ class SwarmTrainer:
                     "detail": ending.detail})  # fmt: skip
         return ending
 
+    def _hooks(self) -> SessionHooks:
+        return SessionHooks(
+            vault=self.vault,
+            params_of=self.params_of,
+            is_member=self.view.is_member,
+            vote=self._vote,
+            next_plan=self._next_plan,
+            checkpoint_every=self.config.checkpoint_every,
+            emit=self._emit,
+        )
+
     def _vote(self) -> float:
+        if self._leaving.is_set():
+            return LEAVE_VOTE
         current = self.view.adopted()
-        return plan_vote(current[0]) if current is not None else 0.0
+        if current is None:
+            return 0.0
+        vote = plan_vote(current[0])
+        self._plans[vote] = current
+        while len(self._plans) > _PLANS_REMEMBERED:
+            del self._plans[next(iter(self._plans))]
+        return vote
+
+    def _next_plan(self, vote: float) -> Assignment | None:
+        known = self._plans.get(vote)
+        if known is None:
+            return None
+        try:
+            return assign(self.run_spec, known[1], known[0], self.peer_id)
+        except ConfigError:
+            return None
 
     def _wait_for_other_plan(self, digest: str) -> bool:
         """Idle until the adopted plan changes; True if the run finished meanwhile."""
-        while not self._stop.is_set():
+        while not (self._stop.is_set() or self._leaving.is_set()):
             if self.view.run_finished():
                 return True
             current = self.view.adopted()
@@ -221,41 +315,6 @@ class SwarmTrainer:
                 except FusionError as exc:
                     logger.debug("could not dial %s at %s: %s", peer[:16], addr, exc)
 
-    def _hand_over(self, held: Held, new: Assignment) -> None:
-        """Send the parameters (and optimizer state) the new plan moves away from us."""
-        old = held.assignment
-        new_layout = PipelineLayout(self.graph, new.config.cuts or ())
-        moves = state_moves(
-            old.peers,
-            _params_by_stage(held.layout),
-            new.peers,
-            _params_by_stage(new_layout),
-        )
-        mine = [m for m in moves if m.src == self.peer_id and m.dst != self.peer_id]
-        if not mine:
-            return
-        self._connect(new)
-        index = {name: i for i, name in enumerate(self.board.names)}
-        futures = []
-        for move in mine:
-            header = FrameHeader(
-                step=held.next_step,
-                micro_batch=TAG_STATE + index[move.name],
-                kind=FrameKind.CONTROL,
-                stage=0,
-            )
-            body = pack_tensor(held.worker.export_state(move.name))
-            futures.append(self.transport.send_async(move.dst, header, body, timeout=30.0))
-        sent = 0
-        for future in futures:
-            try:
-                future.result(35.0)
-                sent += 1
-            except Exception as exc:
-                logger.warning("a state frame was not delivered: %s", exc)
-        logger.info("handed %d of %d parameters to the new plan's members", sent, len(mine))
-        self._emit({"event": "handover", "digest": new.digest, "sent": sent, "moves": len(mine)})
-
     # ----- reporting --------------------------------------------------------------------------
 
     def _on_step(self, report: StepReport) -> None:
@@ -269,9 +328,10 @@ class SwarmTrainer:
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
                     "bytes_out": self._bytes_out()})  # fmt: skip
 
-    def _emit_plan(self, plan_of: Assignment, start: int) -> None:
+    def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None
         self._emit({"event": "train_plan", "digest": plan_of.digest, "start_step": start,
+                    "sent": moved[0], "received": moved[1],
                     "stage": plan_of.role.stage, "replica": plan_of.role.replica,
                     "ranges": [list(r) for r in plan_of.ranges],
                     "stages": [[plan_of.peers[r] for r in sorted(plan_of.peers)
@@ -305,9 +365,3 @@ class SwarmTrainer:
         self._emit({"event": "finished", "step": self.step, "loss": self.loss,
                     "t": time.time()})  # fmt: skip
         self.finished.set()
-
-
-def _params_by_stage(layout: PipelineLayout) -> dict[int, frozenset[str]]:
-    return {
-        s: frozenset(layout.stage_parameter_names(s).values()) for s in range(layout.num_stages)
-    }

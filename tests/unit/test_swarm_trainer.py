@@ -71,7 +71,7 @@ def _plan(peers: list[str], stages: int) -> Plan:
 
 
 class Cluster:
-    def __init__(self, peers: list[str], tmp_path) -> None:
+    def __init__(self, peers: list[str], tmp_path, checkpoint_every: int = 0) -> None:
         self.network = MemoryNetwork()
         self.views = {p: FakeView(peers) for p in peers}
         self.events: dict[str, list[dict]] = {p: [] for p in peers}
@@ -80,7 +80,12 @@ class Cluster:
             holder: dict = {}
             transport = self.network.transport(peer, expect=lambda h, x=holder: x["t"].expect(h))
             trainer = SwarmTrainer(
-                TrainerConfig(run=RUN, work_dir=tmp_path / peer, step_timeout_s=TIMEOUT_S),
+                TrainerConfig(
+                    run=RUN,
+                    work_dir=tmp_path / peer,
+                    step_timeout_s=TIMEOUT_S,
+                    checkpoint_every=checkpoint_every,
+                ),
                 peer_id=peer,
                 transport=transport,
                 workload=lambda: build_workload(RUN),
@@ -109,6 +114,16 @@ class Cluster:
                 raise AssertionError(f"timed out waiting for {what}: {self.events}")
             time.sleep(0.05)
 
+    def kill(self, peer: str) -> None:
+        """As SIGKILL would: its frames stop, it does nothing more, the others drop it."""
+        self.network.kill(peer)
+        self.trainers[peer]._stop.set()
+        for view in self.views.values():
+            view.members.discard(peer)
+
+    def starts(self, peer: str) -> list[dict]:
+        return [e for e in list(self.events[peer]) if e["event"] == "train_plan"]
+
     def close(self) -> None:
         for trainer in self.trainers.values():
             trainer.stop()
@@ -121,8 +136,8 @@ class Cluster:
 def cluster_of(tmp_path):
     made = []
 
-    def make(peers):
-        made.append(Cluster(peers, tmp_path))
+    def make(peers, **kwargs):
+        made.append(Cluster(peers, tmp_path, **kwargs))
         return made[-1]
 
     yield make
@@ -173,8 +188,9 @@ def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):
     assert sorted(merged) == list(range(RUN.steps))
     # No jump at the switch: the run equals one process (parameters and AdamW state moved).
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(two), atol=1e-5)
-    handovers = [e for p in peers for e in cluster.events[p] if e["event"] == "handover"]
-    assert sum(e["sent"] for e in handovers) > 0
+    starts = [e for e in cluster.events["peer-c"] if e["event"] == "train_plan"]
+    assert starts[0]["start_step"] == first
+    assert starts[0]["received"] > 0
 
 
 def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
@@ -189,3 +205,51 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     cluster.wait(lambda: cluster.trainers["peer-c"].finished.is_set(), "the backup to stop")
     assert not cluster.losses("peer-c")
     assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
+
+
+def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_path):
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three = _plan(peers[:3], 3)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    cluster.adopt(three)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
+    cluster.kill("peer-c")
+    cluster.adopt(_plan(["peer-a", "peer-b", "peer-d"], 3), peers=["peer-a", "peer-b", "peer-d"])
+    survivors = ["peer-a", "peer-b", "peer-d"]
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in survivors), "the end")
+    taken_over = cluster.starts("peer-d")[0]
+    # The last stage's only copy of step 4 (or 8) lived with stage 0's node: the backup took
+    # the stage from it and every stage went back to that same step.
+    assert taken_over["start_step"] in (4, 8)
+    assert taken_over["received"] > 0
+    restarts = [cluster.starts(p)[-1]["start_step"] for p in survivors]
+    assert restarts == [taken_over["start_step"]] * 3
+    # Rolled back exactly: the steps after the checkpoint are recomputed to the same losses.
+    merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
+    assert sorted(merged) == list(range(RUN.steps))
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
+    kept = [e for e in cluster.events["peer-a"] if e["event"] == "kept"]
+    assert kept, "stage 0's node never kept the last stage's checkpoint copy"
+
+
+def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three = _plan(peers[:3], 3)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    cluster.adopt(three)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
+    cluster.trainers["peer-b"].stop()
+    assert cluster.trainers["peer-b"].wait_gone(60.0)
+    left_at = max(cluster.losses("peer-b")) + 1
+    for view in cluster.views.values():
+        view.members.discard("peer-b")
+    survivors = ["peer-a", "peer-c", "peer-d"]
+    cluster.adopt(_plan(survivors, 3), peers=survivors)
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in survivors), "the end")
+    assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
+    merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)

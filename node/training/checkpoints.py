@@ -1,0 +1,159 @@
+"""Stage checkpoints on disk: written atomically, read without running code, the last two kept.
+
+One file per (step, node range): ``s{step:09d}-n{start}-{stop}.pt`` in a directory per run
+lineage (``RunSpec.lineage``), so a node never mistakes another run's state for this one's and
+the holdings can be listed from names alone. The file is ``torch.save`` of plain tensors,
+numbers and strings, loaded with ``weights_only=True`` (no pickle code runs), and written by
+``write_atomic``: a node killed while writing leaves the previous files whole. A content digest
+over the parameter states is stored and checked on load (a copy received from a peer is checked
+against the sender's digest before it is kept).
+"""
+
+import hashlib
+import io
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fusionllm.common.atomic import write_atomic
+from fusionllm.common.errors import FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.node.training.holdings import Holding
+
+logger = get_logger(__name__)
+
+FORMAT = 1
+KEEP_STEPS = 2  # files of the newest two checkpointed steps stay; older ones are removed
+_NAME = re.compile(r"^s(\d{9})-n(\d+)-(\d+)\.pt$")
+
+
+class CheckpointError(FusionError):
+    """A checkpoint file (or a received copy) is missing, unreadable or inconsistent."""
+
+
+@dataclass
+class StageState:
+    """A stage's state before ``holding.step``: what a checkpoint holds."""
+
+    holding: Holding
+    state: dict[str, torch.Tensor]  # canonical name -> (3 * numel + 1,) float32 (export_state)
+    plan: str = ""  # digest of the plan the stage ran
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback, by key
+    rng: torch.Tensor | None = None  # torch's CPU generator state (uint8)
+
+    def digest(self) -> str:
+        return state_digest(self.state)
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of every parameter state, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def file_name(holding: Holding) -> str:
+    return f"s{holding.step:09d}-n{holding.start}-{holding.stop}.pt"
+
+
+class CheckpointStore:
+    """The checkpoints of one run lineage in one directory."""
+
+    def __init__(self, directory: Path, *, pause_before_rename_s: float = 0.0) -> None:
+        self.directory = Path(directory)
+        self.pause_before_rename_s = pause_before_rename_s
+
+    def holdings(self) -> list[Holding]:
+        """What the directory holds, newest step first (by file name; loading checks more)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.match(path.name)
+            if match:
+                step, start, stop = (int(g) for g in match.groups())
+                if start < stop:
+                    found.append(Holding(step, start, stop))
+        return sorted(found, key=lambda h: (-h.step, h.start, h.stop))
+
+    def save(self, stage: StageState) -> Path:
+        """Write ``stage`` atomically, then remove files of steps older than the newest two."""
+        buffer = io.BytesIO()
+        torch.save(_to_file(stage), buffer)
+        pause = self.pause_before_rename_s
+        path = write_atomic(
+            self.directory / file_name(stage.holding),
+            buffer.getvalue(),
+            before_rename=(lambda: time.sleep(pause)) if pause > 0 else None,
+        )
+        self.prune()
+        return path
+
+    def load(self, holding: Holding) -> StageState:
+        path = self.directory / file_name(holding)
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint {path}") from None
+        except Exception as exc:  # torch raises many kinds on a damaged or foreign file
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        stage = _from_file(data, path)
+        if stage.holding != holding:
+            raise CheckpointError(f"{path} holds {stage.holding}, its name says {holding}")
+        return stage
+
+    def prune(self) -> None:
+        held = self.holdings()
+        keep = sorted({h.step for h in held}, reverse=True)[:KEEP_STEPS]
+        for holding in held:
+            if holding.step not in keep:
+                (self.directory / file_name(holding)).unlink(missing_ok=True)
+        for stale in self.directory.glob(".*.tmp"):  # left by a crash between write and rename
+            if time.time() - stale.stat().st_mtime > 60:
+                stale.unlink(missing_ok=True)
+
+
+def _to_file(stage: StageState) -> dict:
+    h = stage.holding
+    return {
+        "format": FORMAT,
+        "step": h.step,
+        "start": h.start,
+        "stop": h.stop,
+        "plan": stage.plan,
+        "digest": stage.digest(),
+        "state": {n: t.detach().to(torch.float32).contiguous() for n, t in stage.state.items()},
+        "residuals": {k: t.detach().contiguous() for k, t in stage.residuals.items()},
+        "rng": stage.rng if stage.rng is not None else torch.zeros(0, dtype=torch.uint8),
+    }
+
+
+def _from_file(data: object, path: Path) -> StageState:
+    keys = {"format", "step", "start", "stop", "plan", "digest", "state", "residuals", "rng"}
+    if not isinstance(data, dict) or set(data) != keys or data["format"] != FORMAT:
+        raise CheckpointError(f"{path} is not a format-{FORMAT} stage checkpoint")
+    state, residuals = data["state"], data["residuals"]
+    for table in (state, residuals):
+        if not isinstance(table, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in table.items()
+        ):
+            raise CheckpointError(f"{path}: malformed tensor table")
+    if not all(v.dtype == torch.float32 and v.dim() == 1 for v in state.values()):
+        raise CheckpointError(f"{path}: parameter states must be flat float32")
+    if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+        raise CheckpointError(f"{path}: non-finite parameter state")
+    try:
+        holding = Holding(int(data["step"]), int(data["start"]), int(data["stop"]))
+    except (TypeError, ValueError, FusionError) as exc:
+        raise CheckpointError(f"{path}: bad step or node range: {exc}") from exc
+    stage = StageState(
+        holding, state, str(data["plan"]), residuals, data["rng"] if data["rng"].numel() else None
+    )
+    if stage.digest() != data["digest"]:
+        raise CheckpointError(f"{path}: content does not match its digest")
+    return stage

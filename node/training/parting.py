@@ -1,0 +1,85 @@
+"""A session's state leaving its members: periodic checkpoints and copies, hand-over on leave.
+
+``checkpoint``: every ``checkpoint_every`` steps each member writes its stage (parameters,
+AdamW state, error-feedback residuals, RNG, plan, node range; the data position is the step)
+and, when its stage has no other replica, sends a copy to the next stage's first replica
+(``checkpoint_custodian``), which keeps it on disk. The copy is not waited for on the critical
+path; a failed one is logged at the next checkpoint.
+
+``hand_over``: at a step boundary every member agreed on (a unanimous switch, or a member's
+vote to leave), a stage whose holders all leave sends its live state to a staying member
+(``parting_custodian``), and the keeper waits for it, so the next plan resumes at this step.
+"""
+
+import time
+
+from fusionllm.common.logs import get_logger
+from fusionllm.node.pipeline.mailbox import Role
+from fusionllm.node.training.checkpoints import CheckpointError
+from fusionllm.node.training.copies import delivered, send_copy, stage_state
+from fusionllm.node.training.holdings import Holding, checkpoint_custodian, parting_custodian
+
+logger = get_logger(__name__)
+
+_HAND_OVER_TIMEOUT_S = 30.0
+
+
+class Parting:
+    def __init__(self, session) -> None:
+        self.session = session
+        self._copies: list = []  # futures of the last checkpoint's copy
+
+    def checkpoint(self, held) -> None:
+        s = self.session
+        every = s.hooks.checkpoint_every
+        if not every or held.next_step % every:
+            return
+        started = time.perf_counter()
+        role, assignment = held.assignment.role, held.assignment
+        holding = Holding(held.next_step, *assignment.ranges[role.stage])
+        stage = stage_state(held.worker, holding, assignment.digest)
+        stage.residuals = s.runner.residuals()
+        try:
+            s.vault.checkpoint(stage)
+        except (OSError, CheckpointError) as exc:
+            logger.error("checkpoint of step %d not written: %s", held.next_step, exc)
+            return
+        written = time.perf_counter() - started
+        keeper = checkpoint_custodian(role.stage, assignment.peers)
+        if self._copies and not all(f.done() and f.exception() is None for f in self._copies):
+            logger.warning("the previous checkpoint's copy was not (yet) delivered")
+        if keeper is not None:
+            self._copies = send_copy(s.transport, keeper, stage, s.board.names, s.timeout_s)
+        s.hooks.emit({"event": "checkpoint", "step": held.next_step, "seconds": written,
+                      "keeper": keeper})  # fmt: skip
+
+    def hand_over(self, held, leaving: frozenset[str], preferred) -> None:
+        """Every stage all of whose holders leave: its first replica sends, a stayer keeps."""
+        s = self.session
+        peers, ranges = held.assignment.peers, held.assignment.ranges
+        for stage in range(len(ranges)):
+            keeper = parting_custodian(stage, peers, leaving, preferred)
+            if keeper is None:
+                continue
+            holding = Holding(held.next_step, *ranges[stage])
+            source = peers[Role(stage, 0)]
+            if source == s.me:
+                futures = send_copy(
+                    s.transport, keeper, stage_state(held.worker, holding), s.board.names, 30.0
+                )
+                ok = delivered(futures, _HAND_OVER_TIMEOUT_S)
+                s.hooks.emit({"event": "handover", "to": keeper, "step": held.next_step,
+                              "stage": stage, "delivered": ok})  # fmt: skip
+            if keeper == s.me:
+                self._await_copy(holding, source)
+
+    def _await_copy(self, holding: Holding, source: str) -> None:
+        s = self.session
+        deadline = time.monotonic() + _HAND_OVER_TIMEOUT_S
+        while holding not in s.vault.custody.holdings():
+            if time.monotonic() > deadline:
+                logger.warning("%s's state for %s never came: the next plan may roll back",
+                               source[:16], holding)  # fmt: skip
+                return
+            time.sleep(0.05)
+        logger.info("keeping %s handed over by %s", holding, source[:16])

@@ -1,0 +1,124 @@
+"""Every source of the run's state a node can serve from: its live stage, its checkpoints, and
+the copies other members gave it to keep (custody).
+
+The live stage is the worker of the last plan this node served, valid before ``next_step``.
+Checkpoints and custody copies are files (``checkpoints.py``), loaded on demand and cached
+while a plan starts (the same file serves several parameters).
+"""
+
+import threading
+
+import torch
+
+from fusionllm.common.logs import get_logger
+from fusionllm.node.training.board import Copy
+from fusionllm.node.training.checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    StageState,
+    file_name,
+    state_digest,
+)
+from fusionllm.node.training.copies import digest48
+from fusionllm.node.training.holdings import MAX_HOLDINGS, SEED_STEP, Holding, ParamsOf
+from fusionllm.node.training.session import Held
+
+logger = get_logger(__name__)
+
+
+class Vault:
+    def __init__(
+        self, *, own: CheckpointStore, custody: CheckpointStore, params_of: ParamsOf
+    ) -> None:
+        self.own = own
+        self.custody = custody
+        self._params_of = params_of  # needs the model's graph: called only once training runs
+        self._lock = threading.Lock()
+        self._live: Held | None = None
+        self._cache: dict[tuple[str, Holding], StageState] = {}
+
+    # ----- live state ---------------------------------------------------------------------------
+
+    @property
+    def live(self) -> Held | None:
+        return self._live
+
+    def set_live(self, held: Held | None) -> None:
+        with self._lock:
+            self._live = held
+            self._cache.clear()
+
+    def live_holding(self) -> Holding | None:
+        held = self._live
+        if held is None or held.assignment.role is None:
+            return None
+        start, stop = held.assignment.ranges[held.assignment.role.stage]
+        return Holding(held.next_step, start, stop)
+
+    # ----- what we announce, and serve ---------------------------------------------------------
+
+    def holdings(self) -> list[Holding]:
+        """Live state first, then our checkpoints, then custody copies; newest first in each,
+        step 0 left out (anyone can build it), at most MAX_HOLDINGS."""
+        found: list[Holding] = []
+        live = self.live_holding()
+        for holding in [live] if live else []:
+            found.append(holding)
+        for store in (self.own, self.custody):
+            found.extend(h for h in store.holdings() if h not in found)
+        return [h for h in found if h.step != SEED_STEP][:MAX_HOLDINGS]
+
+    def export(self, holding: Holding, name: str) -> torch.Tensor:
+        """One parameter's state (``StageWorker.export_state`` layout) from ``holding``."""
+        held = self._live
+        if held is not None and holding == self.live_holding():
+            return held.worker.export_state(name)
+        for store in (self.own, self.custody):
+            if holding in store.holdings():
+                state = self._load(store, holding).state
+                if name in state:
+                    return state[name]
+        raise CheckpointError(f"no state of {name!r} in {holding}")
+
+    def _load(self, store: CheckpointStore, holding: Holding) -> StageState:
+        key = (str(store.directory), holding)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is None:
+            cached = store.load(holding)
+            with self._lock:
+                self._cache = {key: cached}  # one file at a time: bounded memory
+        return cached
+
+    def discard_after(self, step: int) -> None:
+        """The swarm went back to ``step``: files of later steps belong to an abandoned future."""
+        for store in (self.own, self.custody):
+            for holding in store.holdings():
+                if holding.step > step:
+                    (store.directory / file_name(holding)).unlink(missing_ok=True)
+                    logger.info("dropped %s: the swarm resumed from step %d", holding, step)
+
+    # ----- writing --------------------------------------------------------------------------------
+
+    def checkpoint(self, stage: StageState) -> None:
+        self.own.save(stage)
+
+    def keep_copy(self, copy: Copy) -> bool:
+        """Keep a member's stage state once it checks out; False (logged) if it does not."""
+        expected = self._params_of(copy.holding.start, copy.holding.stop)
+        if set(copy.state) != expected:
+            logger.warning(
+                "a copy of %s from %s has the wrong parameters: dropped",
+                copy.holding, copy.peer[:16],
+            )  # fmt: skip
+            return False
+        if digest48(state_digest(copy.state)) != copy.digest48:
+            logger.warning("a copy of %s from %s fails its digest: dropped", copy.holding,
+                           copy.peer[:16])  # fmt: skip
+            return False
+        if not all(bool(torch.isfinite(t).all()) for t in copy.state.values()):
+            logger.warning("a copy from %s holds non-finite values: dropped", copy.peer[:16])
+            return False
+        self.custody.save(StageState(copy.holding, dict(copy.state)))
+        logger.info("keeping %s of %s for %s", copy.holding, len(copy.state), copy.peer[:16])
+        return True
