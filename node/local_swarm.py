@@ -47,6 +47,7 @@ class NodeProcess:
 
     def __init__(self, name: str, args: list[str], log_path: Path) -> None:
         self.name = name
+        self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
         self._child = JsonChild([*argv, *args], name=name, env=env, stderr=log_path)
@@ -94,24 +95,32 @@ class LocalSwarm:
         self.nodes: list[NodeProcess] = []
 
     def start(
-        self, name: str, *, bootstrap: str | None = None, device: dict | None = None
+        self,
+        name: str,
+        *,
+        bootstrap: str | None = None,
+        device: dict | None = None,
+        extra: dict | None = None,
     ) -> NodeProcess:
-        """Start node ``name`` (its key, work dir and log named after it under ``root``);
-        ``device``: advertise this device instead of the swarm's."""
+        """Start node ``name`` (its key, work dir and log named after it under ``root``; a
+        restart with the same name is the same node); ``device``: advertise this device
+        instead of the swarm's; ``extra``: options for this node only."""
         device_path = self.device_path
         if device is not None:
             device_path = self.root / f"{name}.device.json"
             device_path.write_text(json.dumps(device))
         args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(device_path)]
         args += ["--events"]
-        for option, value in self.options.items():
+        for option, value in {**self.options, **(extra or {})}.items():
             if value is True:
                 args.append(f"--{option}")
             elif value is not None and value is not False:
                 args += [f"--{option}", str(value)]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
-        node = NodeProcess(name, args, self.root / f"{name}.log")
+        restarts = sum(1 for n in self.nodes if n.name == name)
+        log = self.root / (f"{name}.log" if not restarts else f"{name}.{restarts}.log")
+        node = NodeProcess(name, args, log)
         self.nodes.append(node)
         return node
 
@@ -122,9 +131,8 @@ class LocalSwarm:
     def logs(self) -> str:
         parts = []
         for node in self.nodes:
-            path = self.root / f"{node.name}.log"
             with contextlib.suppress(OSError):
-                parts.append(f"--- {node.name}\n" + path.read_text()[-3000:])
+                parts.append(f"--- {node.log_path.name}\n" + node.log_path.read_text()[-3000:])
         return "\n".join(parts)
 
 

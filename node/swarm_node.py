@@ -60,12 +60,20 @@ class DaemonView:
     def run_finished(self) -> bool:
         return self._daemon.run_finished
 
+    def members(self) -> list[str]:
+        return sorted(self._daemon.members)
+
+    def progress(self) -> int:
+        records = list(self._daemon.members.values())
+        return max((i.training.step for i in records if i.training is not None), default=0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SwarmNodeConfig:
     node: NodeConfig
     work_dir: Path
     step_timeout_s: float = 60.0
+    checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
 
     @property
@@ -117,7 +125,9 @@ def run_node(
             ).start()
             trainer = _trainer(config, daemon, transport, on_event).start()
             finished = trainer.finished
-        watcher = threading.Thread(target=_stop_when, args=(daemon, finished, stop), daemon=True)
+        watcher = threading.Thread(
+            target=_stop_when, args=(daemon, trainer, finished, stop), daemon=True
+        )
         watcher.start()
         daemon.run(duration_s=duration_s)
         return finished.is_set()
@@ -133,7 +143,11 @@ def run_node(
 def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -> SwarmTrainer:
     return SwarmTrainer(
         TrainerConfig(
-            run=config.run, work_dir=config.work_dir, step_timeout_s=config.step_timeout_s
+            run=config.run,
+            work_dir=config.work_dir,
+            step_timeout_s=config.step_timeout_s,
+            checkpoint_every=config.node.settings.checkpoint_every,
+            checkpoint_pause_s=config.checkpoint_pause_s,
         ),
         peer_id=daemon.peer_id,
         transport=transport,
@@ -144,8 +158,13 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
     )
 
 
-def _stop_when(daemon: NodeDaemon, finished: threading.Event, stop: threading.Event | None):
+def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop):
+    """Stop the daemon when the run ends, or when asked: then the trainer first leaves
+    politely (its step, its hand-over) while heartbeats still say we are here."""
     while not finished.wait(0.2):
         if stop is not None and stop.is_set():
+            if trainer is not None:
+                trainer.stop()
+                trainer.wait_gone(2 * trainer.config.step_timeout_s + 35.0)
             break
     daemon.stop()

@@ -21,7 +21,10 @@ def add_parser(commands) -> None:
         "the plan names trains its stage with its neighbours; others wait in the backup pool. "
         "Every node of a swarm must use the same run and timing options. When the run reaches "
         "--steps the node writes its stage's parameters to --work-dir, leaves and exits 0. "
-        "Ctrl-C or SIGTERM leaves politely.",
+        "Every --checkpoint-every steps each stage is checkpointed to --work-dir and a copy "
+        "kept by another member; restarted with the same --key and --work-dir, a node rejoins "
+        "and offers what it saved. Ctrl-C or SIGTERM leaves politely: the node finishes its "
+        "step and hands its stage to a member that stays.",
     )
     add_swarm_address(node, joining=True)
     node.add_argument(
@@ -79,6 +82,19 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--epoch", type=float, default=10.0, help="plan epoch, s (%(default)s)")
     group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=20,
+        help="steps between checkpoints of every stage (0: none); a crash loses at most this "
+        "many steps (default: %(default)s)",
+    )
+    group.add_argument(
+        "--checkpoint-pause",
+        type=float,
+        default=0.0,
+        help=argparse.SUPPRESS,  # fault injection for tests: sleep between write and rename
+    )
+    group.add_argument(
         "--step-timeout",
         type=float,
         default=60.0,
@@ -121,6 +137,7 @@ def _node_config(args: argparse.Namespace):
         heartbeat_s=args.heartbeat,
         ttl_s=args.ttl,
         epoch_s=args.epoch,
+        checkpoint_every=args.checkpoint_every,
     )
     device = None
     if args.device_json:
@@ -173,6 +190,8 @@ def _printer(args: argparse.Namespace, swarm: str):
                 f"{event['tokens_per_s']:,.0f} tokens/s",
                 flush=True,
             )
+        elif kind == "plan_end" and event["outcome"] in ("failed", "parted"):
+            print(f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}")
         elif kind in ("saved", "finished"):
             print(f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}")
 
@@ -195,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         node=node_config,
         work_dir=work_dir,
         step_timeout_s=args.step_timeout,
+        checkpoint_pause_s=args.checkpoint_pause,
         train=not args.no_train,
     )
     stop = threading.Event()

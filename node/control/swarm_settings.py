@@ -29,6 +29,9 @@ class SwarmSettings:
     epoch_s: float = 10.0  # plan epochs: propose at the start, adopt at settle_fraction
     settle_fraction: float = 0.5
     switch_margin: float = 0.1  # keep the current plan unless a new one is this much faster
+    # Every stage must checkpoint the same steps, or a crash finds no step that every stage
+    # saved: part of the digest. 20 steps: see DEFAULT_CHECKPOINT_EVERY in training/trainer.py.
+    checkpoint_every: int = 20
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
@@ -52,6 +55,10 @@ class SwarmSettings:
             raise ConfigError(f"epoch_s must be >= 0.5, got {self.epoch_s}")
         if not 0.1 <= self.settle_fraction <= 0.9:
             raise ConfigError(f"settle_fraction must be in [0.1, 0.9], got {self.settle_fraction}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(
+                f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
+            )
         if not 0 <= self.switch_margin < 1:
             raise ConfigError(f"switch_margin must be in [0, 1), got {self.switch_margin}")
 

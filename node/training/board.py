@@ -6,9 +6,12 @@ members only), everything else in the current session's mailbox. A session's mai
 not exist yet, or not know its first step yet, when a peer's first frames arrive: those wait
 in a bounded queue until the session opens.
 
-READY (control tag ``TAG_READY``): float64 ``[vote, n, (step, start, stop) x MAX_HOLDINGS]``:
-the sender built its stage of the plan with that vote and holds the n ``Holding``s listed
-(unused slots are -1).
+READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start, stop) x
+MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round of the
+meeting, holds the n ``Holding``s listed (unused slots are -1); ``hint`` is the newest step the
+swarm's records show it reached.
+WANT (``TAG_WANT``, float64 ``[hint]``): a plan member asks a node outside the plan for copies of
+the newest state it holds (the plan's members together hold less than the swarm reached).
 STATE (control tag ``TAG_STATE + i``, i the parameter's index in sorted canonical names):
 one parameter and its AdamW state (``StageWorker.export_state``), for the step in the header.
 CUSTODY (``TAG_CUSTODY + i``, same body) and MANIFEST (``TAG_MANIFEST``, float64 ``[step,
@@ -33,9 +36,11 @@ logger = get_logger(__name__)
 
 TAG_READY = 1 << 24
 TAG_MANIFEST = TAG_READY + 1
+TAG_WANT = TAG_READY + 2
 TAG_STATE = 1 << 25  # + parameter index
 TAG_CUSTODY = 1 << 26  # + parameter index
-READY_LEN = 2 + 3 * MAX_HOLDINGS
+_READY_HEAD = 4
+READY_LEN = _READY_HEAD + 3 * MAX_HOLDINGS
 MANIFEST_LEN = 5
 _PENDING_COPIES_PER_PEER = 2
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
@@ -46,6 +51,8 @@ _MAX_EARLY_FRAMES = 4096
 @dataclass(frozen=True)
 class Ready:
     vote: float
+    round: int  # of the meeting: holdings may grow between rounds, never within one
+    hint: int  # the newest step the sender's records show the swarm reached
     holdings: tuple[Holding, ...]  # what the sender can supply, in its order of preference
 
 
@@ -59,34 +66,42 @@ class Copy:
     digest48: int
 
 
-def encode_ready(vote: float, holdings: list[Holding]) -> torch.Tensor:
+def encode_ready(vote: float, holdings: list[Holding], *, round: int = 0, hint: int = 0):
+    """A READY body: float64 (READY_LEN,)."""
     body = torch.full((READY_LEN,), -1.0, dtype=torch.float64)
-    body[0], body[1] = vote, float(len(holdings[:MAX_HOLDINGS]))
-    for i, h in enumerate(holdings[:MAX_HOLDINGS]):
-        body[2 + 3 * i : 5 + 3 * i] = torch.tensor([h.step, h.start, h.stop], dtype=torch.float64)
+    listed = holdings[:MAX_HOLDINGS]
+    body[:_READY_HEAD] = torch.tensor([vote, round, hint, len(listed)], dtype=torch.float64)
+    for i, h in enumerate(listed):
+        at = _READY_HEAD + 3 * i
+        body[at : at + 3] = torch.tensor([h.step, h.start, h.stop], dtype=torch.float64)
     return body
+
+
+def _count(x: float, limit: int = 2**62) -> bool:
+    return x == int(x) and 0 <= x < limit
 
 
 def decode_ready(body: torch.Tensor) -> Ready | None:
     """A READY body, or None if it is malformed (the frame is refused)."""
     values = body.tolist()
-    count = values[1]
-    if not (count == int(count) and 0 <= count <= MAX_HOLDINGS):
+    vote, round_, hint, count = values[:_READY_HEAD]
+    if not (_count(round_) and _count(hint) and _count(count, MAX_HOLDINGS + 1)):
         return None
     holdings = []
     for i in range(int(count)):
-        triple = values[2 + 3 * i : 5 + 3 * i]
-        if not all(x == int(x) and 0 <= x < 2**62 for x in triple):
+        triple = values[_READY_HEAD + 3 * i : _READY_HEAD + 3 * i + 3]
+        if not all(_count(x) for x in triple) or triple[1] >= triple[2]:
             return None
-        step, start, stop = (int(x) for x in triple)
-        if start >= stop:
-            return None
-        holdings.append(Holding(step, start, stop))
-    return Ready(values[0], tuple(holdings))
+        holdings.append(Holding(*(int(x) for x in triple)))
+    return Ready(vote, int(round_), int(hint), tuple(holdings))
 
 
 def is_ready(header: FrameHeader) -> bool:
     return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_READY
+
+
+def is_want(header: FrameHeader) -> bool:
+    return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_WANT
 
 
 def is_manifest(header: FrameHeader) -> bool:
@@ -108,6 +123,7 @@ def custody_index(header: FrameHeader) -> int | None:
 def is_board_frame(header: FrameHeader) -> bool:
     return (
         is_ready(header)
+        or is_want(header)
         or is_manifest(header)
         or state_index(header) is not None
         or custody_index(header) is not None
@@ -123,15 +139,18 @@ class Board:
         shapes: dict[str, tuple[int, ...]],
         is_member: Callable[[str], bool],
         on_copy: Callable[[Copy], None] = lambda copy: None,
+        on_want: Callable[[str, int], None] = lambda peer, hint: None,
     ):
         self.names = sorted(shapes)
         self._numel = {n: int(torch.Size(shapes[n]).numel()) for n in self.names}
         self._is_member = is_member
         self._on_copy = on_copy
+        self._on_want = on_want
         self._cond = threading.Condition()
-        self._ready: dict[str, Ready] = {}
+        self._ready: dict[tuple[str, int], Ready] = {}  # (peer, round) -> the newest
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (step, name) -> flat state
         self._parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (peer, step) -> ...
+        self._manifests: dict[tuple[str, int], tuple[Holding, int, int]] = {}
         self.refused = 0
 
     def expect(self, header: FrameHeader) -> TensorSpec | None:
@@ -140,6 +159,8 @@ class Board:
             return TensorSpec(torch.float64, (READY_LEN,))
         if is_manifest(header):
             return TensorSpec(torch.float64, (MANIFEST_LEN,))
+        if is_want(header):
+            return TensorSpec(torch.float64, (1,))
         index = state_index(header)
         index = custody_index(header) if index is None else index
         if index is None:
@@ -157,8 +178,13 @@ class Board:
             if ready is None:
                 return self._refuse(item, "a malformed READY")
             with self._cond:
-                self._ready[item.peer] = ready
+                self._ready[(item.peer, ready.round)] = ready
                 self._cond.notify_all()
+        elif is_want(header):
+            hint = item.tensor.tolist()[0]
+            if not _count(hint):
+                return self._refuse(item, "a malformed WANT")
+            self._on_want(item.peer, int(hint))
         elif is_manifest(header):
             self._close_copy(item)
         elif (index := custody_index(header)) is not None:
@@ -178,26 +204,42 @@ class Board:
             mine = sorted(k for k in self._parts if k[0] == peer)
             if (peer, step) not in self._parts and len(mine) >= _PENDING_COPIES_PER_PEER:
                 del self._parts[mine[0]]  # an unfinished older copy: the newer one replaces it
+                self._manifests.pop(mine[0], None)
             self._parts.setdefault((peer, step), {})[name] = tensor
+        self._complete(peer, step)
 
     def _close_copy(self, item: Received) -> None:
         values = item.tensor.tolist()
-        if not all(x == int(x) and 0 <= x < 2**62 for x in values) or values[1] >= values[2]:
+        if not all(_count(x) for x in values) or values[1] >= values[2]:
             return self._refuse(item, "a malformed MANIFEST")
         step, start, stop, count, digest48 = (int(x) for x in values)
+        if step != item.header.step or count > len(self.names):
+            return self._refuse(item, "an inconsistent MANIFEST")
         with self._cond:
-            parts = self._parts.pop((item.peer, step), {})
-        if len(parts) != count or step != item.header.step:
-            logger.warning(
-                "a copy from %s for step %d has %d of %d parts: dropped",
-                item.peer[:16], step, len(parts), count,
-            )  # fmt: skip
-            return
-        self._on_copy(Copy(item.peer, Holding(step, start, stop), parts, digest48))
+            self._parts.setdefault((item.peer, step), {})
+            self._manifests[(item.peer, step)] = (Holding(step, start, stop), count, digest48)
+        self._complete(item.peer, step)
 
-    def ready_of(self, peers: list[str], vote: float) -> dict[str, Ready]:
+    def _complete(self, peer: str, step: int) -> None:
+        """Hand a copy on once its manifest and all its parts are here (frames may come in
+        any order: the transport sends them concurrently)."""
         with self._cond:
-            return {p: r for p in peers if (r := self._ready.get(p)) and r.vote == vote}
+            manifest = self._manifests.get((peer, step))
+            parts = self._parts.get((peer, step), {})
+            if manifest is None or len(parts) < manifest[1]:
+                return
+            del self._manifests[(peer, step)]
+            del self._parts[(peer, step)]
+        holding, count, digest48 = manifest
+        if len(parts) != count:
+            logger.warning("a copy from %s for step %d has %d parts, its manifest says %d",
+                           peer[:16], step, len(parts), count)  # fmt: skip
+            return
+        self._on_copy(Copy(peer, holding, parts, digest48))
+
+    def ready_of(self, peers: list[str], vote: float, round: int = 0) -> dict[str, Ready]:
+        with self._cond:
+            return {p: r for p in peers if (r := self._ready.get((p, round))) and r.vote == vote}
 
     def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``condition()`` holds (re-checked on every filed frame) or ``timeout``."""

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import pack_tensor
@@ -34,7 +36,7 @@ from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
-from fusionllm.node.training.board import TAG_READY, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.board import TAG_READY, TAG_WANT, Board, Inbox, Router, encode_ready
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import Holding, ParamsOf, choose_start
 from fusionllm.node.training.parting import Parting
@@ -42,6 +44,8 @@ from fusionllm.node.training.parting import Parting
 logger = get_logger(__name__)
 
 _READY_RESEND_S = 2.0
+_DONOR_WAIT_S = 5.0
+MAX_ROUNDS = 2
 _WATCH_S = 0.5
 LEAVE_VOTE = -1.0  # a summary vote: this member leaves after this step
 
@@ -84,6 +88,9 @@ class SessionHooks:
     next_plan: Callable[[float], Assignment | None]  # the plan a vote names, as we'd serve it
     checkpoint_every: int  # 0: never
     emit: Callable[[dict], None]
+    progress: Callable[[], int]  # the newest step the swarm's records show reached
+    donors: Callable[[], list[str]]  # nodes that may hold state outside the plan
+    connect: Callable[[str], None]  # dial a peer (by id) on the data plane
 
 
 class PlanSession:
@@ -137,26 +144,27 @@ class PlanSession:
 
     def meet(self, *, current: Callable[[], bool], stop: threading.Event) -> int | None:
         """READY to all, wait for everyone's, gather the start's state: the first step, or None
-        (the plan changed, or we stop, before the members met)."""
+        (the plan changed, or we stop, before the members met).
+
+        If the members together hold less than the swarm reached (their records' hint), the
+        plan's first member asks the nodes outside the plan for copies of what they hold, and
+        all meet once more with what they then hold (holdings never change within a round:
+        every member must decide on the same announcements)."""
         others = list(self.assignment.others().values())
-        mine = self.vault.holdings()  # frozen: every member must decide on the same READY
-        ready: dict = {}
-        next_send = 0.0
-        while len(ready) < len(others):
-            if stop.is_set() or not current():
+        for round_ in range(MAX_ROUNDS):
+            mine = self.vault.holdings()
+            hint = self.hooks.progress()
+            ready = self._hear(others, mine, round_, hint, current=current, stop=stop)
+            if ready is None:
                 return None
-            if time.monotonic() >= next_send:
-                self._announce(others, mine)
-                next_send = time.monotonic() + _READY_RESEND_S
-            self.board.wait(
-                lambda: len(self.board.ready_of(others, self.vote)) == len(others), timeout=0.5
-            )
-            ready = self.board.ready_of(others, self.vote)
-        holdings = {peer: r.holdings for peer, r in ready.items()}
-        holdings[self.me] = tuple(mine)
-        ranges, params_of = self.assignment.ranges, self.hooks.params_of
-        needs = {p: params_of(*ranges[r.stage]) for r, p in self.assignment.peers.items()}
-        start = choose_start(self.assignment.members, holdings, needs, self.hooks.params_of)
+            start = self._decide(ready, mine)
+            reached = max([hint, *(r.hint for r in ready.values())])
+            if start.step >= reached or round_ == MAX_ROUNDS - 1:
+                break
+            logger.info("the members hold step %d, the swarm reached %d: asking the others",
+                        start.step, reached)  # fmt: skip
+            if self.me == self.assignment.members[0]:
+                self._ask_donors(reached, current=current, stop=stop)
         self.board.forget(self.vote)
         self.vault.discard_after(start.step)
         if not self._gather(start, stop=stop, current=current):
@@ -165,16 +173,54 @@ class PlanSession:
         self.inbox.open()
         return start.step
 
-    def _announce(self, others: list[str], mine: list[Holding]) -> None:
-        body = pack_tensor(encode_ready(self.vote, mine))
-        header = FrameHeader(
-            step=0, micro_batch=TAG_READY, kind=FrameKind.CONTROL, stage=self.role.stage
-        )
-        for peer in others:
+    def _hear(self, others, mine, round_: int, hint: int, *, current, stop) -> dict | None:
+        ready: dict = {}
+        next_send = 0.0
+        while len(ready) < len(others):
+            if stop.is_set() or not current():
+                return None
+            if time.monotonic() >= next_send:
+                self._announce(others, encode_ready(self.vote, mine, round=round_, hint=hint))
+                next_send = time.monotonic() + _READY_RESEND_S
+            self.board.wait(
+                lambda: len(self.board.ready_of(others, self.vote, round_)) == len(others),
+                timeout=0.5,
+            )
+            ready = self.board.ready_of(others, self.vote, round_)
+        return ready
+
+    def _decide(self, ready: dict, mine: list[Holding]):
+        holdings = {peer: r.holdings for peer, r in ready.items()}
+        holdings[self.me] = tuple(mine)
+        ranges, params_of = self.assignment.ranges, self.hooks.params_of
+        needs = {p: params_of(*ranges[r.stage]) for r, p in self.assignment.peers.items()}
+        return choose_start(self.assignment.members, holdings, needs, params_of)
+
+    def _ask_donors(self, reached: int, *, current, stop) -> None:
+        """WANT to every node outside the plan; wait until we hold the whole model at a step
+        >= ``reached``, or _DONOR_WAIT_S."""
+        donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
+        self._announce(donors, torch.tensor([float(reached)], dtype=torch.float64), TAG_WANT)
+        everything = self.hooks.params_of(0, self.assignment.ranges[-1][1])
+        deadline = time.monotonic() + _DONOR_WAIT_S
+        while time.monotonic() < deadline and current() and not stop.is_set():
+            held = self.vault.holdings()
+            for step in {h.step for h in held if h.step >= reached}:
+                at = [self.hooks.params_of(h.start, h.stop) for h in held if h.step == step]
+                if everything <= frozenset().union(*at):
+                    return
+            time.sleep(0.1)
+
+    def _announce(self, peers: list[str], body, tag: int = TAG_READY) -> None:
+        packed = pack_tensor(body)
+        header = FrameHeader(step=0, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage)
+        for peer in peers:
+            if tag != TAG_READY:
+                self.hooks.connect(peer)
             try:
-                self.transport.send_async(peer, header, body, timeout=5.0)
+                self.transport.send_async(peer, header, packed, timeout=5.0)
             except FusionError as exc:
-                logger.debug("READY to %s not sent (will resend): %s", peer[:16], exc)
+                logger.debug("frame %d to %s not sent: %s", tag, peer[:16], exc)
 
     def _gather(self, start, *, stop, current) -> bool:
         """Send our moves, load what we hold, wait for the rest; False if the plan changed."""

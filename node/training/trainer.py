@@ -32,6 +32,8 @@ from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
+from fusionllm.node.training.copies import delivered, send_copy
+from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
     Ending,
@@ -61,6 +63,8 @@ class SwarmView(Protocol):
         self, replica: int | None, step: int, loss: float | None, finished: bool
     ) -> None: ...
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
+    def members(self) -> list[str]: ...  # every live member's peer id
+    def progress(self) -> int: ...  # the newest step the members' records say was reached
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +124,10 @@ class SwarmTrainer:
         own, custody = config.stores()
         self.vault = Vault(own=own, custody=custody, params_of=self.params_of)
         self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
-        self.board = Board(shapes=shapes, is_member=view.is_member, on_copy=self._on_copy)
+        self.board = Board(
+            shapes=shapes, is_member=view.is_member, on_copy=self._on_copy, on_want=self._on_want
+        )
+        self._donated: set[tuple[str, Holding]] = set()
         self.router = Router(transport, self.board)
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
@@ -193,6 +200,29 @@ class SwarmTrainer:
                             "range": [copy.holding.start, copy.holding.stop]})  # fmt: skip
         except (OSError, FusionError) as exc:
             logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
+
+    def _on_want(self, peer: str, reached: int) -> None:
+        self._keeper.submit(self._donate, peer, reached)
+
+    def _donate(self, peer: str, reached: int) -> None:
+        """A plan's member lacks state the swarm reached: send it our newest, once each."""
+        held = self.vault.holdings()
+        newest = max((h.step for h in held), default=0)
+        if newest == 0:
+            return
+        self.connect(peer)
+        for holding in (h for h in held if h.step == newest):
+            if (peer, holding) in self._donated:
+                continue
+            self._donated.add((peer, holding))
+            try:
+                stage = self.vault.stage_of(holding)
+            except (OSError, FusionError) as exc:
+                logger.warning("cannot donate %s: %s", holding, exc)
+                continue
+            ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
+            self._emit({"event": "donated", "to": peer, "step": holding.step,
+                        "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -270,6 +300,9 @@ class SwarmTrainer:
             next_plan=self._next_plan,
             checkpoint_every=self.config.checkpoint_every,
             emit=self._emit,
+            progress=self.view.progress,
+            donors=self.view.members,
+            connect=self.connect,
         )
 
     def _vote(self) -> float:
@@ -308,12 +341,15 @@ class SwarmTrainer:
 
     def _connect(self, plan_of: Assignment) -> None:
         for peer in plan_of.others().values():
-            for addr in self.view.addrs(peer)[:2]:
-                try:
-                    self.transport.connect(addr)
-                    break
-                except FusionError as exc:
-                    logger.debug("could not dial %s at %s: %s", peer[:16], addr, exc)
+            self.connect(peer)
+
+    def connect(self, peer: str) -> None:
+        for addr in self.view.addrs(peer)[:2]:
+            try:
+                self.transport.connect(addr)
+                return
+            except FusionError as exc:
+                logger.debug("could not dial %s at %s: %s", peer[:16], addr, exc)
 
     # ----- reporting --------------------------------------------------------------------------
 
@@ -322,7 +358,7 @@ class SwarmTrainer:
         role = self._role
         self.view.publish(role, self.step, self.loss, False)
         tokens = self.run_spec.tokens_per_step
-        self._emit({"event": "step", "step": report.step, "loss": report.loss,
+        self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,
                     "tokens_per_s": tokens / max(report.seconds, 1e-9),
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
@@ -331,6 +367,7 @@ class SwarmTrainer:
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None
         self._emit({"event": "train_plan", "digest": plan_of.digest, "start_step": start,
+                    "t": time.time(),
                     "sent": moved[0], "received": moved[1],
                     "stage": plan_of.role.stage, "replica": plan_of.role.replica,
                     "ranges": [list(r) for r in plan_of.ranges],

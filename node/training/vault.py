@@ -80,6 +80,17 @@ class Vault:
                     return state[name]
         raise CheckpointError(f"no state of {name!r} in {holding}")
 
+    def stage_of(self, holding: Holding) -> StageState:
+        """The whole state of ``holding`` (a snapshot of the live stage, or a file's)."""
+        held = self._live
+        if held is not None and holding == self.live_holding():
+            state = {name: held.worker.export_state(name) for name in held.worker.parameters}
+            return StageState(holding, state, held.assignment.digest)
+        for store in (self.own, self.custody):
+            if holding in store.holdings():
+                return self._load(store, holding)
+        raise CheckpointError(f"nothing holds {holding}")
+
     def _load(self, store: CheckpointStore, holding: Holding) -> StageState:
         key = (str(store.directory), holding)
         with self._lock:

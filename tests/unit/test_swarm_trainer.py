@@ -30,7 +30,8 @@ class FakeView:
     """The control plane as the trainer sees it; the test decides the adopted plan."""
 
     def __init__(self, members: list[str]) -> None:
-        self.members = set(members)
+        self.alive = set(members)
+        self.reached = lambda: 0  # what the members' records would say
         self.current: tuple[str, Plan] | None = None
         self.published: list[tuple] = []
         self.finished = False
@@ -42,7 +43,7 @@ class FakeView:
         return []
 
     def is_member(self, peer: str) -> bool:
-        return peer in self.members
+        return peer in self.alive
 
     def publish(self, replica, step, loss, finished) -> None:
         self.published.append((replica, step, loss, finished))
@@ -50,6 +51,12 @@ class FakeView:
 
     def run_finished(self) -> bool:
         return self.finished
+
+    def members(self) -> list[str]:
+        return sorted(self.alive)
+
+    def progress(self) -> int:
+        return self.reached()
 
 
 def _plan(peers: list[str], stages: int) -> Plan:
@@ -95,6 +102,8 @@ class Cluster:
             )
             holder["t"] = trainer
             self.trainers[peer] = trainer
+        for view in self.views.values():  # each node publishes its step in its record
+            view.reached = lambda: max(t.step for t in self.trainers.values())
 
     def adopt(self, plan_: Plan, peers=None) -> None:
         for peer in peers or self.views:
@@ -119,7 +128,7 @@ class Cluster:
         self.network.kill(peer)
         self.trainers[peer]._stop.set()
         for view in self.views.values():
-            view.members.discard(peer)
+            view.alive.discard(peer)
 
     def starts(self, peer: str) -> list[dict]:
         return [e for e in list(self.events[peer]) if e["event"] == "train_plan"]
@@ -246,10 +255,30 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
     assert cluster.trainers["peer-b"].wait_gone(60.0)
     left_at = max(cluster.losses("peer-b")) + 1
     for view in cluster.views.values():
-        view.members.discard("peer-b")
+        view.alive.discard("peer-b")
     survivors = ["peer-a", "peer-c", "peer-d"]
     cluster.adopt(_plan(survivors, 3), peers=survivors)
     cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in survivors), "the end")
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
+
+
+def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    first = _plan(peers[:2], 2)
+    cluster = cluster_of(peers)
+    cluster.adopt(first)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
+    cluster.adopt(_plan(peers[2:], 2))  # nobody stays: a and b go to the backup pool
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers[2:]), "the end")
+    start = cluster.starts("peer-c")[0]["start_step"]
+    assert start >= 5, "the new members started over instead of fetching the swarm's state"
+    donated = [e for p in peers[:2] for e in cluster.events[p] if e["event"] == "donated"]
+    assert donated
+    assert all(e["delivered"] for e in donated)
+    merged = {**cluster.losses("peer-a"), **cluster.losses("peer-c")}
+    assert sorted(merged) == list(range(RUN.steps))
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
