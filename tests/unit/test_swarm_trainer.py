@@ -14,6 +14,7 @@ from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 from fusionllm.dag.planner import Plan, PlanConfig, plan
 from fusionllm.dag.swarm import Peer, Swarm
+from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 from fusionllm.node.swarm_node import build_workload, parameter_shapes
@@ -102,6 +103,11 @@ class Cluster:
             )
             holder["t"] = trainer
             self.trainers[peer] = trainer
+        # torch.fx patches torch.nn.Module globally while it traces: a lazy build in one
+        # trainer thread would break another's forward pass (one trainer per process in a real
+        # node never meets this), so every trainer builds before any trains.
+        for trainer in self.trainers.values():
+            trainer.graph  # noqa: B018
         for view in self.views.values():  # each node publishes its step in its record
             view.reached = lambda: max(t.step for t in self.trainers.values())
 
@@ -127,6 +133,9 @@ class Cluster:
         """As SIGKILL would: its frames stop, it does nothing more, the others drop it."""
         self.network.kill(peer)
         self.trainers[peer]._stop.set()
+        session = self.trainers[peer]._session
+        if session is not None:  # a killed process waits for nothing
+            session.runner.abort(PipelineError("killed"))
         for view in self.views.values():
             view.alive.discard(peer)
 
