@@ -71,12 +71,12 @@ def decode_ready(body: torch.Tensor) -> Ready | None:
     """A READY body, or None if it is malformed (the frame is refused)."""
     values = body.tolist()
     count = values[1]
-    if not (count == int(count) and 0 <= count <= MAX_HOLDINGS):
+    if not (0 <= count <= MAX_HOLDINGS and count == int(count)):  # NaN fails the range
         return None
     holdings = []
     for i in range(int(count)):
         triple = values[2 + 3 * i : 5 + 3 * i]
-        if not all(x == int(x) and 0 <= x < 2**62 for x in triple):
+        if not all(0 <= x < 2**62 and x == int(x) for x in triple):
             return None
         step, start, stop = (int(x) for x in triple)
         if start >= stop:
@@ -182,7 +182,7 @@ class Board:
 
     def _close_copy(self, item: Received) -> None:
         values = item.tensor.tolist()
-        if not all(x == int(x) and 0 <= x < 2**62 for x in values) or values[1] >= values[2]:
+        if not all(0 <= x < 2**62 and x == int(x) for x in values) or values[1] >= values[2]:
             return self._refuse(item, "a malformed MANIFEST")
         step, start, stop, count, digest48 = (int(x) for x in values)
         with self._cond:
