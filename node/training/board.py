@@ -78,7 +78,9 @@ def encode_ready(vote: float, holdings: list[Holding], *, round: int = 0, hint: 
 
 
 def _count(x: float, limit: int = 2**62) -> bool:
-    return x == int(x) and 0 <= x < limit
+    return 0 <= x < limit and x == int(
+        x
+    )  # the range first: NaN and inf fail it, int() never sees them
 
 
 def decode_ready(body: torch.Tensor) -> Ready | None:

@@ -102,7 +102,12 @@ class CheckpointStore:
             raise CheckpointError(f"no checkpoint {path}") from None
         except Exception as exc:  # torch raises many kinds on a damaged or foreign file
             raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-        stage = _from_file(data, path)
+        try:
+            stage = _from_file(data, path)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a foreign value past its checks (rng = 7, format = [1, 1])
+            raise CheckpointError(f"{path} is not a stage checkpoint: {exc}") from exc
         if stage.holding != holding:
             raise CheckpointError(f"{path} holds {stage.holding}, its name says {holding}")
         return stage

@@ -1,0 +1,218 @@
+"""A node's sources of the run's state (``vault.py``): which copies it keeps for others
+(``keep_copy``), and what it announces (``holdings``): live state first, then its own
+checkpoints, then custody copies, step 0 left out, at most MAX_HOLDINGS.
+
+Real parts throughout: the run's model cut in two stages, a StageWorker for stage 1, and
+CheckpointStores in a temporary directory.
+"""
+
+import pytest
+import torch
+
+from fusionllm.common.run_spec import RunSpec
+from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
+from fusionllm.node.pipeline.mailbox import Role
+from fusionllm.node.pipeline.stage import StageWorker
+from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.swarm_node import build_workload
+from fusionllm.node.training.assignment import Assignment
+from fusionllm.node.training.board import Copy
+from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
+from fusionllm.node.training.copies import digest48, stage_state
+from fusionllm.node.training.holdings import MAX_HOLDINGS, Holding
+from fusionllm.node.training.session import Held
+from fusionllm.node.training.vault import Vault
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RUN = RunSpec(seq_len=16, micro_batch_size=2, micro_batches=4, steps=10)
+STAGE_1 = Role(1, 0)
+
+
+class Model:
+    """The run's graph in two stages, and a worker serving stage 1."""
+
+    def __init__(self) -> None:
+        self.graph, _ = build_workload(RUN)
+        (cut,) = balanced_cuts(self.graph, 2)
+        self.config = TrainConfig.for_run(RUN, cuts=(cut,), replicas=(1, 1))
+        self.layout = PipelineLayout(self.graph, self.config.cuts)
+        self.ranges = ((0, cut), (cut, len(self.graph.node_ids)))
+        self.worker = StageWorker(
+            self.layout, 1, optimizer=self.config.optimizer, micro_batches=RUN.micro_batches
+        )
+
+    def params_of(self, start: int, stop: int) -> frozenset[str]:
+        """As the trainer computes it: the canonical parameters graph nodes [start, stop) use."""
+        canonical = self.graph.canonical_parameter_names()
+        module = self.graph.stage_module(self.graph.node_ids[start:stop])
+        return frozenset(canonical[n] for n, _ in module.named_parameters())
+
+    def held(self, next_step: int, role: Role | None = STAGE_1) -> Held:
+        assignment = Assignment(
+            digest="ab" * 32,
+            config=self.config,
+            peers={Role(0, 0): "peer-0", Role(1, 0): "peer-1"},
+            role=role,
+            ranges=self.ranges,
+        )
+        return Held(assignment, self.layout, self.worker, next_step)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model()
+
+
+@pytest.fixture
+def vault(tmp_path, model) -> Vault:
+    return Vault(
+        own=CheckpointStore(tmp_path / "own"),
+        custody=CheckpointStore(tmp_path / "custody"),
+        params_of=model.params_of,
+    )
+
+
+def _copy_of(stage: StageState, peer: str = "peer-1") -> Copy:
+    return Copy(peer, stage.holding, dict(stage.state), digest48(stage.digest()))
+
+
+def _small(step: int, start: int, stop: int) -> StageState:
+    """A file for listings: the vault lists holdings by name and loads only what it serves."""
+    return StageState(Holding(step, start, stop), {"x": torch.zeros(4)})
+
+
+# ----- keep_copy ------------------------------------------------------------------------------
+
+
+def test_the_worker_holds_the_parameters_params_of_names_for_its_range(model) -> None:
+    # keep_copy checks a copy against params_of: the tests below rely on this.
+    assert set(model.worker.parameters) == model.params_of(*model.ranges[1])
+    assert model.params_of(*model.ranges[0]) != model.params_of(*model.ranges[1])
+
+
+def test_a_good_copy_lands_in_custody_and_is_announced(vault, model) -> None:
+    holding = Holding(6, *model.ranges[1])
+    stage = stage_state(model.worker, holding)
+    assert vault.keep_copy(_copy_of(stage)) is True
+    assert vault.custody.holdings() == [holding]
+    assert vault.own.holdings() == []
+    kept = vault.custody.load(holding)
+    assert kept.digest() == stage.digest()
+    for name, tensor in stage.state.items():
+        assert torch.equal(kept.state[name], tensor)
+    assert vault.holdings() == [holding]
+    name = sorted(stage.state)[0]
+    assert torch.equal(vault.export(holding, name), stage.state[name])
+
+
+def test_a_copy_failing_its_digest_is_dropped(vault, model) -> None:
+    stage = stage_state(model.worker, Holding(6, *model.ranges[1]))
+    right = _copy_of(stage)
+    wrong = Copy(right.peer, right.holding, right.state, right.digest48 ^ 1)
+    assert vault.keep_copy(wrong) is False
+    # Values changed after the digest was taken (a part damaged on the way).
+    good = _copy_of(stage)
+    name = sorted(good.state)[0]
+    good.state[name] = good.state[name].clone()
+    good.state[name][0] += 1.0
+    assert vault.keep_copy(good) is False
+    assert vault.custody.holdings() == []
+    assert vault.holdings() == []
+
+
+def test_a_copy_with_the_wrong_parameters_is_dropped(vault, model) -> None:
+    stage = stage_state(model.worker, Holding(6, *model.ranges[1]))
+    missing = dict(stage.state)
+    missing.pop(sorted(missing)[0])
+    extra = {**stage.state, "transformer.not_a_parameter": torch.zeros(7)}
+    for state in (missing, extra):
+        partial = StageState(stage.holding, state)
+        assert vault.keep_copy(_copy_of(partial)) is False
+    # The right state under the other stage's node range.
+    elsewhere = StageState(Holding(6, *model.ranges[0]), dict(stage.state))
+    assert vault.keep_copy(_copy_of(elsewhere)) is False
+    assert vault.custody.holdings() == []
+
+
+def test_a_copy_with_non_finite_values_is_dropped(vault, model) -> None:
+    stage = stage_state(model.worker, Holding(6, *model.ranges[1]))
+    name = sorted(stage.state)[0]
+    stage.state[name] = stage.state[name].clone()
+    stage.state[name][1] = float("nan")
+    assert vault.keep_copy(_copy_of(stage)) is False  # its digest matches: the values do not
+    assert vault.custody.holdings() == []
+
+
+# ----- holdings -------------------------------------------------------------------------------
+
+
+def test_holdings_are_live_then_own_then_custody_without_step_zero(vault, model) -> None:
+    first, second = model.ranges
+    vault.set_live(model.held(next_step=9))
+    for step in (0, 7):
+        vault.own.save(_small(step, *second))
+    for step in (5, 8, 0):  # custody newer than our own checkpoint still comes after it
+        vault.custody.save(_small(step, *first))
+    assert vault.own.holdings() == [Holding(7, *second), Holding(0, *second)]
+    assert vault.custody.holdings() == [Holding(8, *first), Holding(5, *first)]  # 0: pruned
+    assert vault.holdings() == [
+        Holding(9, *second),  # live: the state before the worker's next step
+        Holding(7, *second),
+        Holding(8, *first),
+        Holding(5, *first),
+    ]
+
+
+def test_holdings_list_each_once_and_at_most_max_holdings(vault, model) -> None:
+    assert MAX_HOLDINGS == 8
+    vault.set_live(model.held(next_step=9))
+    for step in (0, 6):
+        for start in (0, 10, 20):
+            vault.own.save(_small(step, start, start + 10))
+    for step, start in [(5, 30), (5, 40), (5, 50), (6, 30), (6, 40), (6, 0)]:
+        vault.custody.save(_small(step, start, start + 10))  # (6, 0, 10) is also our own
+    assert len(vault.own.holdings()) + len(vault.custody.holdings()) == 12
+    assert vault.holdings() == [
+        Holding(9, *model.ranges[1]),
+        Holding(6, 0, 10),
+        Holding(6, 10, 20),
+        Holding(6, 20, 30),  # our step-0 files are left out before the list is cut
+        Holding(6, 30, 40),  # custody's (6, 0, 10) is not repeated
+        Holding(6, 40, 50),
+        Holding(5, 30, 40),
+        Holding(5, 40, 50),  # (5, 50, 60) would be the ninth
+    ]
+
+
+def test_live_state_is_announced_only_past_step_zero_and_with_a_role(vault, model) -> None:
+    assert vault.live_holding() is None
+    vault.set_live(model.held(next_step=0))
+    assert vault.live_holding() == Holding(0, *model.ranges[1])
+    assert vault.holdings() == []  # everyone builds step 0 itself
+    vault.set_live(model.held(next_step=3, role=None))  # a backup: no stage of its own
+    assert vault.live_holding() is None
+    assert vault.holdings() == []
+    vault.set_live(model.held(next_step=3))
+    assert vault.holdings() == [Holding(3, *model.ranges[1])]
+    vault.set_live(None)
+    assert vault.holdings() == []
+
+
+def test_live_state_is_exported_from_the_worker(vault, model) -> None:
+    vault.set_live(model.held(next_step=3))
+    holding = Holding(3, *model.ranges[1])
+    for name in model.worker.parameters:
+        assert torch.equal(vault.export(holding, name), model.worker.export_state(name))
+    with pytest.raises(CheckpointError, match="no state"):
+        vault.export(Holding(2, *model.ranges[1]), name)
+
+
+def test_discard_after_drops_files_of_later_steps_from_both_stores(vault, model) -> None:
+    vault.own.save(_small(4, 0, 10))
+    vault.own.save(_small(7, 0, 10))
+    vault.custody.save(_small(6, 10, 20))
+    vault.custody.save(_small(5, 10, 20))
+    vault.discard_after(5)
+    assert vault.own.holdings() == [Holding(4, 0, 10)]
+    assert vault.custody.holdings() == [Holding(5, 10, 20)]
