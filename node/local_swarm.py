@@ -146,3 +146,53 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(poll)
+
+
+# ----- reading a churning swarm's events (tests and benchmarks/churn.py) --------------------
+
+
+def trained_steps(node: NodeProcess) -> dict[int, float]:
+    """step -> loss, as the node reported them (a step recomputed after a rollback: the last)."""
+    return {e["step"]: e["loss"] for e in node.snapshot() if e["event"] == "step"}
+
+
+def last_step(nodes: list[NodeProcess]) -> int:
+    """The newest step any node reported finishing (-1: none)."""
+    return max((s for n in nodes for s in trained_steps(n)), default=-1)
+
+
+def plans_started(node: NodeProcess) -> list[dict]:
+    return [e for e in node.snapshot() if e["event"] == "train_plan"]
+
+
+def serving(nodes: list[NodeProcess]) -> list[NodeProcess]:
+    """Alive nodes whose newest plan is still running."""
+    found = []
+    for node in nodes:
+        kinds = [e["event"] for e in node.snapshot() if e["event"] in ("train_plan", "plan_end")]
+        if node.alive() and kinds and kinds[-1] == "train_plan":
+            found.append(node)
+    return found
+
+
+def rollbacks(nodes: list[NodeProcess], since: float) -> list[int]:
+    """For every plan a node started after ``since`` (wall clock): how many finished steps
+    it went back over (the newest step finished anywhere before it, minus its start)."""
+    finished = [(e["t"], e["step"]) for n in nodes for e in n.snapshot() if e["event"] == "step"]
+    lost = []
+    for node in nodes:
+        for plan in plans_started(node):
+            if plan["t"] > since:
+                done = max((s + 1 for t, s in finished if t < plan["t"]), default=0)
+                lost.append(done - plan["start_step"])
+    return lost
+
+
+def first_step_after(nodes: list[NodeProcess], since: float) -> float | None:
+    """Wall-clock time of the first step finished by a plan started after ``since``."""
+    starts = [p["t"] for n in nodes for p in plans_started(n) if p["t"] > since]
+    if not starts:
+        return None
+    begun = min(starts)
+    times = [e["t"] for n in nodes for e in n.snapshot() if e["event"] == "step" and e["t"] > begun]
+    return min(times, default=None)

@@ -16,8 +16,13 @@ import pytest
 
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import last_step as _last_step
+from fusionllm.node.local_swarm import rollbacks as _rollbacks
+from fusionllm.node.local_swarm import serving as _serving
+from fusionllm.node.local_swarm import trained_steps as _steps
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.training.checkpoints import CheckpointStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -32,43 +37,6 @@ BASE = {
     "step-timeout": 60,
     "checkpoint-every": EVERY,
 }
-
-
-def _steps(node) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in node.snapshot() if e["event"] == "step"}
-
-
-def _last_step(nodes) -> int:
-    """The newest step any node reported finishing (-1: none)."""
-    return max((s for n in nodes for s in _steps(n)), default=-1)
-
-
-def _plans(node) -> list[dict]:
-    return [e for e in node.snapshot() if e["event"] == "train_plan"]
-
-
-def _serving(nodes) -> list:
-    """Alive nodes whose newest plan is still running."""
-    found = []
-    for node in nodes:
-        events = node.snapshot()
-        kinds = [e["event"] for e in events if e["event"] in ("train_plan", "plan_end")]
-        if node.alive() and kinds and kinds[-1] == "train_plan":
-            found.append(node)
-    return found
-
-
-def _rollbacks(nodes, since: float) -> list[int]:
-    """For every plan a node started after ``since`` (wall clock): how many finished steps
-    it went back over (the newest step finished anywhere before it, minus its start)."""
-    finished = [(e["t"], e["step"]) for n in nodes for e in n.snapshot() if e["event"] == "step"]
-    lost = []
-    for node in nodes:
-        for plan in _plans(node):
-            if plan["t"] > since:
-                done = max((s + 1 for t, s in finished if t < plan["t"]), default=0)
-                lost.append(done - plan["start_step"])
-    return lost
 
 
 def _reference(steps: int) -> list[float]:
@@ -129,5 +97,61 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
             np.mean(reference[-5:]),
         )
         assert abs(final - expected) <= 0.05 * expected, (final, expected)
+    finally:
+        swarm.close()
+
+
+def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
+    swarm = LocalSwarm(
+        # Long enough that the first node, training alone at first, is still at it when the
+        # others have joined and the swarm has re-planned onto two replicas.
+        tmp_path, extra={**BASE, "steps": 800, "min-stages": 1, "max-stages": 1,
+                         "max-replicas": 2}
+    )  # fmt: skip
+    try:
+        first = swarm.start("a")
+        wait_for(lambda: first.last("ready"), 60, "the first node")
+        nodes = [first, *(swarm.start(n, bootstrap=first.dht_addr) for n in "bc")]
+
+        def replicated():
+            serving = _serving(nodes)
+            plans = [n.last("train_plan") for n in serving]
+            if len(serving) == 2 and all(len(p["stages"][0]) == 2 for p in plans):
+                return _last_step(serving) >= 10 and serving
+
+        serving = wait_for(replicated, 240, "a plan of one stage on two replicas, 10 steps on")
+        crashed_at = time.time()
+        serving[0].kill(signal.SIGKILL)
+        others = [n for n in nodes if n is not serving[0]]
+        wait_for(lambda: _rollbacks(others, crashed_at), 120, "a plan without the dead replica")
+        assert max(_rollbacks(others, crashed_at)) == 0, "a replica's death cost steps"
+        wait_for(lambda: all(not n.alive() for n in others), 300, "the others to finish")
+        assert all(n.process.returncode == 0 for n in others), swarm.logs()
+    finally:
+        swarm.close()
+
+
+def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
+    options = {**BASE, "steps": 60, "min-stages": 1, "max-stages": 1}
+    swarm = LocalSwarm(tmp_path, extra=options)
+    try:
+        node = swarm.start("solo", extra={"checkpoint-pause": 5})
+        wait_for(lambda: list(tmp_path.glob(f"solo/checkpoints/*/s{EVERY:09d}-*.pt")), 240,
+                 "the first checkpoint")  # fmt: skip
+        (directory,) = {p.parent for p in tmp_path.glob("solo/checkpoints/*/*.pt")}
+        wait_for(lambda: list(directory.glob(f".s{2 * EVERY:09d}-*.tmp")), 60,
+                 "the second checkpoint's write, paused before its rename")  # fmt: skip
+        node.kill(signal.SIGKILL)
+        store = CheckpointStore(directory)
+        (kept,) = store.holdings()
+        assert kept.step == EVERY
+        assert store.load(kept).state, "the previous checkpoint does not load"
+
+        back = swarm.start("solo")  # same key and work dir, no pause
+        wait_for(lambda: back.last("train_plan"), 120, "the restarted node to train")
+        assert back.last("train_plan")["start_step"] == EVERY
+        wait_for(lambda: not back.alive(), 240, "the run to end")
+        assert back.process.returncode == 0, swarm.logs()
+        assert sorted(_steps(back)) == list(range(EVERY, 60))
     finally:
         swarm.close()
