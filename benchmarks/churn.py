@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from fusionllm.node.local_swarm import (
+    TEST_DEVICE,
     LocalSwarm,
     first_step_after,
     last_step,
@@ -53,7 +54,9 @@ def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict:
     extra = {"steps": args.steps, "seq-len": 64, "micro-batch-size": 2, "micro-batches": 4,
              "lr": 3e-3, "threads": 1, "dense": True, "step-timeout": 60,
              "checkpoint-every": args.checkpoint_every, **options}  # fmt: skip
-    swarm = LocalSwarm(root, extra=extra)
+    # Replicas pay off in the planner's eyes only if compute dominates: advertise a slow device.
+    device = {**TEST_DEVICE, "flops": TEST_DEVICE["flops"] / 100} if "replica" in scenario else None
+    swarm = LocalSwarm(root, extra=extra, device=device)
     try:
         first = swarm.start("n0")
         wait_for(lambda: first.last("ready"), 120, "the first node")

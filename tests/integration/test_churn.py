@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fusionllm.common.run_spec import RunSpec
-from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.local_swarm import last_step as _last_step
 from fusionllm.node.local_swarm import rollbacks as _rollbacks
 from fusionllm.node.local_swarm import serving as _serving
@@ -27,6 +27,9 @@ from fusionllm.node.training.checkpoints import CheckpointStore
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 EVERY = 10
+# Advertised 100x slower than the test CPU, so that the planner finds halving each node's
+# compute worth a gradient all-reduce, and deals two data-parallel replicas.
+SLOW_DEVICE = {**TEST_DEVICE, "flops": TEST_DEVICE["flops"] / 100}
 BASE = {
     "seq-len": 64,
     "micro-batch-size": 2,
@@ -106,7 +109,8 @@ def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
         # Long enough that the first node, training alone at first, is still at it when the
         # others have joined and the swarm has re-planned onto two replicas.
         tmp_path, extra={**BASE, "steps": 800, "min-stages": 1, "max-stages": 1,
-                         "max-replicas": 2}
+                         "max-replicas": 2},
+        device=SLOW_DEVICE,
     )  # fmt: skip
     try:
         first = swarm.start("a")
