@@ -1,23 +1,28 @@
 """The board between plans (``board.py``): READY bodies encoded and decoded (and malformed ones
-refused), and the custody path: CUSTODY parts, then a MANIFEST, make one ``Copy`` only when
-they agree; frames from non-members are refused; unfinished copies per peer are bounded.
+refused), READYs filed per (peer, round), WANT frames handed on, and the custody path: CUSTODY
+parts and a MANIFEST, in any order, make one ``Copy`` only when they agree; frames from
+non-members are refused; unfinished copies per peer are bounded.
 
 Frames are built as the router hands them over (``Received``), with no transport.
 """
+
+import logging
 
 import pytest
 import torch
 
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
-from fusionllm.node.p2p.transport import Received
+from fusionllm.node.p2p.transport import Received, TensorSpec
 from fusionllm.node.training.board import (
     _PENDING_COPIES_PER_PEER,
+    _READY_HEAD,
     MANIFEST_LEN,
     READY_LEN,
     TAG_CUSTODY,
     TAG_MANIFEST,
     TAG_READY,
     TAG_STATE,
+    TAG_WANT,
     Board,
     Copy,
     Ready,
@@ -51,13 +56,25 @@ def _manifest(peer: str, step: int, start: int, stop: int, count: int, digest48:
     return Received(peer, _header(step if header_step is None else header_step, TAG_MANIFEST), body)
 
 
+def _ready(peer: str, vote: float, holdings: list[Holding], *, round: int = 0) -> Received:
+    return Received(peer, _header(0, TAG_READY), encode_ready(vote, holdings, round=round))
+
+
+def _want(peer: str, hint: float) -> Received:
+    return Received(peer, _header(0, TAG_WANT), torch.tensor([hint], dtype=torch.float64))
+
+
 class _Keeper:
-    """A board over SHAPES whose members are MEMBERS, and the copies it hands over."""
+    """A board over SHAPES whose members are MEMBERS, and the copies and WANTs it hands over."""
 
     def __init__(self) -> None:
         self.copies: list[Copy] = []
+        self.wants: list[tuple[str, int]] = []
         self.board = Board(
-            shapes=SHAPES, is_member=MEMBERS.__contains__, on_copy=self.copies.append
+            shapes=SHAPES,
+            is_member=MEMBERS.__contains__,
+            on_copy=self.copies.append,
+            on_want=lambda peer, hint: self.wants.append((peer, hint)),
         )
 
     def put(self, *items: Received) -> None:
@@ -71,24 +88,26 @@ class _Keeper:
 def test_a_ready_body_round_trips() -> None:
     holdings = [Holding(12, 0, 7), Holding(10, 7, 20), Holding(2**40, 3, 2**33)]
     vote = float(0xABCDEF012345)  # 48 bits: exact in float64
-    body = encode_ready(vote, holdings)
+    body = encode_ready(vote, holdings, round=3, hint=2**40 + 1)
     assert body.dtype == torch.float64
-    assert tuple(body.shape) == (READY_LEN,) == (2 + 3 * MAX_HOLDINGS,)
-    assert body[2 + 3 * len(holdings) :].eq(-1).all()  # unused slots
-    assert decode_ready(body) == Ready(vote, tuple(holdings))
-    assert decode_ready(encode_ready(3.0, [])) == Ready(3.0, ())
+    assert _READY_HEAD == 4
+    assert tuple(body.shape) == (READY_LEN,) == (4 + 3 * MAX_HOLDINGS,)
+    assert body[:4].tolist() == [vote, 3, 2**40 + 1, len(holdings)]
+    assert body[4 + 3 * len(holdings) :].eq(-1).all()  # unused slots
+    assert decode_ready(body) == Ready(vote, 3, 2**40 + 1, tuple(holdings))
+    assert decode_ready(encode_ready(3.0, [])) == Ready(3.0, 0, 0, ())  # round and hint default
 
 
 def test_a_ready_body_carries_at_most_max_holdings() -> None:
     holdings = [Holding(step, 0, 4) for step in range(MAX_HOLDINGS + 3, 0, -1)]
-    ready = decode_ready(encode_ready(1.0, holdings))
-    assert ready == Ready(1.0, tuple(holdings[:MAX_HOLDINGS]))
+    ready = decode_ready(encode_ready(1.0, holdings, round=1, hint=7))
+    assert ready == Ready(1.0, 1, 7, tuple(holdings[:MAX_HOLDINGS]))
 
 
 def test_a_full_ready_body_claiming_one_holding_more_is_refused() -> None:
     full = encode_ready(1.0, [Holding(step, 0, 4) for step in range(1, MAX_HOLDINGS + 1)])
     assert len(decode_ready(full).holdings) == MAX_HOLDINGS
-    assert decode_ready(_with(full, 1, MAX_HOLDINGS + 1)) is None
+    assert decode_ready(_with(full, 3, MAX_HOLDINGS + 1)) is None
 
 
 def _with(body: torch.Tensor, at: int, value: float) -> torch.Tensor:
@@ -97,46 +116,122 @@ def _with(body: torch.Tensor, at: int, value: float) -> torch.Tensor:
     return body
 
 
-# Slots of the good body: 0 vote, 1 count = 2, then (step, start, stop) = (4, 2, 7) in 2-4 and
-# (3, 0, 2) in 5-7; the rest -1.
+# Slots of the good body: 0 vote, 1 round = 1, 2 hint = 9, 3 count = 2, then
+# (step, start, stop) = (4, 2, 7) in 4-6 and (3, 0, 2) in 7-9; the rest -1.
 @pytest.mark.parametrize(
     ("at", "value"),
     [
-        (1, MAX_HOLDINGS + 1),  # count out of range
-        (1, -1),
-        (1, 3),  # more holdings than listed: the third slot holds -1s
-        (1, 1.5),  # count not an integer
+        (1, -1),  # negative round
+        (1, 1.5),  # round not an integer
         (1, float("nan")),
         (1, float("inf")),
-        (2, 2.5),  # step not an integer
-        (2, -4),  # negative step
-        (3, -1),  # negative start
-        (3, 9),  # start > stop
-        (3, 7),  # start == stop
-        (4, 2.0**62),  # past what the check accepts
-        (4, float("nan")),
-        (4, float("inf")),
-        (6, 2),  # the second holding: start == stop
+        (1, 2.0**62),  # past what the check accepts
+        (2, -1),  # negative hint
+        (2, 2.5),  # hint not an integer
+        (2, float("nan")),
+        (2, float("inf")),
+        (2, 2.0**62),
+        (3, MAX_HOLDINGS + 1),  # count out of range
+        (3, -1),
+        (3, 3),  # more holdings than listed: the third slot holds -1s
+        (3, 1.5),  # count not an integer
+        (3, float("nan")),
+        (3, float("inf")),
+        (4, 2.5),  # step not an integer
+        (4, -4),  # negative step
+        (5, -1),  # negative start
+        (5, 9),  # start > stop
+        (5, 7),  # start == stop
+        (6, 2.0**62),  # past what the check accepts
+        (6, float("nan")),
+        (6, float("inf")),
+        (8, 2),  # the second holding: start == stop
+        (9, -1),  # the second holding: negative stop
     ],
 )
 def test_a_malformed_ready_body_is_refused(at, value) -> None:
-    good = encode_ready(5.0, [Holding(4, 2, 7), Holding(3, 0, 2)])
-    assert decode_ready(good) == Ready(5.0, (Holding(4, 2, 7), Holding(3, 0, 2)))
+    good = encode_ready(5.0, [Holding(4, 2, 7), Holding(3, 0, 2)], round=1, hint=9)
+    assert decode_ready(good) == Ready(5.0, 1, 9, (Holding(4, 2, 7), Holding(3, 0, 2)))
     assert decode_ready(_with(good, at, value)) is None
 
 
 def test_a_ready_from_a_member_is_filed_by_vote_and_a_malformed_one_is_refused() -> None:
     keeper = _Keeper()
     board = keeper.board
-    body = encode_ready(9.0, [Holding(4, 0, 3)])
+    body = encode_ready(9.0, [Holding(4, 0, 3)], hint=6)
     keeper.put(Received("m1", _header(0, TAG_READY), body))
     keeper.put(Received("outsider", _header(0, TAG_READY), body))
-    keeper.put(Received("m2", _header(0, TAG_READY), _with(body, 1, 1.5)))
-    assert board.refused == 2
-    assert board.ready_of(["m1", "m2", "outsider"], 9.0) == {"m1": Ready(9.0, (Holding(4, 0, 3),))}
+    keeper.put(Received("m2", _header(0, TAG_READY), _with(body, 3, 1.5)))  # count 1.5
+    keeper.put(Received("m2", _header(0, TAG_READY), _with(body, 1, -1)))  # round -1
+    assert board.refused == 3
+    want = {"m1": Ready(9.0, 0, 6, (Holding(4, 0, 3),))}
+    assert board.ready_of(["m1", "m2", "outsider"], 9.0) == want
     assert board.ready_of(["m1"], 8.0) == {}  # another plan's vote
     board.forget(9.0)
     assert board.ready_of(["m1"], 9.0) == {}
+
+
+def test_readys_are_filed_per_round_and_one_round_never_answers_for_another() -> None:
+    keeper = _Keeper()
+    board = keeper.board
+    first, second = [Holding(4, 0, 3)], [Holding(4, 0, 3), Holding(9, 0, 5)]
+    keeper.put(_ready("m1", 9.0, first, round=0), _ready("m2", 9.0, second, round=1))
+    assert board.ready_of(["m1", "m2"], 9.0) == {"m1": Ready(9.0, 0, 0, tuple(first))}
+    assert board.ready_of(["m1", "m2"], 9.0, round=0) == board.ready_of(["m1", "m2"], 9.0)
+    assert board.ready_of(["m1", "m2"], 9.0, round=1) == {"m2": Ready(9.0, 1, 0, tuple(second))}
+    # A member's round-1 READY sits beside its round-0 one; neither replaces the other.
+    keeper.put(_ready("m1", 9.0, second, round=1))
+    assert board.ready_of(["m1"], 9.0, round=0) == {"m1": Ready(9.0, 0, 0, tuple(first))}
+    assert board.ready_of(["m1"], 9.0, round=1) == {"m1": Ready(9.0, 1, 0, tuple(second))}
+    assert board.ready_of(["m1", "m2"], 9.0, round=2) == {}
+    # Within one round the newest READY wins.
+    keeper.put(_ready("m1", 9.0, [Holding(5, 0, 3)], round=0))
+    assert board.ready_of(["m1"], 9.0) == {"m1": Ready(9.0, 0, 0, (Holding(5, 0, 3),))}
+
+
+def test_forget_drops_every_round_of_its_vote_and_only_of_its_vote() -> None:
+    keeper = _Keeper()
+    board = keeper.board
+    keeper.put(_ready("m1", 9.0, [], round=0), _ready("m1", 9.0, [], round=1))
+    keeper.put(_ready("m2", 8.0, [], round=0), _ready("m2", 8.0, [], round=1))
+    board.forget(9.0)
+    for round in (0, 1):
+        assert board.ready_of(["m1", "m2"], 9.0, round=round) == {}
+        assert board.ready_of(["m1", "m2"], 8.0, round=round) == {"m2": Ready(8.0, round, 0, ())}
+
+
+def test_wait_sees_a_ready_only_in_its_round() -> None:
+    keeper = _Keeper()
+    board = keeper.board
+    keeper.put(_ready("m1", 9.0, [], round=1))
+    assert not board.wait(lambda: "m1" in board.ready_of(["m1"], 9.0, round=0), 0.05)
+    assert board.wait(lambda: "m1" in board.ready_of(["m1"], 9.0, round=1), 0.05)
+
+
+# ----- WANT -----------------------------------------------------------------------------------
+
+
+def test_a_members_want_is_handed_on_with_its_hint() -> None:
+    keeper = _Keeper()
+    keeper.put(_want("m1", 7.0), _want("m2", 0.0), _want("m1", float(2**40)))
+    assert keeper.wants == [("m1", 7), ("m2", 0), ("m1", 2**40)]
+    assert all(type(hint) is int for _, hint in keeper.wants)
+    assert keeper.board.refused == 0
+
+
+def test_a_want_from_a_non_member_is_refused() -> None:
+    keeper = _Keeper()
+    keeper.put(_want("outsider", 7.0))
+    assert keeper.wants == []
+    assert keeper.board.refused == 1
+
+
+@pytest.mark.parametrize("hint", [float("nan"), float("inf"), -1.0, 1.5, 2.0**62])
+def test_a_malformed_want_is_refused(hint) -> None:
+    keeper = _Keeper()
+    keeper.put(_want("m1", hint))
+    assert keeper.wants == []
+    assert keeper.board.refused == 1
 
 
 # ----- expectations ---------------------------------------------------------------------------
@@ -144,8 +239,10 @@ def test_a_ready_from_a_member_is_filed_by_vote_and_a_malformed_one_is_refused()
 
 def test_the_board_expects_its_frames_shapes_and_nothing_else() -> None:
     board = _Keeper().board
-    assert board.expect(_header(0, TAG_READY)).shape == (READY_LEN,)
-    assert board.expect(_header(0, TAG_MANIFEST)).shape == (MANIFEST_LEN,)
+    assert board.expect(_header(0, TAG_READY)) == TensorSpec(torch.float64, (READY_LEN,))
+    assert board.expect(_header(0, TAG_MANIFEST)) == TensorSpec(torch.float64, (MANIFEST_LEN,))
+    assert board.expect(_header(0, TAG_WANT)) == TensorSpec(torch.float64, (1,))
+    assert is_board_frame(_header(0, TAG_WANT))
     for tag in (TAG_STATE, TAG_CUSTODY):
         for index, name in enumerate(NAMES):
             spec = board.expect(_header(3, tag + index))
@@ -155,11 +252,20 @@ def test_the_board_expects_its_frames_shapes_and_nothing_else() -> None:
         assert beyond.shape == (-1,)  # no tensor has it: the transport refuses the frame
     assert board.expect(_header(0, 5)) is None
     assert not is_board_frame(_header(0, 5))
-    activation = FrameHeader(step=0, micro_batch=TAG_READY, kind=FrameKind.ACTIVATION, stage=0)
-    assert board.expect(activation) is None  # a READY tag on a data frame is not the board's
+    for tag in (TAG_READY, TAG_WANT):
+        data = FrameHeader(step=0, micro_batch=tag, kind=FrameKind.ACTIVATION, stage=0)
+        assert board.expect(data) is None  # a board tag on a data frame is not the board's
+        assert not is_board_frame(data)
 
 
 # ----- custody --------------------------------------------------------------------------------
+
+
+def _check_copy(copy: Copy, peer: str, holding: Holding, digest48: int, values: dict) -> None:
+    assert (copy.peer, copy.holding, copy.digest48) == (peer, holding, digest48)
+    assert sorted(copy.state) == sorted(values)
+    for name, value in values.items():
+        assert torch.equal(copy.state[name], _part_tensor(name, value))
 
 
 def test_custody_parts_then_a_matching_manifest_make_one_copy() -> None:
@@ -168,34 +274,80 @@ def test_custody_parts_then_a_matching_manifest_make_one_copy() -> None:
     assert keeper.copies == []  # nothing before the manifest
     keeper.put(_manifest("m1", 6, 0, 5, count=3, digest48=123456789))
     assert len(keeper.copies) == 1
-    copy = keeper.copies[0]
-    assert (copy.peer, copy.holding, copy.digest48) == ("m1", Holding(6, 0, 5), 123456789)
-    assert sorted(copy.state) == ["b", "g", "w"]
-    for name, value in [("w", 1.0), ("b", 2.0), ("g", 3.0)]:
-        assert torch.equal(copy.state[name], _part_tensor(name, value))
+    _check_copy(keeper.copies[0], "m1", Holding(6, 0, 5), 123456789, {"w": 1, "b": 2, "g": 3})
     # The parts were used up: the same manifest again makes nothing.
     keeper.put(_manifest("m1", 6, 0, 5, count=3, digest48=123456789))
     assert len(keeper.copies) == 1
     assert keeper.board.refused == 0
 
 
-def test_a_manifest_whose_count_differs_drops_the_copy() -> None:
+def test_a_manifest_first_waits_for_its_parts() -> None:
+    keeper = _Keeper()
+    keeper.put(_manifest("m1", 6, 0, 5, count=3, digest48=42))
+    keeper.put(_part("m1", 6, "g", 3.0), _part("m1", 6, "w", 1.0))
+    assert keeper.copies == []  # one part still to come
+    keeper.put(_part("m1", 6, "b", 2.0))
+    assert len(keeper.copies) == 1
+    _check_copy(keeper.copies[0], "m1", Holding(6, 0, 5), 42, {"w": 1, "b": 2, "g": 3})
+    # Used up: a late duplicate part only starts a new pending copy, with no manifest.
+    keeper.put(_part("m1", 6, "b", 2.0))
+    assert len(keeper.copies) == 1
+    assert keeper.board.refused == 0
+
+
+def test_a_manifest_between_its_parts_completes_with_the_last_part() -> None:
+    keeper = _Keeper()
+    keeper.put(_part("m1", 6, "w", 1.0))
+    keeper.put(_manifest("m1", 6, 2, 4, count=2, digest48=5))
+    assert keeper.copies == []
+    keeper.put(_part("m1", 6, "g", 3.0))
+    assert len(keeper.copies) == 1
+    _check_copy(keeper.copies[0], "m1", Holding(6, 2, 4), 5, {"w": 1, "g": 3})
+
+
+def test_a_missing_part_holds_the_copy_back_until_it_comes() -> None:
     keeper = _Keeper()
     keeper.put(_part("m1", 6, "w"), _part("m1", 6, "b"))
-    keeper.put(_manifest("m1", 6, 0, 5, count=3))  # a part went missing
+    keeper.put(_manifest("m1", 6, 0, 5, count=3))  # a part has not come yet
     assert keeper.copies == []
-    keeper.put(_manifest("m1", 6, 0, 5, count=2))  # the parts went with the failed manifest
-    assert keeper.copies == []
+    keeper.put(_part("m1", 6, "g"))
+    assert [sorted(c.state) for c in keeper.copies] == [["b", "g", "w"]]
+
+
+def test_more_parts_than_the_manifest_says_drop_the_copy(caplog) -> None:
+    keeper = _Keeper()
     keeper.put(_part("m1", 7, "w"), _part("m1", 7, "b"), _part("m1", 7, "g"))
-    keeper.put(_manifest("m1", 7, 0, 5, count=2))  # one part too many
+    with caplog.at_level(logging.WARNING, logger="fusionllm"):
+        keeper.put(_manifest("m1", 7, 0, 5, count=2))  # one part too many
+    assert keeper.copies == []
+    assert "manifest says 2" in caplog.text
+    assert keeper.board.refused == 0  # dropped, not refused
+    # The parts went with it: a manifest of the right count finds none.
+    keeper.put(_manifest("m1", 7, 0, 5, count=3))
     assert keeper.copies == []
 
 
-def test_a_manifest_for_another_step_than_its_header_drops_the_copy() -> None:
+def test_a_manifest_for_another_step_than_its_header_is_refused_and_the_parts_wait() -> None:
     keeper = _Keeper()
     keeper.put(_part("m1", 6, "w"))
     keeper.put(_manifest("m1", 6, 0, 5, count=1, header_step=7))
     assert keeper.copies == []
+    assert keeper.board.refused == 1
+    keeper.put(_part("m1", 7, "w"))  # the header's step has no manifest either
+    assert keeper.copies == []
+    keeper.put(_manifest("m1", 6, 0, 5, count=1))
+    assert [c.holding for c in keeper.copies] == [Holding(6, 0, 5)]
+
+
+def test_a_manifest_counting_more_parts_than_there_are_names_is_refused() -> None:
+    keeper = _Keeper()
+    keeper.put(_part("m1", 6, "w"), _part("m1", 6, "b"), _part("m1", 6, "g"))
+    keeper.put(_manifest("m1", 6, 0, 5, count=len(NAMES) + 1))
+    assert keeper.copies == []
+    assert keeper.board.refused == 1
+    keeper.put(_manifest("m1", 6, 0, 5, count=len(NAMES)))  # the parts still wait
+    assert [sorted(c.state) for c in keeper.copies] == [NAMES]
+    assert keeper.board.refused == 1
 
 
 def test_parts_of_one_peer_never_complete_another_peers_copy() -> None:
@@ -205,6 +357,10 @@ def test_parts_of_one_peer_never_complete_another_peers_copy() -> None:
     assert keeper.copies == []
     keeper.put(_manifest("m2", 6, 0, 5, count=1))
     assert [(c.peer, sorted(c.state)) for c in keeper.copies] == [("m2", ["b"])]
+    keeper.put(_part("m2", 6, "g"))  # m2's new part is not m1's
+    assert len(keeper.copies) == 1
+    keeper.put(_part("m1", 6, "g"))
+    assert [(c.peer, sorted(c.state)) for c in keeper.copies[1:]] == [("m1", ["g", "w"])]
 
 
 @pytest.mark.parametrize(
@@ -216,6 +372,7 @@ def test_parts_of_one_peer_never_complete_another_peers_copy() -> None:
         [6, 0, 5, 1.5, 77],  # not an integer
         [6, 0, 5, 1, float("nan")],
         [6, 0, 5, float("inf"), 77],
+        [float("nan"), 0, 5, 1, 77],
     ],
 )
 def test_a_malformed_manifest_is_refused_and_the_parts_wait_for_a_good_one(values) -> None:
@@ -246,15 +403,37 @@ def test_unfinished_copies_are_bounded_per_peer_the_oldest_goes() -> None:
     keeper.put(_part("m2", 1, "g"))  # another peer's unfinished copy
     for step in (2, 4, 6):  # three unfinished copies from m1: step 2's is dropped
         keeper.put(_part("m1", step, "w"), _part("m1", step, "b"))
-    keeper.put(_manifest("m1", 2, 0, 5, count=2))
-    assert keeper.copies == []
     keeper.put(_manifest("m1", 4, 0, 5, count=2), _manifest("m1", 6, 0, 5, count=2))
+    keeper.put(_manifest("m1", 2, 0, 5, count=2))  # its parts are gone
     keeper.put(_manifest("m2", 1, 5, 9, count=1))
     assert [(c.peer, c.holding.step) for c in keeper.copies] == [("m1", 4), ("m1", 6), ("m2", 1)]
     # More parts of a copy already pending do not count as another copy.
     keeper.put(_part("m1", 8, "w"), _part("m1", 10, "w"), _part("m1", 8, "b"))
     keeper.put(_manifest("m1", 8, 0, 5, count=2), _manifest("m1", 10, 0, 5, count=1))
     assert [c.holding.step for c in keeper.copies[3:]] == [8, 10]
+
+
+def test_an_early_manifest_goes_with_its_copy_when_the_bound_drops_it() -> None:
+    keeper = _Keeper()
+    keeper.put(_manifest("m1", 2, 0, 5, count=2), _part("m1", 2, "w"))  # waits for "b"
+    keeper.put(_part("m1", 4, "w"), _part("m1", 6, "w"))  # step 2's copy is the oldest: dropped
+    keeper.put(_part("m1", 2, "w"), _part("m1", 2, "b"))  # step 2 again, its manifest gone
+    assert keeper.copies == []
+    keeper.put(_manifest("m1", 6, 0, 5, count=1))
+    assert [c.holding.step for c in keeper.copies] == [6]
+
+
+def test_early_manifests_are_bounded_per_peer_too() -> None:
+    keeper = _Keeper()
+    for step in range(1, 11):  # ten manifests whose parts never come
+        keeper.put(_manifest("m1", step, 0, 5, count=2))
+    keeper.put(_part("m1", 11, "w"))
+    assert len([k for k in keeper.board._parts if k[0] == "m1"]) == _PENDING_COPIES_PER_PEER
+    assert len([k for k in keeper.board._manifests if k[0] == "m1"]) < _PENDING_COPIES_PER_PEER
+    # The newest early manifest still waits for its parts; the older ones made room.
+    keeper.put(_part("m1", 10, "w"), _part("m1", 10, "b"))
+    keeper.put(_part("m1", 1, "w"), _part("m1", 1, "b"))
+    assert [c.holding.step for c in keeper.copies] == [10]
 
 
 # ----- moved state ----------------------------------------------------------------------------
@@ -273,3 +452,15 @@ def test_state_frames_are_taken_per_step_once_every_name_is_there() -> None:
     assert torch.equal(taken["w"], _part_tensor("w", 4.0))
     assert torch.equal(taken["b"], _part_tensor("b", 2.0))
     assert board.take_state(5, ["w"]) is None  # taken means removed
+
+
+def test_forget_drops_moved_state_before_a_step_only() -> None:
+    keeper = _Keeper()
+    board = keeper.board
+    for step in (3, 5):
+        keeper.put(Received("m1", _header(step, TAG_STATE), _part_tensor("b", float(step))))
+    board.forget(1.0)  # no step given: the state stays
+    assert board.missing_state(3, ["b"]) == board.missing_state(5, ["b"]) == []
+    board.forget(1.0, before_step=5)
+    assert board.missing_state(3, ["b"]) == ["b"]
+    assert board.missing_state(5, ["b"]) == []
