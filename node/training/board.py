@@ -203,12 +203,18 @@ class Board:
 
     def _add_part(self, peer: str, step: int, name: str, tensor: torch.Tensor) -> None:
         with self._cond:
-            mine = sorted(k for k in self._parts if k[0] == peer)
-            if (peer, step) not in self._parts and len(mine) >= _PENDING_COPIES_PER_PEER:
-                del self._parts[mine[0]]  # an unfinished older copy: the newer one replaces it
-                self._manifests.pop(mine[0], None)
-            self._parts.setdefault((peer, step), {})[name] = tensor
+            self._pending(peer, step)[name] = tensor
         self._complete(peer, step)
+
+    def _pending(self, peer: str, step: int) -> dict[str, torch.Tensor]:
+        """The parts of a copy being received (caller holds the lock): at most
+        _PENDING_COPIES_PER_PEER per peer, an older unfinished one makes room for a new one."""
+        if (peer, step) not in self._parts:
+            mine = sorted(k for k in self._parts if k[0] == peer)
+            if len(mine) >= _PENDING_COPIES_PER_PEER:
+                del self._parts[mine[0]]
+                self._manifests.pop(mine[0], None)
+        return self._parts.setdefault((peer, step), {})
 
     def _close_copy(self, item: Received) -> None:
         values = item.tensor.tolist()
@@ -218,7 +224,7 @@ class Board:
         if step != item.header.step or count > len(self.names):
             return self._refuse(item, "an inconsistent MANIFEST")
         with self._cond:
-            self._parts.setdefault((item.peer, step), {})
+            self._pending(item.peer, step)
             self._manifests[(item.peer, step)] = (Holding(step, start, stop), count, digest48)
         self._complete(item.peer, step)
 
