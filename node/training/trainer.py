@@ -300,10 +300,15 @@ class SwarmTrainer:
             next_plan=self._next_plan,
             checkpoint_every=self.config.checkpoint_every,
             emit=self._emit,
-            progress=self.view.progress,
+            progress=self._reached,
             donors=self.view.members,
             connect=self.connect,
         )
+
+    def _reached(self) -> int:
+        """The newest step the swarm reached, as far as we know: records lag a heartbeat
+        behind, our own last step does not."""
+        return max(self.view.progress(), self.step)
 
     def _vote(self) -> float:
         if self._leaving.is_set():
