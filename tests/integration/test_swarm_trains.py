@@ -143,8 +143,7 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
     finally:
         swarm.close()
     assert 10 <= placed["start_step"] < steps, placed
-    handed = sum(e["sent"] for n in (a, b) for e in n.snapshot() if e["event"] == "handover")
-    assert handed > 0, "the newcomer's stage came from the others, peer to peer"
+    assert placed["received"] > 0, "the newcomer's stage came from the others, peer to peer"
     assert sorted(merged) == list(range(steps))
     # No jump at the switch. Not "equal to one process" over hundreds of steps: replicas sum
     # gradients in another order, and AdamW turns those 1e-7s into visibly different curves

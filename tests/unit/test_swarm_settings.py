@@ -87,6 +87,7 @@ def test_digest_is_stable():
 
 
 _OTHER_VALUES = {
+    "checkpoint_every": 7,
     "swarm": "other",
     "run": RunSpec(seq_len=128),
     "min_stages": 2,
