@@ -13,18 +13,17 @@ from fusionllm.common.logs import get_logger
 from fusionllm.compression import pack_tensor
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.stage import StageWorker
+from fusionllm.node.training.assignment import VOTE_HEX_DIGITS
 from fusionllm.node.training.board import TAG_CUSTODY, TAG_MANIFEST, TAG_STATE
 from fusionllm.node.training.checkpoints import StageState, state_digest
 from fusionllm.node.training.holdings import Holding
 
 logger = get_logger(__name__)
 
-DIGEST48_HEX = 12
-
 
 def digest48(digest: str) -> int:
-    """The first 48 bits of a hex digest: exact in a float64 frame slot."""
-    return int(digest[:DIGEST48_HEX], 16)
+    """The first 48 bits of a hex digest: exact in a float64 frame slot (as plan votes are)."""
+    return int(digest[:VOTE_HEX_DIGITS], 16)
 
 
 def stage_state(worker: StageWorker, holding: Holding, plan: str = "") -> StageState:
