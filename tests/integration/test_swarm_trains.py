@@ -19,7 +19,7 @@ from fusionllm.node.pipeline.train_config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 200  # long enough that two status reads happen while it trains
+STEPS = 600  # long enough that two status reads happen while it trains (~0.06 s a step here)
 RUN = {
     "steps": STEPS,
     "seq-len": 64,
