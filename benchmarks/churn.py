@@ -1,6 +1,7 @@
 """What churn costs a swarm of real daemons: recovery time and steps lost, per scenario.
 
     python benchmarks/churn.py [--runs 3] [--steps 400] [--checkpoint-every 20] [--json PATH]
+                                [--keep DIR]
 
 Scenarios, each on a fresh local swarm of `fusionllm node` processes (GPT-2 tiny, FAST timing):
 ``crash-stage``: SIGKILL the node of a 2-stage plan's single-replica stage (two backups wait);
@@ -9,7 +10,7 @@ Scenarios, each on a fresh local swarm of `fusionllm node` processes (GPT-2 tiny
 Per run: ``recovery_s`` = the kill to the first step of a plan started after it; ``steps_lost``
 = how far that plan went back behind the newest finished step; ``step_s``: the median step
 before the kill, to read recovery in steps; ``checkpoint_s``: the median checkpoint write.
-Medians over runs are printed; ``--json`` writes every run.
+Medians over runs are printed; ``--json`` writes every run; ``--keep DIR`` keeps the logs.
 """
 
 import argparse
@@ -93,12 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--json", help="write every run here")
+    parser.add_argument("--keep", help="keep each run's node logs and work dirs under this dir")
     args = parser.parse_args(argv)
     results = []
     for scenario in args.scenarios:
-        for _ in range(args.runs):
-            with tempfile.TemporaryDirectory(prefix="churn-") as root:
-                result = run_once(scenario, args, Path(root))
+        for run in range(args.runs):
+            if args.keep:
+                root = Path(args.keep) / f"{scenario}-{run}"
+                root.mkdir(parents=True, exist_ok=True)
+                result = run_once(scenario, args, root)
+            else:
+                with tempfile.TemporaryDirectory(prefix="churn-") as tmp:
+                    result = run_once(scenario, args, Path(tmp))
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
     print(f"{'scenario':<14} {'recovery s':>10} {'steps lost':>10} {'step s':>8} {'ckpt ms':>8}"

@@ -10,8 +10,11 @@ READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start
 MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round of the
 meeting, holds the n ``Holding``s listed (unused slots are -1); ``hint`` is the newest step the
 swarm's records show it reached.
-WANT (``TAG_WANT``, float64 ``[hint]``): a plan member asks a node outside the plan for copies of
-the newest state it holds (the plan's members together hold less than the swarm reached).
+WANT (``TAG_WANT``, float64 ``[hint, floor]``): a plan member asks a node outside the plan for
+copies of the newest state it holds after step ``floor`` (the newest step the plan's members hold
+in full, which is less than the swarm reached).
+DONE (``TAG_DONE``, float64 ``[floor, sent]``): the answer to WANT, sent after the ``sent`` copies
+it gave; the asker waits for those to be filed, not out a deadline for state nobody has.
 STATE (control tag ``TAG_STATE + i``, i the parameter's index in sorted canonical names):
 one parameter and its AdamW state (``StageWorker.export_state``), for the step in the header.
 CUSTODY (``TAG_CUSTODY + i``, same body) and MANIFEST (``TAG_MANIFEST``, float64 ``[step,
@@ -37,6 +40,7 @@ logger = get_logger(__name__)
 TAG_READY = 1 << 24
 TAG_MANIFEST = TAG_READY + 1
 TAG_WANT = TAG_READY + 2
+TAG_DONE = TAG_READY + 3
 TAG_STATE = 1 << 25  # + parameter index
 TAG_CUSTODY = 1 << 26  # + parameter index
 _READY_HEAD = 4
@@ -106,6 +110,10 @@ def is_want(header: FrameHeader) -> bool:
     return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_WANT
 
 
+def is_done(header: FrameHeader) -> bool:
+    return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_DONE
+
+
 def is_manifest(header: FrameHeader) -> bool:
     return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_MANIFEST
 
@@ -126,6 +134,7 @@ def is_board_frame(header: FrameHeader) -> bool:
     return (
         is_ready(header)
         or is_want(header)
+        or is_done(header)
         or is_manifest(header)
         or state_index(header) is not None
         or custody_index(header) is not None
@@ -141,13 +150,15 @@ class Board:
         shapes: dict[str, tuple[int, ...]],
         is_member: Callable[[str], bool],
         on_copy: Callable[[Copy], None] = lambda copy: None,
-        on_want: Callable[[str, int], None] = lambda peer, hint: None,
+        on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
     ):
         self.names = sorted(shapes)
         self._numel = {n: int(torch.Size(shapes[n]).numel()) for n in self.names}
         self._is_member = is_member
         self._on_copy = on_copy
         self._on_want = on_want
+        self._done: dict[str, tuple[int, int]] = {}  # peer -> (floor, copies sent) of its DONE
+        self._filed: dict[str, int] = {}  # peer -> its copies filed (kept or refused) since
         self._cond = threading.Condition()
         self._ready: dict[tuple[str, int], Ready] = {}  # (peer, round) -> the newest
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (step, name) -> flat state
@@ -162,7 +173,9 @@ class Board:
         if is_manifest(header):
             return TensorSpec(torch.float64, (MANIFEST_LEN,))
         if is_want(header):
-            return TensorSpec(torch.float64, (1,))
+            return TensorSpec(torch.float64, (2,))
+        if is_done(header):
+            return TensorSpec(torch.float64, (2,))
         index = state_index(header)
         index = custody_index(header) if index is None else index
         if index is None:
@@ -175,6 +188,10 @@ class Board:
         if not self._is_member(item.peer):
             return self._refuse(item, "a non-member")
         header = item.header
+        spec = self.expect(header)
+        tensor = item.tensor
+        if spec is None or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            return self._refuse(item, "an unexpected")
         if is_ready(header):
             ready = decode_ready(item.tensor)
             if ready is None:
@@ -183,10 +200,17 @@ class Board:
                 self._ready[(item.peer, ready.round)] = ready
                 self._cond.notify_all()
         elif is_want(header):
-            hint = item.tensor.tolist()[0]
-            if not _count(hint):
+            hint, floor = item.tensor.tolist()
+            if not (_count(hint) and _count(floor)):
                 return self._refuse(item, "a malformed WANT")
-            self._on_want(item.peer, int(hint))
+            self._on_want(item.peer, int(hint), int(floor))
+        elif is_done(header):
+            floor, sent = item.tensor.tolist()
+            if not (_count(floor) and _count(sent, MAX_HOLDINGS + 1)):
+                return self._refuse(item, "a malformed DONE")
+            with self._cond:
+                self._done[item.peer] = (int(floor), int(sent))
+                self._cond.notify_all()
         elif is_manifest(header):
             self._close_copy(item)
         elif (index := custody_index(header)) is not None:
@@ -245,6 +269,24 @@ class Board:
             return
         self._on_copy(Copy(peer, holding, parts, digest48))
 
+    def filed(self, peer: str) -> None:
+        """A copy from ``peer`` was checked and kept, or refused: it no longer is on its way."""
+        with self._cond:
+            self._filed[peer] = self._filed.get(peer, 0) + 1
+            self._cond.notify_all()
+
+    def reset_done(self) -> None:
+        """Before a new WANT: answers to an older one do not count."""
+        with self._cond:
+            self._done.clear()
+            self._filed.clear()
+
+    def done_of(self, peers: list[str], floor: int) -> set[str]:
+        """Peers that answered a WANT with ``floor`` and whose copies are all filed."""
+        with self._cond:
+            answered = {p: d[1] for p in peers if (d := self._done.get(p)) and d[0] == floor}
+            return {p for p, sent in answered.items() if self._filed.get(p, 0) >= sent}
+
     def ready_of(self, peers: list[str], vote: float, round: int = 0) -> dict[str, Ready]:
         with self._cond:
             return {p: r for p in peers if (r := self._ready.get((p, round))) and r.vote == vote}
@@ -280,6 +322,8 @@ class Board:
         vote must hear its members again); moved state of steps before ``before_step`` goes."""
         with self._cond:
             self._ready = {p: r for p, r in self._ready.items() if r.vote != vote}
+            self._done.clear()
+            self._filed.clear()
             if before_step is not None:
                 self._state = {k: v for k, v in self._state.items() if k[0] >= before_step}
 

@@ -14,7 +14,7 @@ from fusionllm.compression import pack_tensor
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import VOTE_HEX_DIGITS
-from fusionllm.node.training.board import TAG_CUSTODY, TAG_MANIFEST, TAG_STATE
+from fusionllm.node.training.board import TAG_CUSTODY, TAG_DONE, TAG_MANIFEST, TAG_STATE
 from fusionllm.node.training.checkpoints import StageState, state_digest
 from fusionllm.node.training.holdings import Holding
 
@@ -60,6 +60,16 @@ def send_copy(
     except FusionError as exc:
         logger.warning("a copy of %s to %s was not sent: %s", h, dst[:16], exc)
     return futures
+
+
+def send_done(transport, dst: str, floor: int, sent: int) -> None:
+    """Answer a WANT: ``sent`` copies of state newer than ``floor`` went before this."""
+    header = FrameHeader(step=0, micro_batch=TAG_DONE, kind=FrameKind.CONTROL, stage=0)
+    body = torch.tensor([float(floor), float(sent)], dtype=torch.float64)  # (2,)
+    try:
+        transport.send_async(dst, header, pack_tensor(body), timeout=10.0)
+    except FusionError as exc:
+        logger.debug("DONE to %s not sent: %s", dst[:16], exc)
 
 
 def delivered(futures: list[Future], timeout: float) -> bool:

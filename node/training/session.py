@@ -164,7 +164,7 @@ class PlanSession:
             logger.info("the members hold step %d, the swarm reached %d: asking the others",
                         start.step, reached)  # fmt: skip
             if self.me == self.assignment.members[0]:
-                self._ask_donors(reached, current=current, stop=stop)
+                self._ask_donors(reached, start.step, current=current, stop=stop)
         self.board.forget(self.vote)
         self.vault.discard_after(start.step)
         if not self._gather(start, stop=stop, current=current):
@@ -196,20 +196,31 @@ class PlanSession:
         needs = {p: params_of(*ranges[r.stage]) for r, p in self.assignment.peers.items()}
         return choose_start(self.assignment.members, holdings, needs, params_of)
 
-    def _ask_donors(self, reached: int, *, current, stop) -> None:
-        """WANT to every node outside the plan; wait until we hold the whole model at a step
-        >= ``reached``, or _DONOR_WAIT_S."""
+    def _ask_donors(self, reached: int, floor: int, *, current, stop) -> None:
+        """WANT to every node outside the plan; wait until each answered DONE (its copies newer
+        than ``floor`` are filed), we hold the whole model at a step >= ``reached``, or
+        _DONOR_WAIT_S (a donor may be gone)."""
         donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
-        self._announce(donors, torch.tensor([float(reached)], dtype=torch.float64), TAG_WANT)
+        self.board.reset_done()
+        want = torch.tensor([float(reached), float(floor)], dtype=torch.float64)  # (2,)
+        self._announce(donors, want, TAG_WANT)
         everything = self.hooks.params_of(0, self.assignment.ranges[-1][1])
-        deadline = time.monotonic() + _DONOR_WAIT_S
-        while time.monotonic() < deadline and current() and not stop.is_set():
+
+        def enough() -> bool:
+            if stop.is_set() or not current():
+                return True
+            if len(self.board.done_of(donors, floor)) == len(donors):
+                return True
             held = self.vault.holdings()
             for step in {h.step for h in held if h.step >= reached}:
                 at = [self.hooks.params_of(h.start, h.stop) for h in held if h.step == step]
                 if everything <= frozenset().union(*at):
-                    return
-            time.sleep(0.1)
+                    return True
+            return False
+
+        if not self.board.wait(enough, timeout=_DONOR_WAIT_S):
+            answered = len(self.board.done_of(donors, floor))
+            logger.info("%d of %d nodes outside the plan answered in time", answered, len(donors))
 
     def _announce(self, peers: list[str], body, tag: int = TAG_READY) -> None:
         packed = pack_tensor(body)

@@ -32,7 +32,7 @@ from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
-from fusionllm.node.training.copies import delivered, send_copy
+from fusionllm.node.training.copies import delivered, send_copy, send_done
 from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
@@ -200,17 +200,19 @@ class SwarmTrainer:
                             "range": [copy.holding.start, copy.holding.stop]})  # fmt: skip
         except (OSError, FusionError) as exc:
             logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
+        finally:
+            self.board.filed(copy.peer)
 
-    def _on_want(self, peer: str, reached: int) -> None:
-        self._keeper.submit(self._donate, peer, reached)
+    def _on_want(self, peer: str, reached: int, floor: int) -> None:
+        self._keeper.submit(self._donate, peer, reached, floor)
 
-    def _donate(self, peer: str, reached: int) -> None:
-        """A plan's member lacks state the swarm reached: send it our newest, once each."""
-        held = self.vault.holdings()
-        newest = max((h.step for h in held), default=0)
-        if newest == 0:
-            return
+    def _donate(self, peer: str, reached: int, floor: int) -> None:
+        """A plan's member lacks state the swarm reached: send it our newest after ``floor``
+        (once each), then DONE, so it stops waiting for us."""
+        held = [h for h in self.vault.holdings() if h.step > floor]
+        newest = max((h.step for h in held), default=None)
         self.connect(peer)
+        sent = 0
         for holding in (h for h in held if h.step == newest):
             if (peer, holding) in self._donated:
                 continue
@@ -221,8 +223,10 @@ class SwarmTrainer:
                 logger.warning("cannot donate %s: %s", holding, exc)
                 continue
             ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
+            sent += ok
             self._emit({"event": "donated", "to": peer, "step": holding.step,
                         "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
+        send_done(self.transport, peer, floor, sent)
 
     # ----- the loop ---------------------------------------------------------------------------
 

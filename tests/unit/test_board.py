@@ -7,6 +7,7 @@ Frames are built as the router hands them over (``Received``), with no transport
 """
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from fusionllm.node.training.board import (
     MANIFEST_LEN,
     READY_LEN,
     TAG_CUSTODY,
+    TAG_DONE,
     TAG_MANIFEST,
     TAG_READY,
     TAG_STATE,
@@ -60,8 +62,12 @@ def _ready(peer: str, vote: float, holdings: list[Holding], *, round: int = 0) -
     return Received(peer, _header(0, TAG_READY), encode_ready(vote, holdings, round=round))
 
 
-def _want(peer: str, hint: float) -> Received:
-    return Received(peer, _header(0, TAG_WANT), torch.tensor([hint], dtype=torch.float64))
+def _want(peer: str, hint: float, floor: float = 0.0) -> Received:
+    return Received(peer, _header(0, TAG_WANT), torch.tensor([hint, floor], dtype=torch.float64))
+
+
+def _done(peer: str, floor: float, sent: float) -> Received:
+    return Received(peer, _header(0, TAG_DONE), torch.tensor([floor, sent], dtype=torch.float64))
 
 
 class _Keeper:
@@ -69,12 +75,12 @@ class _Keeper:
 
     def __init__(self) -> None:
         self.copies: list[Copy] = []
-        self.wants: list[tuple[str, int]] = []
+        self.wants: list[tuple[str, int, int]] = []
         self.board = Board(
             shapes=SHAPES,
             is_member=MEMBERS.__contains__,
             on_copy=self.copies.append,
-            on_want=lambda peer, hint: self.wants.append((peer, hint)),
+            on_want=lambda peer, hint, floor: self.wants.append((peer, hint, floor)),
         )
 
     def put(self, *items: Received) -> None:
@@ -211,11 +217,11 @@ def test_wait_sees_a_ready_only_in_its_round() -> None:
 # ----- WANT -----------------------------------------------------------------------------------
 
 
-def test_a_members_want_is_handed_on_with_its_hint() -> None:
+def test_a_members_want_is_handed_on_with_its_hint_and_floor() -> None:
     keeper = _Keeper()
-    keeper.put(_want("m1", 7.0), _want("m2", 0.0), _want("m1", float(2**40)))
-    assert keeper.wants == [("m1", 7), ("m2", 0), ("m1", 2**40)]
-    assert all(type(hint) is int for _, hint in keeper.wants)
+    keeper.put(_want("m1", 7.0, 3.0), _want("m2", 0.0), _want("m1", float(2**40), 20.0))
+    assert keeper.wants == [("m1", 7, 3), ("m2", 0, 0), ("m1", 2**40, 20)]
+    assert all(type(hint) is int and type(floor) is int for _, hint, floor in keeper.wants)
     assert keeper.board.refused == 0
 
 
@@ -226,12 +232,66 @@ def test_a_want_from_a_non_member_is_refused() -> None:
     assert keeper.board.refused == 1
 
 
-@pytest.mark.parametrize("hint", [float("nan"), float("inf"), -1.0, 1.5, 2.0**62])
-def test_a_malformed_want_is_refused(hint) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1.5, 2.0**62])
+def test_a_malformed_want_is_refused(bad) -> None:
     keeper = _Keeper()
-    keeper.put(_want("m1", hint))
+    keeper.put(_want("m1", bad), _want("m1", 5.0, bad))
     assert keeper.wants == []
+    assert keeper.board.refused == 2
+
+
+@pytest.mark.parametrize("tag", [TAG_WANT, TAG_DONE, TAG_READY, TAG_MANIFEST])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (2, 2)])
+def test_a_board_frame_of_the_wrong_shape_is_refused_not_raised(tag, shape) -> None:
+    """The transport checks shapes against ``expect``; the board does not rely on it."""
+    keeper = _Keeper()
+    keeper.put(Received("m1", _header(0, tag), torch.zeros(shape, dtype=torch.float64)))
+    assert keeper.wants == []
+    assert keeper.copies == []
     assert keeper.board.refused == 1
+
+
+# ----- DONE -----------------------------------------------------------------------------------
+
+
+def test_done_counts_once_the_copies_it_announces_are_filed() -> None:
+    board = _Keeper().board
+    board.put(_done("m1", 20.0, 2.0))
+    board.put(_done("m2", 20.0, 0.0))
+    assert board.done_of(["m1", "m2"], 20) == {"m2"}  # m1's two copies are still on their way
+    board.filed("m1")
+    assert board.done_of(["m1", "m2"], 20) == {"m2"}
+    board.filed("m1")
+    assert board.done_of(["m1", "m2"], 20) == {"m1", "m2"}
+    assert board.done_of(["m1", "m2"], 19) == set()  # an answer to another WANT
+
+
+def test_done_answers_are_reset_before_a_new_want_and_after_a_meeting() -> None:
+    board = _Keeper().board
+    board.put(_done("m1", 20.0, 0.0))
+    board.reset_done()
+    assert board.done_of(["m1"], 20) == set()
+    board.put(_done("m1", 20.0, 1.0))
+    board.filed("m1")
+    board.forget(9.0)
+    assert board.done_of(["m1"], 20) == set()
+
+
+def test_a_done_wakes_a_waiter() -> None:
+    board = _Keeper().board
+    timer = threading.Timer(0.05, board.put, [_done("m1", 4.0, 0.0)])
+    timer.start()
+    assert board.wait(lambda: board.done_of(["m1"], 4) == {"m1"}, 5.0)
+    timer.join()
+
+
+@pytest.mark.parametrize("bad", [(float("nan"), 0.0), (4.0, -1.0), (4.0, 9.0), (-1.0, 0.0)])
+def test_a_malformed_or_non_member_done_is_refused(bad) -> None:
+    board = _Keeper().board
+    board.put(_done("m1", *bad))
+    board.put(_done("outsider", 4.0, 0.0))
+    assert board.done_of(["m1", "outsider"], int(bad[0]) if bad[0] == bad[0] else 0) == set()
+    assert board.refused == 2
 
 
 # ----- expectations ---------------------------------------------------------------------------
@@ -241,8 +301,10 @@ def test_the_board_expects_its_frames_shapes_and_nothing_else() -> None:
     board = _Keeper().board
     assert board.expect(_header(0, TAG_READY)) == TensorSpec(torch.float64, (READY_LEN,))
     assert board.expect(_header(0, TAG_MANIFEST)) == TensorSpec(torch.float64, (MANIFEST_LEN,))
-    assert board.expect(_header(0, TAG_WANT)) == TensorSpec(torch.float64, (1,))
+    assert board.expect(_header(0, TAG_WANT)) == TensorSpec(torch.float64, (2,))
+    assert board.expect(_header(0, TAG_DONE)) == TensorSpec(torch.float64, (2,))
     assert is_board_frame(_header(0, TAG_WANT))
+    assert is_board_frame(_header(0, TAG_DONE))
     for tag in (TAG_STATE, TAG_CUSTODY):
         for index, name in enumerate(NAMES):
             spec = board.expect(_header(3, tag + index))
@@ -252,7 +314,7 @@ def test_the_board_expects_its_frames_shapes_and_nothing_else() -> None:
         assert beyond.shape == (-1,)  # no tensor has it: the transport refuses the frame
     assert board.expect(_header(0, 5)) is None
     assert not is_board_frame(_header(0, 5))
-    for tag in (TAG_READY, TAG_WANT):
+    for tag in (TAG_READY, TAG_WANT, TAG_DONE):
         data = FrameHeader(step=0, micro_batch=tag, kind=FrameKind.ACTIVATION, stage=0)
         assert board.expect(data) is None  # a board tag on a data frame is not the board's
         assert not is_board_frame(data)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+import fusionllm.node.training.session as session_module
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 from fusionllm.dag.planner import Plan, PlanConfig, plan
@@ -291,3 +292,26 @@ def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-c")}
     assert sorted(merged) == list(range(RUN.steps))
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
+
+
+def test_nodes_outside_the_plan_answer_a_want_even_with_nothing_newer(cluster_of, monkeypatch):
+    """After a crash the members hold an older checkpoint than the swarm reached and ask the
+    backup pool; a backup holding nothing newer says so (DONE) instead of letting the members
+    wait out the donor deadline (made far longer than the test's own wait here)."""
+    monkeypatch.setattr(session_module, "_DONOR_WAIT_S", 600.0)
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d", "peer-e"]
+    three = _plan(peers[:3], 3)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    cluster.adopt(three)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
+    cluster.kill("peer-c")
+    survivors = ["peer-a", "peer-b", "peer-d", "peer-e"]
+    cluster.adopt(_plan(["peer-a", "peer-b", "peer-d"], 3), peers=survivors)
+    serving = ["peer-a", "peer-b", "peer-d"]
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in serving), "the end")
+    start = cluster.starts("peer-d")[0]["start_step"]
+    assert start in (4, 8)
+    assert start < max(cluster.losses("peer-a")), "the members held all the swarm reached"
+    assert not [e for e in cluster.events["peer-e"] if e["event"] == "donated"]
