@@ -2,7 +2,7 @@
 
 ``checkpoint``: every ``checkpoint_every`` steps each member writes its stage (parameters,
 AdamW state, error-feedback residuals, RNG, plan, node range; the data position is the step)
-and, when its stage has no other replica, sends a copy to the next stage's first replica
+and, when its stage has no other replica, first sends a copy to the next stage's first replica
 (``checkpoint_custodian``), which keeps it on disk. The copy is not waited for on the critical
 path; a failed one is logged at the next checkpoint.
 
@@ -34,24 +34,26 @@ class Parting:
         every = s.hooks.checkpoint_every
         if not every or held.next_step % every:
             return
-        started = time.perf_counter()
+        started, begun = time.perf_counter(), time.time()
         role, assignment = held.assignment.role, held.assignment
         holding = Holding(held.next_step, *assignment.ranges[role.stage])
         stage = stage_state(held.worker, holding, assignment.digest)
         stage.residuals = s.runner.residuals()
+        keeper = checkpoint_custodian(role.stage, assignment.peers)
+        if self._copies and not all(f.done() and f.exception() is None for f in self._copies):
+            logger.warning("the previous checkpoint's copy was not (yet) delivered")
+        if keeper is not None:
+            # The copy first: until it lands, a crash of this node costs the previous interval;
+            # our own file only helps if this node comes back.
+            self._copies = send_copy(s.transport, keeper, stage, s.board.names, s.timeout_s)
         try:
             s.vault.checkpoint(stage)
         except (OSError, CheckpointError) as exc:
             logger.error("checkpoint of step %d not written: %s", held.next_step, exc)
             return
-        written = time.perf_counter() - started
-        keeper = checkpoint_custodian(role.stage, assignment.peers)
-        if self._copies and not all(f.done() and f.exception() is None for f in self._copies):
-            logger.warning("the previous checkpoint's copy was not (yet) delivered")
-        if keeper is not None:
-            self._copies = send_copy(s.transport, keeper, stage, s.board.names, s.timeout_s)
-        s.hooks.emit({"event": "checkpoint", "step": held.next_step, "seconds": written,
-                      "keeper": keeper})  # fmt: skip
+        s.hooks.emit({"event": "checkpoint", "step": held.next_step, "keeper": keeper,
+                      "range": [holding.start, holding.stop],
+                      "seconds": time.perf_counter() - started, "t": begun})  # fmt: skip
 
     def hand_over(self, held, leaving: frozenset[str], preferred) -> None:
         """Every stage all of whose holders leave: its first replica sends, a stayer keeps."""

@@ -197,7 +197,8 @@ class SwarmTrainer:
         try:
             if self.vault.keep_copy(copy):
                 self._emit({"event": "kept", "from": copy.peer, "step": copy.holding.step,
-                            "range": [copy.holding.start, copy.holding.stop]})  # fmt: skip
+                            "range": [copy.holding.start, copy.holding.stop],
+                            "t": time.time()})  # fmt: skip
         except (OSError, FusionError) as exc:
             logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
         finally:
