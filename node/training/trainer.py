@@ -208,13 +208,13 @@ class SwarmTrainer:
         self._keeper.submit(self._donate, peer, reached, floor)
 
     def _donate(self, peer: str, reached: int, floor: int) -> None:
-        """A plan's member lacks state the swarm reached: send it our newest after ``floor``
-        (once each), then DONE, so it stops waiting for us."""
-        held = [h for h in self.vault.holdings() if h.step > floor]
-        newest = max((h.step for h in held), default=None)
+        """A plan's member lacks state the swarm reached: send it everything we hold after
+        ``floor`` (once each; the newest may be a partial stage, an older step whole), then
+        DONE, so it stops waiting for us."""
+        held = sorted((h for h in self.vault.holdings() if h.step > floor), key=lambda h: -h.step)
         self.connect(peer)
         sent = 0
-        for holding in (h for h in held if h.step == newest):
+        for holding in held:
             if (peer, holding) in self._donated:
                 continue
             self._donated.add((peer, holding))

@@ -315,3 +315,28 @@ def test_nodes_outside_the_plan_answer_a_want_even_with_nothing_newer(cluster_of
     assert start in (4, 8)
     assert start < max(cluster.losses("peer-a")), "the members held all the swarm reached"
     assert not [e for e in cluster.events["peer-e"] if e["event"] == "donated"]
+
+
+def test_after_a_crash_an_all_new_plan_gets_the_newest_whole_step_from_a_survivor(cluster_of):
+    """The survivor outside the new plan holds its live stage at the crash step (half the
+    model) and the last checkpoint of both stages (its own, and the copy it kept for the dead
+    node): it must give all of it, so the new members resume at that checkpoint, not step 0."""
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    first = _plan(peers[:2], 2)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    cluster.adopt(first)
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
+    cluster.kill("peer-a")
+    survivors = ["peer-b", "peer-c", "peer-d"]
+    cluster.adopt(_plan(["peer-c", "peer-d"], 2), peers=survivors)
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers[2:]), "the end")
+    start = cluster.starts("peer-c")[0]["start_step"]
+    assert start >= 4, "the new members restarted below the checkpoint the survivor held"
+    assert start % 4 == 0
+    donated = {e["step"] for e in cluster.events["peer-b"] if e["event"] == "donated"}
+    assert start in donated
+    merged = {**cluster.losses("peer-b"), **cluster.losses("peer-c")}
+    assert sorted(merged) == list(range(RUN.steps))
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
