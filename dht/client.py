@@ -127,6 +127,8 @@ class DhtClient:
         self._worker_command = worker_command  # None: dht/worker.py; tests pass a fake
         self._lock = threading.Lock()  # guards _worker and _closed
         self._worker: WorkerProcess | None = None
+        self._spawning: WorkerProcess | None = None  # a restart's worker, until it says hello
+        self._restarter: threading.Thread | None = None
         self._closed = threading.Event()
         self._started = False
         self.restarts = 0
@@ -144,8 +146,13 @@ class DhtClient:
         with self._lock:
             self._closed.set()
             worker, self._worker = self._worker, None
+            spawning, restarter = self._spawning, self._restarter
+        if spawning is not None:
+            spawning.kill()  # a restart under way: its start fails at once
         if worker is not None:
             worker.close()
+        if restarter is not None and restarter.is_alive():
+            restarter.join(timeout=10.0)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -209,7 +216,13 @@ class DhtClient:
             on_exit=self._worker_exited,
             command=self._worker_command,
         )
-        hello = worker.start(config.start_timeout_s)
+        with self._lock:
+            self._spawning = worker
+        try:
+            hello = worker.start(config.start_timeout_s)
+        finally:
+            with self._lock:
+                self._spawning = None
         peer_id, maddrs = hello.get("peer_id"), hello.get("maddrs")
         if not isinstance(peer_id, str) or not isinstance(maddrs, list):
             worker.kill()
@@ -225,10 +238,11 @@ class DhtClient:
             if self._closed.is_set() or self._worker is not worker:
                 return
             self._worker = None
+            restarter = self._restarter = threading.Thread(
+                target=self._restart, args=(worker,), name="dht-restart", daemon=True
+            )
         logger.warning("the DHT worker (pid %d) is gone; restarting it", worker.pid)
-        threading.Thread(
-            target=self._restart, args=(worker,), name="dht-restart", daemon=True
-        ).start()
+        restarter.start()
 
     def _restart(self, dead: WorkerProcess) -> None:
         dead.kill()  # a reader that stopped on a live worker leaves it running

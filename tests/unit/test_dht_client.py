@@ -183,3 +183,18 @@ def test_body_that_is_not_msgpack_names_its_tag_and_keeps_the_stream_in_step():
         read_tagged(stream)
     assert refused.value.tag == 4
     assert read_tagged(stream) == (6, "next")
+
+
+def test_close_during_a_restart_stops_the_new_worker():
+    client = _client(restart_backoff_s=0.01).start()
+    with pytest.raises(DhtError):
+        client.get("die")
+    deadline = time.monotonic() + 10
+    while client._spawning is None and client.restarts == 0:  # the restart is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    spawning = client._spawning or client._worker
+    client.close()
+    assert spawning is not None
+    assert spawning.exited.is_set() or spawning._process.poll() is not None
+    assert client.worker_pid == 0
