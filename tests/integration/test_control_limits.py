@@ -1,8 +1,10 @@
-"""Concurrent probes served, on real hosts over 127.0.0.1: a stranger holding a probe open gets
-no second one, and honest peers are still measured meanwhile; a finished or dropped probe
-frees its slot."""
+"""The control host's limits, on real hosts over 127.0.0.1. Probes served: a stranger holding a
+probe open gets no second one, honest peers are still measured meanwhile, and a finished or
+dropped probe frees its slot. Forwarding: a relay forwards at most its per-forwarder rate of a
+flood it still delivers itself."""
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -12,9 +14,17 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from fusionllm.node.errors import ProbeRefusedError
-from fusionllm.node.p2p.control_host import PROBE_PROTOCOL, ControlConfig, ControlHost
+from fusionllm.common.logs import get_logger
+from fusionllm.node.errors import DeadlineError, ProbeRefusedError
+from fusionllm.node.p2p.control_host import (
+    PROBE_PROTOCOL,
+    ControlConfig,
+    ControlHost,
+    GossipMessage,
+)
 from fusionllm.node.p2p.probes import PROBE_HEADER, PROBE_MAGIC
+
+logger = get_logger(__name__)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -83,3 +93,42 @@ def test_all_slots_held_by_distinct_strangers_is_busy_until_one_ends(hosts):
         honest.probe(server.peer_id, nbytes=1000)
     wait_until(lambda: server.stats().probe_errors == 2, "the stalled probes dropped")
     assert honest.probe(server.peer_id, nbytes=1000).bytes == 1000
+
+
+TOPIC = "fusionllm/limits"
+
+
+def drain(host: ControlHost, quiet_s: float = 1.5) -> list[GossipMessage]:
+    received = []
+    while True:
+        try:
+            received.append(host.recv(timeout=quiet_s))
+        except DeadlineError:
+            return received
+
+
+def test_a_relay_forwards_a_flood_at_its_forward_rate_and_still_delivers_it(hosts):
+    # b checks each author at a generous rate, and forwards at most 3 per second per forwarder.
+    a = hosts(max_messages_per_peer_per_s=1000.0)
+    b = hosts(max_messages_per_peer_per_s=1000.0, max_forwards_per_peer_per_s=3.0)
+    c = hosts(max_messages_per_peer_per_s=1000.0)
+    assert b.connect(a.listen_addrs[0]) == a.peer_id
+    assert c.connect(b.listen_addrs[0]) == b.peer_id
+    for host in (a, b, c):
+        host.subscribe(TOPIC)
+    wait_until(lambda: a.mesh_peers(TOPIC) == [b.peer_id], "a meshed with b")
+    wait_until(lambda: c.mesh_peers(TOPIC) == [b.peer_id], "c meshed with b")
+    started = time.monotonic()
+    for i in range(60):
+        a.publish(TOPIC, b"flood %d" % i)
+    at_b = drain(b)
+    elapsed = time.monotonic() - started - 1.5  # the flood reached b within this
+    at_c = drain(c)
+    logger.info("flood of 60: b got %d, c got %d, in %.2f s", len(at_b), len(at_c), elapsed)
+    # b delivers what it validated (a's send queue may drop some of a burst) ...
+    assert len(at_b) >= 30
+    assert b.stats().messages_accepted == len(at_b)
+    # ... and forwards at most 3 in any second of the flood (sliding 1 s window).
+    assert 1 <= len(at_c) <= 3 * (math.ceil(elapsed) + 1)
+    assert len(at_c) < len(at_b)
+    assert {m.data for m in at_c} <= {m.data for m in at_b}
