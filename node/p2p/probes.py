@@ -2,17 +2,18 @@
 
     client: "FLP2" | u64 nbytes | 16-byte nonce   server: 1 status byte (0 ok, else refused, EOF)
     client: 8 random bytes  x3                    server: echoes each (RTT = min of the 3)
-    client: nbytes of random payload              server: BLAKE2b-128 of the payload, keyed
+    client: nbytes of payload, random tail        server: BLAKE2b-128 of the payload, keyed
                                                           by the nonce, once all of it arrived
 
 Bandwidth = nbytes / (time from the first payload byte written to the ack read), so it
 includes one RTT; with ~1 MiB payloads that is small except on slow, far links. Pings and
-payload are fresh random bytes and the nonce is new per probe, so a prober only accepts an
-echo or an ack made from what it sent on this stream: a peer cannot answer early (to look
-near or fast) nor replay an old answer. The server refuses a request over ``max_bytes``, a
-second one from a peer whose probe is still running, one past ``max_per_peer_per_min``, or
-past ``max_concurrent``; every read runs under a deadline and a misbehaving prober only gets
-its own stream reset. Both sides run in the host's trio thread.
+the nonce are fresh random bytes per probe, so a prober only accepts an echo or an ack made
+from what it sent on this stream: a peer cannot answer early (to look near or fast) nor
+replay an old answer; the payload ends in fresh random bytes and the stream is in order, so
+the ack also proves that every byte before them arrived. The server refuses a request over
+``max_bytes``, a second one from a peer whose probe is still running, one past
+``max_per_peer_per_min``, or past ``max_concurrent``; every read runs under a deadline and a
+misbehaving prober only gets its own stream reset. Both sides run in the host's trio thread.
 """
 
 import hashlib
@@ -57,6 +58,7 @@ _PROBE_REASONS = {
     _PROBE_ALREADY_RUNNING: "a probe from this peer is still running",
 }
 _PROBE_CHUNK_BYTES = 256 << 10
+_PROBE_TAIL_BYTES = 16
 _PROBE_READ_BYTES = 64 << 10
 _PROBE_WINDOW_S = 60.0
 
@@ -102,14 +104,22 @@ async def run_probe(host: IHost, peer: ID, nbytes: int, timeout: float) -> Probe
 async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
     """The client's side of one probe on an open stream (no deadline of its own)."""
     nonce = secrets.token_bytes(16)
-    payload = os.urandom(nbytes)  # unpredictable: only a peer that read it all can hash it
+    # A random block repeated, then fresh random bytes at the very end: the stream is in
+    # order, so only a peer that read every byte has the tail to hash. (One random block, not
+    # nbytes of them: os.urandom of a whole large probe would stall the host's trio thread.)
+    block = os.urandom(min(nbytes, _PROBE_CHUNK_BYTES))
+    tail = os.urandom(min(nbytes, _PROBE_TAIL_BYTES))
     expected = payload_hasher(nonce)
-    expected.update(payload)
     rtt = await _request(stream, peer, nbytes, nonce)
     started = time.perf_counter()
-    view = memoryview(payload)
-    for offset in range(0, nbytes, _PROBE_CHUNK_BYTES):
-        await stream.write(bytes(view[offset : offset + _PROBE_CHUNK_BYTES]))
+    sent, body = 0, nbytes - len(tail)
+    while sent < body:
+        chunk = block[: min(len(block), body - sent)]
+        expected.update(chunk)
+        await stream.write(chunk)
+        sent += len(chunk)
+    expected.update(tail)
+    await stream.write(tail)
     ack = await _read_exactly(stream, ACK_BYTES)
     seconds = time.perf_counter() - started
     if not secrets.compare_digest(ack, expected.digest()):
