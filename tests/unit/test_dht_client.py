@@ -7,6 +7,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import psutil
@@ -14,7 +15,7 @@ import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.wire import MessageError, read_tagged, write_message
-from fusionllm.dht.worker import ReplyLimits, cap_entries
+from fusionllm.dht.worker import ReplyLimits, _serve_requests, cap_entries
 
 FAKE_WORKER = (sys.executable, str(Path(__file__).parents[1] / "support" / "fake_dht_worker.py"))
 LIMIT = 1 << 16
@@ -198,3 +199,59 @@ def test_close_during_a_restart_stops_the_new_worker():
     assert spawning is not None
     assert spawning.exited.is_set() or spawning._process.poll() is not None
     assert client.worker_pid == 0
+
+
+# ----------------------------------------------------------------------------- the worker's loop
+
+
+class FakeDht:
+    """hivemind.DHT as the worker uses it: 50 entries of 1 KB under any key, long maddrs."""
+
+    def get(self, key, latest):
+        entries = {f"s{i}": SimpleNamespace(value=bytes(1000), expiration_time=float(i))
+                   for i in range(50)}  # fmt: skip
+        return SimpleNamespace(value=entries)
+
+    def get_visible_maddrs(self, latest):
+        return ["/ip4/10.0.0.1/tcp/4001/" + "x" * 100] * 2000  # ~250 KB of addresses
+
+    def store(self, key, value, expiration, subkey):
+        return True
+
+
+def _serve(requests: list[dict], limits: ReplyLimits) -> dict[int, dict]:
+    inbound = io.BytesIO()
+    for tag, request in enumerate(requests, start=1):
+        write_message(inbound, request, tag=tag)
+    write_message(inbound, {"op": "stop"})
+    inbound.seek(0)
+    outbound = io.BytesIO()
+    _serve_requests(FakeDht(), inbound, outbound, limits)
+    deadline = time.monotonic() + 10
+    while True:  # handlers run on their own threads: wait for every reply
+        replies, stream = {}, io.BytesIO(outbound.getvalue())
+        while stream.tell() < len(stream.getvalue()):
+            tag, reply = read_tagged(stream)
+            replies[tag] = reply
+        if len(replies) == len(requests):
+            return replies
+        assert time.monotonic() < deadline, replies
+        time.sleep(0.01)
+
+
+def test_worker_caps_a_get_and_fails_only_a_reply_too_large():
+    limits = ReplyLimits(max_entries=40, max_reply_bytes=20_000)
+    replies = _serve(
+        [{"op": "get", "key": "k"}, {"op": "maddrs"}, {"op": "store", "key": "k", "subkey": "s",
+          "value": b"v", "expiration": 1.0}, {"op": "nonsense"}],
+        limits,
+    )  # fmt: skip
+    get, maddrs, store, nonsense = (replies[tag] for tag in (1, 2, 3, 4))
+    # 18 of 1 KB fit in 20,000 bytes less the reply's overhead; the freshest first.
+    assert get["ok"] is True
+    assert [item[0] for item in get["items"]] == [f"s{i}" for i in range(49, 31, -1)]
+    assert get["dropped"] == 32
+    assert maddrs == {"ok": False, "error": maddrs["error"]}
+    assert "reply too large" in maddrs["error"]
+    assert store == {"ok": True, "stored": True}
+    assert nonsense["ok"] is False
