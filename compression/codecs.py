@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fusionllm.common.errors import FrameError
+from fusionllm.common.errors import FrameError, peer_repr
 from fusionllm.compression.dtypes import (
     FLOAT16_MAX,
     FLOAT_DTYPES,
@@ -204,7 +204,7 @@ class TopKCodec(Codec):
         value_dtype = dtype_from_wire(frame["wd"], _HALF_NAMES)
         k = frame["k"]
         if not is_int(k) or not 0 <= k <= target.numel:
-            raise FrameError(f"top-k count {k!r} outside [0, {target.numel}]")
+            raise FrameError(f"top-k count {peer_repr(k)} outside [0, {target.numel}]")
         values = tensor_from_bytes(frame["p"], value_dtype, k, "top-k values")
         check_finite(values, limits)
         index_format = frame["ix"]
@@ -223,7 +223,7 @@ class TopKCodec(Codec):
             else:
                 out.masked_scatter_(mask.to(target.device), values)
         else:
-            raise FrameError(f"unknown top-k index format {index_format!r}")
+            raise FrameError(f"unknown top-k index format {peer_repr(index_format)}")
         return out.view(target.shape)
 
 
@@ -352,7 +352,7 @@ class TernaryCodec(Codec):
         scale_dtype = dtype_from_wire(frame["wd"], _HALF_NAMES)
         group, numel = frame["g"], target.numel
         if not is_int(group) or not 1 <= group <= max(numel, 1):
-            raise FrameError(f"ternary group {group!r} outside [1, {max(numel, 1)}]")
+            raise FrameError(f"ternary group {peer_repr(group)} outside [1, {max(numel, 1)}]")
         groups = ternary_groups(numel, group)
         scales = tensor_from_bytes(frame["s"], scale_dtype, groups, "ternary scales")
         check_finite(scales, limits)

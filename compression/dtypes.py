@@ -2,7 +2,7 @@
 
 import torch
 
-from fusionllm.common.errors import FrameError
+from fusionllm.common.errors import FrameError, peer_repr
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -33,5 +33,5 @@ def wire_name(dtype: torch.dtype) -> str:
 def dtype_from_wire(name: object, allowed: frozenset[str]) -> torch.dtype:
     """The dtype a peer named, if it is one we accept here."""
     if not isinstance(name, str) or name not in WIRE_DTYPES or name not in allowed:
-        raise FrameError(f"dtype {name!r} not allowed; allowed: {sorted(allowed)}")
+        raise FrameError(f"dtype {peer_repr(name)} not allowed; allowed: {sorted(allowed)}")
     return WIRE_DTYPES[name]

@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import torch
 
-from fusionllm.common.errors import FrameError
+from fusionllm.common.errors import FrameError, peer_repr
 from fusionllm.compression.codecs import (
     CODECS,
     Codec,
@@ -90,7 +90,9 @@ def _parse(data: object, limits: FrameLimits) -> dict[str, Any]:
         raise FrameError(f"a frame must be a msgpack map, got {type(frame).__name__}")
     version = frame.get("v")
     if version != FRAME_VERSION or not is_int(version):
-        raise FrameError(f"unsupported frame version {version!r}; this node speaks {FRAME_VERSION}")
+        raise FrameError(
+            f"unsupported frame version {peer_repr(version)}; this node speaks {FRAME_VERSION}"
+        )
     return frame
 
 
@@ -223,7 +225,7 @@ def _codec_of(frame: dict[str, Any]) -> type[Codec]:
     codec_id = frame.get("c")
     codec = CODECS.get(codec_id) if isinstance(codec_id, str) else None
     if codec is None:
-        raise FrameError(f"unknown codec {codec_id!r}; known: {sorted(CODECS)}")
+        raise FrameError(f"unknown codec {peer_repr(codec_id)}; known: {sorted(CODECS)}")
     return codec
 
 
@@ -233,9 +235,11 @@ def _target_of(
     dtype = dtype_from_wire(frame.get("dt"), limits.allowed_dtypes)
     shape = frame.get("sh")
     if not isinstance(shape, list) or len(shape) > limits.max_rank:
-        raise FrameError(f"shape must be a list of at most {limits.max_rank} dims, got {shape!r}")
+        raise FrameError(
+            f"shape must be a list of at most {limits.max_rank} dims, got {peer_repr(shape)}"
+        )
     if not all(is_int(dim) and dim >= 0 for dim in shape):
-        raise FrameError(f"shape dims must be non-negative integers, got {shape!r}")
+        raise FrameError(f"shape dims must be non-negative integers, got {peer_repr(shape)}")
     numel = math.prod(shape)
     if numel > limits.max_elements:
         raise FrameError(f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")

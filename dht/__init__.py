@@ -10,8 +10,10 @@ nothing a node imports pulls it in, except validator.py and worker.py (worker-si
                 itself (a peer can write only its own subkey)
 - keys.py:      ``nodes_key``, ``plans_key``, ``check_swarm_name``
 - client.py:    ``DhtClient``, ``DhtConfig``, ``DhtError``: the node's handle on its worker
+                (bounded replies, restarts a dead worker)
+- process.py:   ``WorkerProcess``: one worker process, its pipe and reply reader
 - directory.py: ``SwarmDirectory``: announce / members / propose / proposals, re-verified
 - worker.py:    the worker process (``python -m fusionllm.dht.worker``), hivemind inside
 - validator.py: ``SwarmRecordValidator``, hivemind's record validator for one swarm
-- wire.py:      length-prefixed msgpack on the node <-> worker pipe
+- wire.py:      length-prefixed, tagged msgpack on the node <-> worker pipe
 """

@@ -1,31 +1,34 @@
 """``DhtClient``: a node's handle on its DHT worker process (dht/worker.py), with deadlines.
 
-Requests go over the worker's stdin; a reader thread matches replies to futures by id, so a
-request that outlives its deadline raises ``DhtError`` and its late reply is dropped.
+Requests go over the worker's stdin (dht/process.py matches replies to them), so a request
+that outlives its deadline raises ``DhtError`` and its late reply is dropped. What one reply
+may carry is bounded (``max_entries_per_key``, ``max_reply_bytes``): the worker trims a get to
+fit and the client refuses a reply over the limit, failing only that request. A worker whose
+pipe ends (it died, or its reader stopped) is restarted in the background, with backoff;
+requests meanwhile fail fast with ``DhtError``.
 """
 
-import contextlib
 import itertools
-import subprocess
-import sys
+import re
 import threading
 import time
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
 
-from fusionllm.common.errors import ConfigError, FusionError
+from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.keys import check_swarm_name
-from fusionllm.dht.wire import PipeClosedError, read_message, write_message
+from fusionllm.dht.process import DhtError, WorkerProcess
+from fusionllm.dht.wire import MAX_MESSAGE_BYTES
+
+__all__ = ["DhtClient", "DhtConfig", "DhtError", "start_client"]
 
 logger = get_logger(__name__)
 
-
-class DhtError(FusionError):
-    """The DHT worker failed, timed out or is gone."""
+_MAX_RESTART_BACKOFF_S = 60.0
+_TCP_PORT = re.compile(r"/tcp/(\d+)(/|$)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +49,11 @@ class DhtConfig:
     # Only tests turn this off, to play a peer that stores what honest nodes refuse: such a
     # node harms itself (it keeps junk); everyone else still validates what it sends.
     validate_records: bool = True
+    # What one get may return: the freshest entries that fit both caps (peers choose how many
+    # subkeys a key holds; this node chooses how much of it to hold in memory).
+    max_entries_per_key: int = 1024
+    max_reply_bytes: int = 16 << 20
+    restart_backoff_s: float = 1.0  # first wait before restarting a dead worker; doubles
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
@@ -54,9 +62,24 @@ class DhtConfig:
             object.__setattr__(self, "identity_path", Path(self.identity_path))
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen_port must be in [0, 65535], got {self.listen_port}")
-        for name in ("max_ttl_s", "request_timeout_s", "start_timeout_s", "peer_timeout_s"):
+        for name in (
+            "max_ttl_s",
+            "request_timeout_s",
+            "start_timeout_s",
+            "peer_timeout_s",
+            "restart_backoff_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 1 <= self.max_entries_per_key <= 1 << 20:
+            raise ConfigError(
+                f"max_entries_per_key must be in [1, {1 << 20}], got {self.max_entries_per_key}"
+            )
+        if not 1 << 16 <= self.max_reply_bytes <= MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_reply_bytes must be in [64 KiB, {MAX_MESSAGE_BYTES}], "
+                f"got {self.max_reply_bytes}"
+            )
 
     def worker_config(self) -> dict[str, Any]:
         family = "ip6" if ":" in self.listen_host else "ip4"
@@ -70,6 +93,8 @@ class DhtConfig:
             "wait_timeout_s": min(self.request_timeout_s, self.peer_timeout_s),
             "log_level": self.log_level,
             "validate_records": self.validate_records,
+            "max_entries_per_key": self.max_entries_per_key,
+            "max_reply_bytes": self.max_reply_bytes,
         }
 
 
@@ -91,62 +116,43 @@ def start_client(config: DhtConfig, *, attempts: int = 4) -> "DhtClient":
 
 
 class DhtClient:
-    def __init__(self, config: DhtConfig) -> None:
+    """``start``/``close`` (or a context manager); requests from any thread.
+
+    ``restarts`` counts workers started after the first; ``peer_id`` stays (same key file),
+    ``maddrs`` follow the running worker.
+    """
+
+    def __init__(self, config: DhtConfig, *, worker_command: tuple[str, ...] | None = None) -> None:
         self.config = config
-        self._process: subprocess.Popen | None = None
-        self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}
-        self._ids = itertools.count(1)
-        self._reader: threading.Thread | None = None
+        self._worker_command = worker_command  # None: dht/worker.py; tests pass a fake
+        self._lock = threading.Lock()  # guards _worker and _closed
+        self._worker: WorkerProcess | None = None
+        self._spawning: WorkerProcess | None = None  # a restart's worker, until it says hello
+        self._restarter: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._started = False
+        self.restarts = 0
         self.peer_id = ""
         self.maddrs: list[str] = []
 
     def start(self) -> Self:
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm.dht.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        started: Future = Future()
-
-        def handshake() -> None:
-            try:
-                started.set_result(read_message(self._process.stdout))
-            except Exception as exc:
-                started.set_exception(exc)
-
-        try:
-            write_message(self._process.stdin, self.config.worker_config())
-            threading.Thread(target=handshake, daemon=True).start()
-            hello = started.result(timeout=self.config.start_timeout_s)
-        except (FutureTimeout, PipeClosedError, OSError) as exc:
-            self.close()
-            raise DhtError(f"the DHT worker did not start: {exc!r}") from exc
-        if not hello.get("ok"):
-            self.close()
-            raise DhtError(f"the DHT worker failed to start: {hello.get('error')}")
-        self.peer_id, self.maddrs = hello["peer_id"], list(hello["maddrs"])
-        self._reader = threading.Thread(target=self._read_replies, name="dht-replies", daemon=True)
-        self._reader.start()
+        if self._started:
+            raise DhtError("DHT client already started")
+        self._started = True
+        self._worker = self._spawn(self.config)
         return self
 
     def close(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            write_message(process.stdin, {"op": "stop"})
-        with contextlib.suppress(OSError, ValueError):
-            process.stdin.close()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            logger.warning("DHT worker did not stop in 15 s; killing it")
-            process.kill()
-            process.wait(timeout=5)
-        with contextlib.suppress(OSError, ValueError):
-            process.stdout.close()
-        self._fail_pending(DhtError("DHT client closed"))
+        with self._lock:
+            self._closed.set()
+            worker, self._worker = self._worker, None
+            spawning, restarter = self._spawning, self._restarter
+        if spawning is not None:
+            spawning.kill()  # a restart under way: its start fails at once
+        if worker is not None:
+            worker.close()
+        if restarter is not None and restarter.is_alive():
+            restarter.join(timeout=10.0)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -154,65 +160,120 @@ class DhtClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def worker_pid(self) -> int:
+        """The running worker's pid; 0 while none runs (not started, restarting, closed)."""
+        worker = self._worker
+        return worker.pid if worker is not None else 0
+
     # ------------------------------------------------------------------ requests
 
     def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
         reply = self._request(
             {"op": "store", "key": key, "subkey": subkey, "value": value, "expiration": expiration}
         )
-        return bool(reply["stored"])
+        return bool(reply.get("stored"))
 
     def get(self, key: str) -> list[tuple[Any, Any, Any]]:
-        """Every (subkey, value, expiration) under ``key``, unchecked: callers validate."""
+        """Every (subkey, value, expiration) under ``key`` (at most ``max_entries_per_key``),
+        unchecked: callers validate."""
         reply = self._request({"op": "get", "key": key, "latest": True})
         items = reply.get("items")
-        return [tuple(item) for item in items if isinstance(item, list) and len(item) == 3]
+        if not isinstance(items, list):
+            raise DhtError(f"DHT get returned {type(items).__name__} items")
+        found = [tuple(item) for item in items if isinstance(item, list) and len(item) == 3]
+        return found[: self.config.max_entries_per_key]
 
     def visible_maddrs(self) -> list[str]:
-        return list(self._request({"op": "maddrs"})["maddrs"])
+        maddrs = self._request({"op": "maddrs"}).get("maddrs")
+        if not isinstance(maddrs, list):
+            raise DhtError("DHT maddrs reply without a list")
+        return [str(m) for m in maddrs]
 
     def _request(self, message: dict[str, Any]) -> dict[str, Any]:
-        process = self._process
-        if process is None or process.poll() is not None:
-            raise DhtError("the DHT worker is not running")
-        future: Future = Future()
-        with self._lock:
-            request_id = next(self._ids)
-            self._pending[request_id] = future
-            try:
-                write_message(process.stdin, {**message, "id": request_id})
-            except (OSError, ValueError) as exc:
-                self._pending.pop(request_id, None)
-                raise DhtError(f"the DHT worker is gone: {exc}") from exc
+        worker = self._worker
+        if worker is None:
+            state = "restarting" if self._started and not self._closed.is_set() else "not running"
+            raise DhtError(f"the DHT worker is {state}")
+        future = worker.submit(message)
         try:
             reply = future.result(timeout=self.config.request_timeout_s)
         except FutureTimeout:
+            worker.forget(future)
             raise DhtError(
                 f"DHT {message['op']} took over {self.config.request_timeout_s}s"
             ) from None
-        finally:
-            with self._lock:
-                self._pending.pop(request_id, None)
         if not reply.get("ok"):
             raise DhtError(f"DHT {message['op']} failed: {reply.get('error')}")
         return reply
 
-    def _read_replies(self) -> None:
-        process = self._process
-        try:
-            while process is not None:
-                reply = read_message(process.stdout)
-                with self._lock:
-                    future = self._pending.pop(reply.get("id"), None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-        except (PipeClosedError, OSError, ValueError):
-            pass
-        self._fail_pending(DhtError("the DHT worker exited"))
+    # ------------------------------------------------------------------ worker lifecycle
 
-    def _fail_pending(self, error: Exception) -> None:
+    def _spawn(self, config: DhtConfig) -> WorkerProcess:
+        worker = WorkerProcess(
+            config.worker_config(),
+            max_reply_bytes=config.max_reply_bytes,
+            on_exit=self._worker_exited,
+            command=self._worker_command,
+        )
         with self._lock:
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+            self._spawning = worker
+        try:
+            hello = worker.start(config.start_timeout_s)
+        finally:
+            with self._lock:
+                self._spawning = None
+        peer_id, maddrs = hello.get("peer_id"), hello.get("maddrs")
+        if not isinstance(peer_id, str) or not isinstance(maddrs, list):
+            worker.kill()
+            raise DhtError("the DHT worker's hello lacks peer_id or maddrs")
+        if self.peer_id and peer_id != self.peer_id:
+            logger.warning("the restarted DHT worker has peer id %s, was %s", peer_id, self.peer_id)
+        self.peer_id, self.maddrs = peer_id, [str(m) for m in maddrs]
+        return worker
+
+    def _worker_exited(self, worker: WorkerProcess) -> None:
+        """Called by the worker's reader as it ends (not on close): restart in the background."""
+        with self._lock:
+            if self._closed.is_set() or self._worker is not worker:
+                return
+            self._worker = None
+            restarter = self._restarter = threading.Thread(
+                target=self._restart, args=(worker,), name="dht-restart", daemon=True
+            )
+        logger.warning("the DHT worker (pid %d) is gone; restarting it", worker.pid)
+        restarter.start()
+
+    def _restart(self, dead: WorkerProcess) -> None:
+        dead.kill()  # a reader that stopped on a live worker leaves it running
+        delay = self.config.restart_backoff_s
+        for attempt in itertools.count(1):
+            if self._closed.wait(delay):
+                return
+            try:
+                worker = self._spawn(self._restart_config(attempt))
+            except DhtError as exc:
+                logger.warning("DHT worker restart %d failed: %s", attempt, exc)
+                delay = min(2 * delay, _MAX_RESTART_BACKOFF_S)
+                continue
+            with self._lock:
+                installed = not self._closed.is_set() and not worker.exited.is_set()
+                if installed:
+                    self._worker = worker
+                    self.restarts += 1
+            if installed:
+                logger.info("DHT worker restarted (pid %d) on %s", worker.pid, self.maddrs)
+                return
+            worker.kill()
+            if self._closed.is_set():
+                return
+
+    def _restart_config(self, attempt: int) -> DhtConfig:
+        """The first try keeps the port the last worker had, so addresses others hold stay
+        valid; later tries take the configured one (0: any free port)."""
+        if attempt == 1 and self.config.listen_port == 0:
+            for maddr in self.maddrs:
+                match = _TCP_PORT.search(maddr)
+                if match and f"/{self.config.listen_host}/" in maddr:
+                    return replace(self.config, listen_port=int(match.group(1)))
+        return self.config

@@ -20,6 +20,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fusionllm.common.errors import peer_repr
 from fusionllm.dht.records import NodeInfo, PlanProposal, RecordError
 
 ENVELOPE_VERSION = 1
@@ -105,11 +106,11 @@ def open_envelope(data: Any) -> OpenedRecord:
     }:  # fmt: skip
         raise RecordError("record envelope has the wrong fields")
     if type(envelope["v"]) is not int or envelope["v"] != ENVELOPE_VERSION:
-        raise RecordError(f"record envelope version {envelope['v']!r} is not supported")
+        raise RecordError(f"record envelope version {peer_repr(envelope['v'])} is not supported")
     kind, key, subkey, expiration = (envelope[k] for k in ("kind", "key", "sub", "exp"))
     body, signature = envelope["body"], envelope["sig"]
     if not isinstance(kind, str) or kind not in MAX_ENVELOPE_BYTES:
-        raise RecordError(f"unknown record kind {kind!r}")
+        raise RecordError(f"unknown record kind {peer_repr(kind)}")
     if len(data) > MAX_ENVELOPE_BYTES[kind]:
         raise RecordError(f"{kind} record of {len(data)} bytes is over the limit")
     if not isinstance(key, str) or not isinstance(subkey, str):

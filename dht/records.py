@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fusionllm.common.errors import ConfigError, PeerError
+from fusionllm.common.errors import ConfigError, PeerError, peer_repr
 
 NODE_INFO_VERSION = 1
 PLAN_PROPOSAL_VERSION = 1
@@ -108,7 +108,7 @@ def _version(wire: Any, what: str, supported: int) -> None:
     version = wire["v"]
     if type(version) is not int or version != supported:  # True == 1 == 1.0: not versions
         raise RecordError(
-            f"{what} schema version {version!r} is not supported (we speak v{supported})"
+            f"{what} schema version {peer_repr(version)} is not supported (we speak v{supported})"
         )
 
 
@@ -271,7 +271,7 @@ class NodeInfo:
             state = NodeState(w["state"])
         except ValueError:
             raise RecordError(
-                f"node state {w['state']!r} is not one of {list(NodeState)}"
+                f"node state {peer_repr(w['state'])} is not one of {list(NodeState)}"
             ) from None
         stage = None if w["stage"] is None else _int(w["stage"], "stage", 0, 1 << 16)
         adopted = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from fusionllm.common.errors import ConfigError
+from fusionllm.common.errors import ConfigError, peer_repr
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.dht.records import MAX_NAME_CHARS, LinkReport, NodeInfo, RecordError
@@ -60,7 +60,7 @@ class BandwidthReport:
         if not isinstance(wire, dict) or set(wire) != {"v", "swarm", "t", "links"}:
             raise RecordError("bandwidth report has the wrong fields")
         if type(wire["v"]) is not int or wire["v"] != REPORT_VERSION:  # True == 1 == 1.0
-            raise RecordError(f"bandwidth report version {wire['v']!r} is not supported")
+            raise RecordError(f"bandwidth report version {peer_repr(wire['v'])} is not supported")
         swarm, when, links = wire["swarm"], wire["t"], wire["links"]
         if not isinstance(swarm, str) or not 0 < len(swarm) <= MAX_NAME_CHARS:
             raise RecordError("bandwidth report swarm must be a short string")

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 
@@ -160,10 +161,9 @@ def cached_measurement(
     measurement = measure_device(device, config)
     cache[key] = asdict(measurement)
     try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(cache_path)
+        # A unique temp name: nodes sharing a cache (or a restarted container, always PID 1)
+        # never write through one another's half-written file.
+        write_atomic(cache_path, json.dumps(cache, indent=1).encode())
     except OSError as exc:
         logger.warning("could not write probe cache %s: %s", cache_path, exc)
     return measurement

@@ -59,7 +59,6 @@ from fusionllm.node.p2p.probes import (
     PROBE_PROTOCOL,
     ProbeResult,
     ProbeServer,
-    probe_payload,
     run_probe,
 )
 
@@ -190,7 +189,6 @@ class ControlHost:
         self._service: HostService | None = None
         self._started = False
         self._closed = False
-        self._probe_payload = probe_payload(config.probe_bytes)
         # Set and cleared by the gossip service, in the trio thread.
         self._pubsub: GuardedPubsub | None = None
         self._router: GossipSub | None = None
@@ -430,7 +428,7 @@ class ControlHost:
 
     async def _probe(self, peer: ID, nbytes: int, timeout: float) -> ProbeResult:
         self._require_pubsub()  # attached: the probe protocol is ours on this host
-        return await run_probe(self.host.libp2p, peer, nbytes, timeout, self._probe_payload)
+        return await run_probe(self.host.libp2p, peer, nbytes, timeout)
 
     def _deliver(self, msg: rpc_pb2.Message) -> None:
         author = ID(msg.from_id)

@@ -10,6 +10,7 @@ which the Go daemon refuses; such files are read and rewritten in the standard f
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
@@ -62,8 +63,10 @@ def _write_private(path: Path, data: bytes, *, replace: bool = False) -> bool:
     """Write ``data`` to ``path`` with mode 0600; False if it exists (and not ``replace``)."""
     # Write a private temp file, then link it into place: the key is never visible half
     # written or with a looser mode, and two nodes starting at once keep the first key.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # mkstemp picks a fresh name (O_EXCL, mode 0600): a name made from the pid collides with
+    # the one a killed run left behind, since in a container every run is PID 1.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
@@ -71,15 +74,24 @@ def _write_private(path: Path, data: bytes, *, replace: bool = False) -> bool:
             os.fsync(file.fileno())
         if replace:
             os.replace(tmp, path)
-            return True
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        _fsync_dir(path.parent)  # the new name survives a power cut, not just the bytes
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _load(path: Path) -> KeyPair:

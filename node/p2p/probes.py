@@ -1,16 +1,24 @@
-"""The bandwidth/RTT probe: ``/fusionllm/probe/1.0.0``, one new stream per probe.
+"""The bandwidth/RTT probe: ``/fusionllm/probe/2.0.0``, one new stream per probe.
 
-    client: "FLP1" | u64 nbytes          server: 1 status byte (0 ok, else refused, then EOF)
-    client: 1 byte  x3                   server: echoes each byte (RTT = min of the 3)
-    client: nbytes of payload            server: 1 ack byte once all of it arrived
+    client: "FLP2" | u64 nbytes | 16-byte nonce   server: 1 status byte (0 ok, else refused, EOF)
+    client: 8 random bytes  x3                    server: echoes each (RTT = min of the 3)
+    client: nbytes of payload, random tail        server: BLAKE2b-128 of the payload, keyed
+                                                          by the nonce, once all of it arrived
 
 Bandwidth = nbytes / (time from the first payload byte written to the ack read), so it
-includes one RTT; with ~1 MiB payloads that is small except on slow, far links. The server
-refuses a request over ``max_bytes``, past ``max_per_peer_per_min`` or past
-``max_concurrent``; every read runs under a deadline and a misbehaving prober only gets its own
-stream reset. Both sides run in the host's trio thread.
+includes one RTT; with ~1 MiB payloads that is small except on slow, far links. Pings and
+the nonce are fresh random bytes per probe, so a prober only accepts an echo or an ack made
+from what it sent on this stream: a peer cannot answer early (to look near or fast) nor
+replay an old answer; the payload ends in fresh random bytes and the stream is in order, so
+the ack also proves that every byte before them arrived. The server refuses a request over
+``max_bytes``, a second one from a peer whose probe is still running, one past
+``max_per_peer_per_min``, or past ``max_concurrent``; every read runs under a deadline and a
+misbehaving prober only gets its own stream reset. Both sides run in the host's trio thread.
 """
 
+import hashlib
+import os
+import secrets
 import struct
 import time
 from collections import deque
@@ -30,23 +38,27 @@ from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_qu
 
 logger = get_logger(__name__)
 
-PROBE_PROTOCOL = TProtocol("/fusionllm/probe/1.0.0")
+PROBE_PROTOCOL = TProtocol("/fusionllm/probe/2.0.0")
 MAX_PROBE_BYTES = 256 << 20
 
-_PROBE_MAGIC = b"FLP1"
-_PROBE_HEADER = struct.Struct(">4sQ")
+PROBE_MAGIC = b"FLP2"
+PROBE_HEADER = struct.Struct(">4sQ16s")  # magic, payload bytes, nonce
+PING_BYTES = 8
+ACK_BYTES = 16
 _PROBE_PINGS = 3
 _PROBE_OK = 0
 _PROBE_TOO_LARGE = 1
 _PROBE_TOO_OFTEN = 2
 _PROBE_BUSY = 3
+_PROBE_ALREADY_RUNNING = 4
 _PROBE_REASONS = {
     _PROBE_TOO_LARGE: "too large",
     _PROBE_TOO_OFTEN: "probed too often",
     _PROBE_BUSY: "busy",
+    _PROBE_ALREADY_RUNNING: "a probe from this peer is still running",
 }
-_PROBE_ACK = b"A"
 _PROBE_CHUNK_BYTES = 256 << 10
+_PROBE_TAIL_BYTES = 16
 _PROBE_READ_BYTES = 64 << 10
 _PROBE_WINDOW_S = 60.0
 
@@ -63,30 +75,18 @@ class ProbeResult:
     seconds: float  # first payload byte written -> ack read
 
 
-def probe_payload(probe_bytes: int) -> bytes:
-    """The zeros a prober writes, chunk by chunk, for probes of up to ``probe_bytes``."""
-    return bytes(min(_PROBE_CHUNK_BYTES, probe_bytes))
+def payload_hasher(nonce: bytes) -> "hashlib.blake2b":
+    """What the server feeds every payload byte to; its digest is the ack."""
+    return hashlib.blake2b(key=nonce, digest_size=ACK_BYTES)
 
 
-async def run_probe(
-    host: IHost, peer: ID, nbytes: int, timeout: float, payload: bytes
-) -> ProbeResult:
+async def run_probe(host: IHost, peer: ID, nbytes: int, timeout: float) -> ProbeResult:
     """Probe ``peer``; ProbeRefusedError, DeadlineError or ControlError if it fails."""
     stream: INetStream | None = None
     try:
         with trio.fail_after(timeout):
             stream = await host.new_stream(peer, [PROBE_PROTOCOL])
-            rtt = await _request(stream, peer, nbytes)
-            started = time.perf_counter()
-            sent = 0
-            while sent < nbytes:
-                n = min(len(payload), nbytes - sent)
-                await stream.write(payload if n == len(payload) else payload[:n])
-                sent += n
-            ack = await _read_exactly(stream, 1)
-            seconds = time.perf_counter() - started
-            if ack != _PROBE_ACK:
-                raise ControlError(f"{peer} acked a probe with {ack!r}")
+            result = await probe_over(stream, peer.to_base58(), nbytes)
         await close_quietly(stream)
     except trio.TooSlowError:
         await reset_quietly(stream)
@@ -98,25 +98,52 @@ async def run_probe(
         await reset_quietly(stream)
         logger.debug("probe to %s failed", peer, exc_info=True)
         raise ControlError(f"probe to {peer} failed: {type(exc).__name__}: {exc}") from exc
+    return result
+
+
+async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
+    """The client's side of one probe on an open stream (no deadline of its own)."""
+    nonce = secrets.token_bytes(16)
+    # A random block repeated, then fresh random bytes at the very end: the stream is in
+    # order, so only a peer that read every byte has the tail to hash. (One random block, not
+    # nbytes of them: os.urandom of a whole large probe would stall the host's trio thread.)
+    block = os.urandom(min(nbytes, _PROBE_CHUNK_BYTES))
+    tail = os.urandom(min(nbytes, _PROBE_TAIL_BYTES))
+    expected = payload_hasher(nonce)
+    rtt = await _request(stream, peer, nbytes, nonce)
+    started = time.perf_counter()
+    sent, body = 0, nbytes - len(tail)
+    while sent < body:
+        chunk = block[: min(len(block), body - sent)]
+        expected.update(chunk)
+        await stream.write(chunk)
+        sent += len(chunk)
+    expected.update(tail)
+    await stream.write(tail)
+    ack = await _read_exactly(stream, ACK_BYTES)
+    seconds = time.perf_counter() - started
+    if not secrets.compare_digest(ack, expected.digest()):
+        raise ControlError(f"{peer} acked a probe with a digest of other bytes")
     return ProbeResult(
-        peer=peer.to_base58(), bandwidth=nbytes / seconds, rtt=rtt, bytes=nbytes, seconds=seconds
+        peer=peer, bandwidth=nbytes / seconds, rtt=rtt, bytes=nbytes, seconds=seconds
     )
 
 
-async def _request(stream: INetStream, peer: ID, nbytes: int) -> float:
+async def _request(stream: INetStream, peer: str, nbytes: int, nonce: bytes) -> float:
     """Ask for a probe of ``nbytes`` and ping; the fastest round trip."""
-    await stream.write(_PROBE_HEADER.pack(_PROBE_MAGIC, nbytes))
+    await stream.write(PROBE_HEADER.pack(PROBE_MAGIC, nbytes, nonce))
     (status,) = await _read_exactly(stream, 1)
     if status != _PROBE_OK:
         reason = _PROBE_REASONS.get(status, f"status {status}")
         raise ProbeRefusedError(f"{peer} refused a probe of {nbytes} bytes: {reason}")
     rtts = []
     for i in range(_PROBE_PINGS):
+        ping = os.urandom(PING_BYTES)
         started = time.perf_counter()
-        await stream.write(bytes([i]))
-        echo = await _read_exactly(stream, 1)
+        await stream.write(ping)
+        echo = await _read_exactly(stream, PING_BYTES)
         rtts.append(time.perf_counter() - started)
-        if echo != bytes([i]):
+        if echo != ping:
             raise ControlError(f"{peer} echoed {echo!r} to probe ping {i}")
     return min(rtts)
 
@@ -125,7 +152,8 @@ class ProbeServer:
     """Serves probes (the stream handler ``serve``) within its size, rate and slot limits.
 
     Made and used in the trio thread. ``count`` gets "probes_served", "probes_refused" and
-    "probe_errors".
+    "probe_errors". One probe per peer at a time: a peer (or a stranger's one identity) never
+    holds more than one of the ``max_concurrent`` slots.
     """
 
     def __init__(
@@ -143,6 +171,7 @@ class ProbeServer:
         self._count = count
         self._slots = trio.Semaphore(max_concurrent)
         self._probes_by_peer: dict[str, deque[float]] = {}
+        self._running: set[str] = set()  # peers whose probe holds a slot now
 
     async def serve(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
@@ -161,8 +190,9 @@ class ProbeServer:
             await reset_quietly(stream)
 
     async def _serve_steps(self, peer: str, stream: INetStream) -> None:
-        magic, nbytes = _PROBE_HEADER.unpack(await _read_exactly(stream, _PROBE_HEADER.size))
-        if magic != _PROBE_MAGIC or nbytes < 1:
+        header = await _read_exactly(stream, PROBE_HEADER.size)
+        magic, nbytes, nonce = PROBE_HEADER.unpack(header)
+        if magic != PROBE_MAGIC or nbytes < 1:
             raise PeerError(f"bad probe header from {peer}: {magic!r}, {nbytes}")
         refusal = self._admit(peer, nbytes)
         if refusal == _PROBE_OK:
@@ -176,24 +206,30 @@ class ProbeServer:
             await stream.write(bytes([refusal]))
             await close_quietly(stream)
             return
+        self._running.add(peer)
         try:
             await stream.write(bytes([_PROBE_OK]))
             for _ in range(_PROBE_PINGS):
-                await stream.write(await _read_exactly(stream, 1))
+                await stream.write(await _read_exactly(stream, PING_BYTES))
+            received = payload_hasher(nonce)
             remaining = nbytes
             while remaining:
                 chunk = await _read_some(stream, min(remaining, _PROBE_READ_BYTES))
+                received.update(chunk)
                 remaining -= len(chunk)
             # Counted before the ack, so a prober that has its result sees it counted here.
             self._count("probes_served")
-            await stream.write(_PROBE_ACK)
+            await stream.write(received.digest())
         finally:
+            self._running.discard(peer)
             self._slots.release()
         await close_quietly(stream)
 
     def _admit(self, peer: str, nbytes: int) -> int:
         if nbytes > self._max_bytes:
             return _PROBE_TOO_LARGE
+        if peer in self._running:
+            return _PROBE_ALREADY_RUNNING
         now = time.monotonic()
         recent = self._probes_by_peer.setdefault(peer, deque())
         while recent and now - recent[0] >= _PROBE_WINDOW_S:

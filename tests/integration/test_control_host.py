@@ -36,6 +36,7 @@ from fusionllm.node.p2p.control_host import (
     GossipMessage,
 )
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.probes import PING_BYTES, PROBE_HEADER, PROBE_MAGIC
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -292,8 +293,8 @@ def test_a_misbehaving_prober_only_loses_its_own_stream(hosts):
     a.connect(b.listen_addrs[0])
     started = time.monotonic()
     # A header that promises 1 MiB, then 10 bytes and silence: b gives up at its deadline.
-    header = b"FLP1" + (1 << 20).to_bytes(8, "big")
-    a.host.call(_raw_probe, a, b.peer_id, header + b"\x00\x01\x02" + bytes(7))
+    header = PROBE_HEADER.pack(PROBE_MAGIC, 1 << 20, bytes(16))
+    a.host.call(_raw_probe, a, b.peer_id, header + bytes(3 * PING_BYTES) + bytes(7))
     assert time.monotonic() - started < 0.5 * 2 + 2.0
     a.host.call(_raw_probe, a, b.peer_id, b"GARBAGE-HEADER")  # bad magic: reset at once
     assert b.stats().probe_errors == 2

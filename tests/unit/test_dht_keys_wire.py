@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.keys import check_swarm_name, nodes_key, plans_key
-from fusionllm.dht.wire import MAX_MESSAGE_BYTES, PipeClosedError, read_message, write_message
+from fusionllm.dht.wire import (
+    MAX_MESSAGE_BYTES,
+    MAX_SKIP_BYTES,
+    MessageError,
+    PipeClosedError,
+    read_message,
+    read_tagged,
+    write_message,
+)
 
 # ----------------------------------------------------------------------------- keys
 
@@ -90,7 +98,7 @@ def test_frame_layout():
     write_message(stream, {"op": "get"})
     data = stream.getvalue()
     body = msgpack.packb({"op": "get"}, use_bin_type=True)
-    assert data == struct.pack(">I", len(body)) + body
+    assert data == struct.pack(">IQ", len(body), 0) + body
 
 
 class Trickle(io.RawIOBase):
@@ -117,7 +125,7 @@ def test_empty_stream_is_closed():
         read_message(io.BytesIO(b""))
 
 
-@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5, 10])
+@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5, 10, 12, 13, 20])
 def test_truncated_message(cut):
     stream = io.BytesIO()
     write_message(stream, {"payload": "x" * 20})
@@ -125,8 +133,19 @@ def test_truncated_message(cut):
         read_message(io.BytesIO(stream.getvalue()[:cut]))
 
 
-def test_oversize_prefix():
-    data = struct.pack(">I", MAX_MESSAGE_BYTES + 1) + b"\x00" * 16
+def test_oversize_prefix_skips_that_message_only():
+    stream = io.BytesIO()
+    stream.write(struct.pack(">IQ", MAX_MESSAGE_BYTES + 1, 9) + bytes(MAX_MESSAGE_BYTES + 1))
+    write_message(stream, {"next": 1}, tag=10)
+    stream.seek(0)
+    with pytest.raises(MessageError, match="over") as refused:
+        read_message(stream)
+    assert refused.value.tag == 9
+    assert read_tagged(stream) == (10, {"next": 1})
+
+
+def test_prefix_past_the_skip_limit_is_a_broken_pipe():
+    data = struct.pack(">IQ", MAX_SKIP_BYTES + 1, 1) + b"\x00" * 16
     with pytest.raises(PipeClosedError, match="bytes on the pipe"):
         read_message(io.BytesIO(data))
     with pytest.raises(PipeClosedError):

@@ -41,3 +41,12 @@ def test_cache_is_reused_and_survives_damage(tmp_path):
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="matmul_size"):
         ProbeConfig(matmul_size=3)
+
+
+def test_cache_write_does_not_depend_on_a_fixed_temp_name(tmp_path):
+    cache = tmp_path / "probe.json"
+    cache.with_suffix(".tmp").mkdir()  # what a fixed temp name would collide with
+    first = cached_measurement("cpu", cache, TINY)
+    assert json.loads(cache.read_text())  # written despite the squatter
+    assert cached_measurement("cpu", cache, TINY) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json", "probe.tmp"]

@@ -1,0 +1,241 @@
+"""The bandwidth probe's protocol (node/p2p/probes.py) over in-memory stream pairs: the ack
+proves the payload arrived, echoes prove the pings did, nonces are fresh, and the server
+serves one probe per peer at a time within its slots."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.peer.id import ID
+
+from fusionllm.node.errors import ControlError, ProbeRefusedError
+from fusionllm.node.p2p.probes import (
+    ACK_BYTES,
+    PING_BYTES,
+    PROBE_HEADER,
+    PROBE_MAGIC,
+    ProbeServer,
+    payload_hasher,
+    probe_over,
+)
+
+
+class FakeStream:
+    """One end of an in-memory stream: reads return what the other end wrote, at most ``n``."""
+
+    def __init__(self, inbox, outbox, peer: ID) -> None:
+        self._inbox, self._outbox = inbox, outbox
+        self._buffer = b""
+        self.muxed_conn = SimpleNamespace(peer_id=peer)
+        self.written: list[bytes] = []
+        self.was_reset = False
+
+    async def read(self, n: int) -> bytes:
+        if not self._buffer:
+            try:
+                self._buffer = await self._inbox.receive()
+            except trio.EndOfChannel:
+                raise StreamEOF() from None
+            except trio.ClosedResourceError:
+                raise StreamReset() from None
+        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        return data
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+        await self._outbox.send(bytes(data))
+
+    async def close(self) -> None:
+        await self._outbox.aclose()
+
+    async def reset(self) -> None:
+        self.was_reset = True
+        await self._outbox.aclose()
+        await self._inbox.aclose()
+
+
+def stream_pair(client_peer: ID, server_peer: ID) -> tuple[FakeStream, FakeStream]:
+    to_server_send, to_server_recv = trio.open_memory_channel(1 << 16)
+    to_client_send, to_client_recv = trio.open_memory_channel(1 << 16)
+    client = FakeStream(to_client_recv, to_server_send, server_peer)
+    server = FakeStream(to_server_recv, to_client_send, client_peer)
+    return client, server
+
+
+def new_peer() -> ID:
+    return ID.from_pubkey(create_new_key_pair().public_key)
+
+
+class Counter(dict):
+    def __call__(self, name: str, n: int = 1) -> None:
+        self[name] = self.get(name, 0) + n
+
+
+def new_server(count: Counter, **overrides) -> ProbeServer:
+    fields = {"max_bytes": 1 << 20, "max_per_peer_per_min": 100, "max_concurrent": 2}
+    return ProbeServer(**{**fields, **overrides}, timeout_s=5.0, count=count)
+
+
+async def probe(server: ProbeServer, client_peer: ID, nbytes: int = 100_000):
+    client, server_end = stream_pair(client_peer, new_peer())
+    error = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve, server_end)
+        try:
+            result = await probe_over(client, "server", nbytes)
+        except Exception as exc:  # raised out here, not inside the nursery's group
+            error = exc
+            await client.reset()
+    if error is not None:
+        raise error
+    return result, client
+
+
+async def stall_after_header(server: ProbeServer, peer: ID, nursery) -> FakeStream:
+    """A prober that asks, is admitted, and sends nothing more: it holds a slot."""
+    client, server_end = stream_pair(peer, new_peer())
+    nursery.start_soon(server.serve, server_end)
+    await client.write(PROBE_HEADER.pack(PROBE_MAGIC, 1000, os.urandom(16)))
+    assert await client.read(1) == b"\x00"
+    return client
+
+
+def test_honest_probe_is_acked_with_the_keyed_digest_of_its_payload():
+    count = Counter()
+
+    async def main():
+        result, client = await probe(new_server(count), new_peer(), nbytes=300_000)
+        assert result.bytes == 300_000
+        assert result.bandwidth > 0
+        header = client.written[0]
+        magic, nbytes, nonce = PROBE_HEADER.unpack(header)
+        assert (magic, nbytes) == (PROBE_MAGIC, 300_000)
+        payload = b"".join(client.written[1 + 3 :])
+        assert len(payload) == 300_000
+        assert payload != bytes(300_000)  # random, not zeros a liar could hash unseen
+        expected = payload_hasher(nonce)
+        expected.update(payload)
+        assert len(expected.digest()) == ACK_BYTES
+        return nonce
+
+    first, second = trio.run(main), trio.run(main)
+    assert first != second  # a fresh nonce per probe
+    assert count == {"probes_served": 2}
+
+
+async def _lying_server(stream: FakeStream, *, ack: bytes | None, echo_early: bool) -> None:
+    header = await stream.read(PROBE_HEADER.size)
+    _magic, nbytes, _nonce = PROBE_HEADER.unpack(header)
+    await stream.write(b"\x00")
+    if echo_early:  # echoes sent before the pings arrive: they cannot match
+        await stream.write(bytes(3 * PING_BYTES))
+        return
+    for _ in range(3):
+        await stream.write(await stream.read(PING_BYTES))
+    await stream.write(ack)  # acked at once, without reading the payload
+    got = 0
+    while got < nbytes:
+        got += len(await stream.read(1 << 16))
+    await stream.close()
+
+
+@pytest.mark.parametrize(
+    "ack",
+    [bytes(ACK_BYTES), payload_hasher(bytes(16)).digest()],
+    ids=["zeros", "digest-of-nothing"],
+)
+def test_ack_that_does_not_prove_the_payload_is_refused(ack):
+    async def main():
+        client, server_end = stream_pair(new_peer(), new_peer())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _lying_server(server_end, ack=ack, echo_early=False))
+            with pytest.raises(ControlError, match="digest of other bytes"):
+                await probe_over(client, "liar", 50_000)
+
+    trio.run(main)
+
+
+def test_echoes_sent_before_the_pings_are_refused():
+    async def main():
+        client, server_end = stream_pair(new_peer(), new_peer())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _lying_server(server_end, ack=None, echo_early=True))
+            with pytest.raises(ControlError, match="echoed"):
+                await probe_over(client, "liar", 50_000)
+
+    trio.run(main)
+
+
+def test_one_probe_per_peer_and_others_still_served():
+    count = Counter()
+    server = new_server(count, max_concurrent=2)
+    stranger, honest = new_peer(), new_peer()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            held = await stall_after_header(server, stranger, nursery)
+            # The stranger's second probe is refused: it may hold one slot, not all of them.
+            with pytest.raises(ProbeRefusedError, match="still running"):
+                await probe(server, stranger)
+            result, _ = await probe(server, honest)
+            assert result.bytes == 100_000
+            await held.reset()
+
+    trio.run(main)
+    assert count == {"probes_refused": 1, "probes_served": 1, "probe_errors": 1}
+
+
+def test_all_slots_taken_by_distinct_peers_is_busy_and_frees_on_exit():
+    count = Counter()
+    server = new_server(count, max_concurrent=2)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            held = [await stall_after_header(server, new_peer(), nursery) for _ in range(2)]
+            with pytest.raises(ProbeRefusedError, match="busy"):
+                await probe(server, new_peer())
+            await held[0].reset()
+            await trio.testing.wait_all_tasks_blocked()
+            result, _ = await probe(server, new_peer())
+            assert result.bytes == 100_000
+            await held[1].reset()
+
+    trio.run(main)
+    assert count == {"probes_refused": 1, "probes_served": 1, "probe_errors": 2}
+
+
+def test_a_finished_probe_frees_the_peer_for_the_next():
+    count = Counter()
+    server = new_server(count)
+    peer = new_peer()
+
+    async def main():
+        for _ in range(3):
+            await probe(server, peer)
+
+    trio.run(main)
+    assert count == {"probes_served": 3}
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"FLP1" + (1000).to_bytes(8, "big") + bytes(16),
+        PROBE_MAGIC + (0).to_bytes(8, "big") + bytes(16),
+    ],
+    ids=["old-magic", "zero-bytes"],
+)
+def test_bad_header_is_a_probe_error(header):
+    count = Counter()
+
+    async def main():
+        client, server_end = stream_pair(new_peer(), new_peer())
+        await client.write(header)
+        await new_server(count).serve(server_end)
+        assert server_end.was_reset
+
+    trio.run(main)
+    assert count == {"probe_errors": 1}
