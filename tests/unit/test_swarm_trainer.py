@@ -5,6 +5,7 @@ assignment, the READY barrier, the 1F1B runner, plan votes in the step summaries
 between members on a plan change.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -61,9 +62,16 @@ class FakeView:
         return self.reached()
 
 
+@functools.cache
+def _costs():
+    # Traced once, before any trainer runs: torch.fx patches torch.nn.Module globally while it
+    # traces, so a trace in the test thread would break a trainer's forward pass mid-step.
+    graph, _ = build_workload(RUN)
+    return graph.costs()
+
+
 def _plan(peers: list[str], stages: int) -> Plan:
     """The planner's plan for equal peers on fast links, with exactly ``stages`` stages."""
-    graph, _ = build_workload(RUN)
     device = DeviceProfile(flops=1e11, memory_bandwidth=5e9, memory_bytes=4 << 30)
     swarm = Swarm.from_links(
         [Peer(peer_id=p, device=device, uplink=1e9, downlink=1e9) for p in peers],
@@ -76,7 +84,7 @@ def _plan(peers: list[str], stages: int) -> Plan:
         max_stages=stages,
         max_replicas=1,
     )
-    return plan(graph.costs(), swarm, config)
+    return plan(_costs(), swarm, config)
 
 
 class Cluster:
