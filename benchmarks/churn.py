@@ -11,7 +11,9 @@ Per run: ``recovery_s`` = the kill to the first step of a plan started after it;
 = how far that plan went back behind the newest finished step; ``step_s``: the median step
 before the kill, to read recovery in steps; ``checkpoint_s``: the median time a checkpoint
 takes on the critical path (packing its copy, writing the file); ``copy_s``: the median time
-from a checkpoint to its copy kept on another node (a crash inside it costs one more interval).
+from a checkpoint to its copy kept on another node; ``copy_wait_s``: the median wait, one step
+after a checkpoint, for the copy's frames to have left the node (so that a crash after that step
+costs at most one interval).
 Medians over runs are printed; ``--json`` writes every run; ``--keep DIR`` keeps the logs.
 """
 
@@ -92,6 +94,7 @@ def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         events = [e for n in nodes for e in n.snapshot()]
         writes = [e["seconds"] for e in events if e["event"] == "checkpoint"]
         copies = _copy_latencies(events)
+        waits = [e["waited"] for e in events if e["event"] == "copy_sent"]
         return {
             "scenario": scenario,
             "recovery_s": resumed - killed_at,
@@ -99,6 +102,7 @@ def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict:
             "step_s": statistics.median(before),
             "checkpoint_s": statistics.median(writes) if writes else None,
             "copy_s": statistics.median(copies) if copies else None,
+            "copy_wait_s": statistics.median(waits) if waits else None,
         }
     finally:
         swarm.close()
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_once(scenario, args, Path(tmp))
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
-    head = ["scenario", "recovery s", "steps lost", "step s", "ckpt ms", "copy ms"]
+    head = ["scenario", "recovery s", "steps lost", "step s", "ckpt ms", "copy ms", "wait ms"]
     print(f"{head[0]:<14}", *(f"{h:>10}" for h in head[1:]),
           f"  (medians of {args.runs}; checkpoint every {args.checkpoint_every})")  # fmt: skip
     for scenario in args.scenarios:
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r['steps_lost'] for r in runs):>10} "
             f"{statistics.median(r['step_s'] for r in runs):>10.3f} "
             f"{_ms([r['checkpoint_s'] for r in runs]):>10.1f} "
-            f"{_ms([r['copy_s'] for r in runs]):>10.1f}"
+            f"{_ms([r['copy_s'] for r in runs]):>10.1f} "
+            f"{_ms([r['copy_wait_s'] for r in runs]):>10.1f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

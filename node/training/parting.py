@@ -4,7 +4,8 @@
 AdamW state, error-feedback residuals, RNG, plan, node range; the data position is the step)
 and, when its stage has no other replica, first sends a copy to the next stage's first replica
 (``checkpoint_custodian``), which keeps it on disk. The copy is not waited for on the critical
-path; a failed one is logged at the next checkpoint.
+path: its frames must only have left this node by the end of the step after (the wait, if
+any, is the ``copy_sent`` event's); a failed one is logged.
 
 ``hand_over``: at a step boundary every member agreed on (a unanimous switch, or a member's
 vote to leave), a stage whose holders all leave sends its live state to a staying member
@@ -32,6 +33,8 @@ class Parting:
     def checkpoint(self, held) -> None:
         s = self.session
         every = s.hooks.checkpoint_every
+        if every and held.next_step % every == 1:
+            self._copy_sent(held.next_step - 1)
         if not every or held.next_step % every:
             return
         started, begun = time.perf_counter(), time.time()
@@ -40,8 +43,6 @@ class Parting:
         stage = stage_state(held.worker, holding, assignment.digest)
         stage.residuals = s.runner.residuals()
         keeper = checkpoint_custodian(role.stage, assignment.peers)
-        if self._copies and not all(f.done() and f.exception() is None for f in self._copies):
-            logger.warning("the previous checkpoint's copy was not (yet) delivered")
         if keeper is not None:
             # The copy first: until it lands, a crash of this node costs the previous interval;
             # our own file only helps if this node comes back.
@@ -54,6 +55,17 @@ class Parting:
         s.hooks.emit({"event": "checkpoint", "step": held.next_step, "keeper": keeper,
                       "range": [holding.start, holding.stop],
                       "seconds": time.perf_counter() - started, "t": begun})  # fmt: skip
+
+    def _copy_sent(self, step: int) -> None:
+        """One step after a checkpoint, its copy's frames must have left this node: a crash
+        before they did would cost the interval before it too (more than one interval)."""
+        if not self._copies:
+            return
+        started = time.perf_counter()
+        ok = delivered(self._copies, self.session.timeout_s)
+        self._copies = []
+        self.session.hooks.emit({"event": "copy_sent", "step": step, "delivered": ok,
+                                 "waited": time.perf_counter() - started})  # fmt: skip
 
     def hand_over(self, held, leaving: frozenset[str], preferred) -> None:
         """Every stage all of whose holders leave: its first replica sends, a stayer keeps."""

@@ -259,6 +259,14 @@ def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_p
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
     kept = [e for e in cluster.events["peer-a"] if e["event"] == "kept"]
     assert kept, "stage 0's node never kept the last stage's checkpoint copy"
+    # One step after each checkpoint its copy had left the node that took it.
+    for peer in peers:
+        events = list(cluster.events[peer])
+        copied = {e["step"] for e in events if e["event"] == "checkpoint" and e["keeper"]}
+        sent = [e for e in events if e["event"] == "copy_sent"]
+        assert {e["step"] for e in sent} <= copied
+        assert all(e["delivered"] for e in sent)
+    assert any(e["event"] == "copy_sent" for e in cluster.events["peer-c"])
 
 
 def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
