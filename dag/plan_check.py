@@ -1,0 +1,121 @@
+"""A proposed plan's figures recomputed in our own view of the swarm.
+
+A node must not take a proposal's numbers on trust: a member could claim a step time its plan
+cannot reach, or a stage that fits in memory when it does not. ``Retimer.retime`` keeps what
+the proposer chose (stage boundaries, replicas, the peer pair of each link) and recomputes
+everything that follows from those choices with the planner's own rules (``build_plan``):
+shares, memory, compute and all-reduce times from the graph and the members' devices, each
+link's AdaTopK choice at the bandwidth *we* see, and the step time by the simulator.
+
+``wire_bytes_for`` is the inverse check on a link: the bytes a (codec, ratio) puts on the wire,
+so a plan cannot pair a codec with a wire size the codec does not produce.
+"""
+
+import math
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.compression.adaptive import topk_wire_bytes
+from fusionllm.dag.chain_cuts import _Model
+from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.plan_build import _stage_record, _wire
+from fusionllm.dag.plan_records import LinkPlan, Plan, PlanConfig, StagePlan, pipeline_times
+from fusionllm.dag.simulate import simulate
+from fusionllm.dag.swarm import Swarm
+
+CODECS = ("dense", "fp16", "topk")
+
+
+class PlanCheckError(ConfigError):
+    """A plan that cannot run as written in our view (a replica that cannot hold its stage, a
+    cut the runtime cannot ship, a codec that does not exist)."""
+
+
+def wire_bytes_for(codec: str, ratio: float, dense_bytes: int, config: PlanConfig) -> int:
+    """Bytes on the wire when ``codec`` at ``ratio`` carries ``dense_bytes`` (the planner's
+    accounting, cost.compressed_wire); PlanCheckError for a combination it never makes."""
+    if codec == "dense" and ratio == 1.0:
+        return int(dense_bytes)
+    if codec == "fp16" and ratio == 1.0 and config.allow_fp16 and config.element_size > 2:
+        return int(dense_bytes) * 2 // config.element_size
+    if codec == "topk" and config.min_ratio <= ratio < 1.0:
+        return topk_wire_bytes(max(1, dense_bytes // config.element_size), ratio)
+    raise PlanCheckError(f"codec {codec!r} at ratio {ratio} is not one the planner makes")
+
+
+class Retimer:
+    """Our view (graph costs, members' devices, our bandwidth book as a Swarm) of any plan."""
+
+    def __init__(self, graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> None:
+        self.graph, self.swarm, self.config = graph, swarm, config
+        # One cost model for every proposal of an epoch: building it is the costly part.
+        self.model = _Model(graph, swarm, config)
+
+    def retime(self, plan: Plan) -> Plan:
+        """``plan`` with every figure recomputed here; PlanCheckError if it cannot run as is.
+
+        Expects a plan ``agreement.check_plan`` accepted (contiguous stages over our model,
+        every peer one of the swarm's, link ends inside their stages).
+        """
+        ids = set(self.swarm.peer_ids)
+        if not plan.stages or any(p not in ids for s in plan.stages for p in s.peers):
+            raise PlanCheckError("plan names peers outside our view of the swarm")
+        cuts = [s.start for s in plan.stages] + [plan.stages[-1].stop]
+        if cuts[0] != 0 or cuts[-1] != self.model.n:
+            raise PlanCheckError(f"stages run {cuts[0]}..{cuts[-1]}, our model 0..{self.model.n}")
+        stages = tuple(self._stage(plan, cuts, k) for k in range(len(plan.stages)))
+        budget = max(s.forward_time + s.backward_time for s in stages)
+        links = tuple(self._link(link, cuts, budget) for link in plan.links)
+        result = simulate(pipeline_times(stages, links, self.config.micro_batches))
+        return Plan(
+            method=plan.method,
+            fences=plan.fences,
+            stages=stages,
+            links=links,
+            backup=plan.backup,
+            micro_batches=self.config.micro_batches,
+            estimated_step_time=result.step_time,
+            bubble_fraction=result.bubble_fraction,
+        )
+
+    def _stage(self, plan: Plan, cuts: list[int], k: int) -> StagePlan:
+        claimed = plan.stages[k]
+        try:
+            _, record = _stage_record(
+                self.graph, self.swarm, self.config, self.model, cuts, k, list(claimed.peers)
+            )
+        except ConfigError as exc:  # InfeasiblePlanError: nobody can hold it
+            raise PlanCheckError(str(exc)) from exc
+        dropped = sorted(set(claimed.peers) - set(record["peers"]))
+        if dropped:
+            raise PlanCheckError(
+                f"stage {k}: {dropped[0][:16]}... cannot hold nodes {cuts[k]}:{cuts[k + 1]} "
+                "in our view of its device"
+            )
+        return StagePlan(fence=claimed.fence, **record)
+
+    def _link(self, claimed: LinkPlan, cuts: list[int], budget: float) -> LinkPlan:
+        k = claimed.src_stage
+        dense = float(self.model.cut[cuts[k + 1]])
+        if not math.isfinite(dense):
+            raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
+        dense_bytes = round(dense)
+        src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
+        forward, backward = self.swarm.link(src, dst), self.swarm.link(dst, src)
+        f = _wire(dense_bytes, forward.bandwidth, budget, self.config)
+        b = _wire(dense_bytes, backward.bandwidth, budget, self.config)
+        return LinkPlan(
+            src_stage=k,
+            src_peer=claimed.src_peer,
+            dst_peer=claimed.dst_peer,
+            dense_bytes=dense_bytes,
+            forward_codec=f[0],
+            forward_ratio=f[1],
+            forward_wire_bytes=f[2],
+            forward_bandwidth=forward.bandwidth,
+            forward_rtt=forward.rtt,
+            backward_codec=b[0],
+            backward_ratio=b[1],
+            backward_wire_bytes=b[2],
+            backward_bandwidth=backward.bandwidth,
+            backward_rtt=backward.rtt,
+        )

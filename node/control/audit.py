@@ -1,0 +1,114 @@
+"""Whether a proposal's claims hold in our own view: the rules and the numbers, checked here.
+
+A proposal brings a plan and the figures that rank it. Nothing of that is trusted: the rules
+(micro-batches, codecs, ratios, cut sizes, replica shares) must be exactly what the swarm's
+settings and the planner's rules give, and every figure a proposer could shade to win (step
+time, stage times, memory, bytes on the wire) is compared with the one we compute for the same
+plan (``dag.plan_check.Retimer``). Views differ by measurement noise, so a claim may sit below
+our figure by ``AuditLimits.tolerance``; ``audit`` returns the worst ratio claimed / ours (the
+*slack*) and leaves that decision to the caller, which also uses a looser bound when the
+swarm's majority already follows a plan (convergence.py).
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dag.plan_check import PlanCheckError, wire_bytes_for
+from fusionllm.dag.plan_records import Plan, PlanConfig
+from fusionllm.dht.records import RecordError
+
+# Plans travel with floats rounded to 12 significant digits (plan_records._canonical): a claim
+# this close to ours is ours.
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditLimits:
+    # A claim this far below our own figure is still believed: quantized books rarely differ,
+    # and where they do by one grid step (19% on one link) the step time moves a few percent.
+    tolerance: float = 0.05
+    # Following the swarm's majority we accept more: our view may be the odd one out.
+    converge_tolerance: float = 0.25
+    # Shares follow from device records alone, which every node reads alike.
+    share_tolerance: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tolerance <= self.converge_tolerance < 1:
+            raise ConfigError(
+                f"need 0 <= tolerance <= converge_tolerance < 1, got {self.tolerance}, "
+                f"{self.converge_tolerance}"
+            )
+        if not 0 <= self.share_tolerance < 0.01:
+            raise ConfigError(f"share_tolerance must be in [0, 0.01), got {self.share_tolerance}")
+
+
+@dataclass(frozen=True)
+class Audit:
+    slack: float  # min over the figures of claimed / ours, at most 1.0
+    figure: str  # the figure that set it ("" when every claim is at least ours)
+    claimed: float
+    ours: float
+
+    def __str__(self) -> str:
+        if not self.figure:
+            return "every figure at least ours"
+        return f"{self.figure}: claims {self.claimed:.6g}, we compute {self.ours:.6g}"
+
+
+def audit(claimed: Plan, ours: Plan, config: PlanConfig, limits: AuditLimits) -> Audit:
+    """How far ``claimed`` understates its figures against ``ours`` (``Retimer.retime`` of
+    it); RecordError where it breaks a rule."""
+    if claimed.micro_batches != config.micro_batches:
+        raise RecordError(
+            f"plan runs {claimed.micro_batches} micro-batches, the swarm {config.micro_batches}"
+        )
+    if len(claimed.stages) != len(ours.stages) or len(claimed.links) != len(ours.links):
+        raise RecordError("plan and its recomputation differ in shape")
+    for k, (mine, theirs) in enumerate(zip(ours.stages, claimed.stages, strict=True)):
+        off = max(abs(a - b) for a, b in zip(mine.shares, theirs.shares, strict=True))
+        if off > limits.share_tolerance:
+            raise RecordError(f"stage {k} shares differ from the devices' speeds by {off:.3g}")
+    for k, (mine, theirs) in enumerate(zip(ours.links, claimed.links, strict=True)):
+        if theirs.dense_bytes != mine.dense_bytes:
+            raise RecordError(
+                f"link {k} carries {theirs.dense_bytes} dense bytes, our model {mine.dense_bytes}"
+            )
+        _check_codec(k, theirs, config)
+    worst = Audit(1.0, "", 0.0, 0.0)
+    for what, claim, own in _figures(claimed, ours):
+        if claim < 0:
+            raise RecordError(f"{what} is negative: {claim:.6g}")
+        if claim < own * (1 - _ROUNDING) and claim / own < worst.slack:  # hence own > 0
+            worst = Audit(claim / own, what, claim, own)
+    return worst
+
+
+def _check_codec(k: int, link, config: PlanConfig) -> None:
+    """Codec, ratio and wire bytes of both directions: what the rule can produce, nothing else."""
+    for way in ("forward", "backward"):
+        codec = getattr(link, f"{way}_codec")
+        ratio = getattr(link, f"{way}_ratio")
+        if not config.compression and (codec, ratio) != ("dense", 1.0):
+            raise RecordError(f"link {k} {way}: {codec} at {ratio}, but the swarm sends dense")
+        try:
+            wire = wire_bytes_for(codec, ratio, link.dense_bytes, config)
+        except PlanCheckError as exc:
+            raise RecordError(f"link {k} {way}: {exc}") from exc
+        if getattr(link, f"{way}_wire_bytes") != wire:
+            raise RecordError(f"link {k} {way}: {codec} at {ratio} puts {wire} bytes on the wire")
+
+
+def _figures(claimed: Plan, ours: Plan) -> Iterator[tuple[str, float, float]]:
+    """(what, claimed, ours) for every figure a proposer could understate to win."""
+    yield "estimated step time", claimed.estimated_step_time, ours.estimated_step_time
+    for k, (theirs, mine) in enumerate(zip(claimed.stages, ours.stages, strict=True)):
+        yield f"stage {k} forward time", theirs.forward_time, mine.forward_time
+        yield f"stage {k} backward time", theirs.backward_time, mine.backward_time
+        yield f"stage {k} all-reduce time", theirs.allreduce_time, mine.allreduce_time
+        for peer, a, b in zip(mine.peers, theirs.memory_bytes, mine.memory_bytes, strict=True):
+            yield f"stage {k} memory on {peer[:16]}...", float(a), float(b)
+    for k, (theirs, mine) in enumerate(zip(claimed.links, ours.links, strict=True)):
+        # Fewer bytes than the rule gives at our bandwidth: compressed beyond what we see.
+        yield f"link {k} forward wire bytes", theirs.forward_wire_bytes, mine.forward_wire_bytes
+        yield f"link {k} backward wire bytes", theirs.backward_wire_bytes, mine.backward_wire_bytes
