@@ -81,7 +81,8 @@ def view_of(members: dict[str, NodeInfo], **changes) -> EpochView:
 def pipeline() -> Plan:
     """Several stages, one peer each, and peers left in backup."""
     p = make_plan(4, max_replicas=1, max_stages=3)
-    assert len(p.stages) >= 2 and p.backup
+    assert len(p.stages) >= 2
+    assert p.backup
     assert all(len(s.peers) == 1 for s in p.stages)
     return p
 
@@ -247,7 +248,8 @@ def test_micro_batches_must_be_the_swarms(pipeline):
 
 def test_a_lying_estimate_is_checked_but_left_to_the_caller(pipeline):
     honest = check(proposal_of(pipeline))
-    assert honest.audit.slack == 1.0 and honest.believable(0.0)
+    assert honest.audit.slack == 1.0
+    assert honest.believable(0.0)
     lie = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time / 2)
     candidate = check(proposal_of(lie))
     assert candidate.audit.slack == pytest.approx(0.5)
