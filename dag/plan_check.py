@@ -2,16 +2,21 @@
 
 A node must not take a proposal's numbers on trust: a member could claim a step time its plan
 cannot reach, or a stage that fits in memory when it does not. ``Retimer.retime`` keeps what
-the proposer chose (stage boundaries, replicas, the peer pair of each link) and recomputes
-everything that follows from those choices with the planner's own rules (``build_plan``):
-shares, memory, compute and all-reduce times from the graph and the members' devices, each
-link's AdaTopK choice at the bandwidth *we* see, and the step time by the simulator.
+the proposer chose (stage boundaries, replicas, the peer pair and the codec of each link) and
+recomputes everything that follows from those choices with the planner's own rules
+(``build_plan``): shares, memory, compute and all-reduce times from the graph and the members'
+devices, the bytes each link's codec puts on the wire, link times at the bandwidth *we* see,
+and the step time by the simulator: the plan as it would run here. Beside it, ``Retimed.rule``
+holds each link as AdaTopK would compress it at our bandwidth, so a caller can tell a plan
+that compresses more than the rule allows.
 
-``wire_bytes_for`` is the inverse check on a link: the bytes a (codec, ratio) puts on the wire,
-so a plan cannot pair a codec with a wire size the codec does not produce.
+``wire_bytes_for``: the bytes a (codec, ratio) puts on the wire, for the codecs the planner
+makes and no other.
 """
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.compression.adaptive import topk_wire_bytes
@@ -30,9 +35,17 @@ class PlanCheckError(ConfigError):
     cut the runtime cannot ship, a codec that does not exist)."""
 
 
+@dataclass(frozen=True)
+class Retimed:
+    plan: Plan  # the proposal's plan as it would run in our view
+    rule: tuple[LinkPlan, ...]  # its links as AdaTopK would compress them at our bandwidth
+
+
 def wire_bytes_for(codec: str, ratio: float, dense_bytes: int, config: PlanConfig) -> int:
     """Bytes on the wire when ``codec`` at ``ratio`` carries ``dense_bytes`` (the planner's
     accounting, cost.compressed_wire); PlanCheckError for a combination it never makes."""
+    if not config.compression and (codec, ratio) != ("dense", 1.0):
+        raise PlanCheckError(f"{codec} at ratio {ratio}, but the swarm sends dense")
     if codec == "dense" and ratio == 1.0:
         return int(dense_bytes)
     if codec == "fp16" and ratio == 1.0 and config.allow_fp16 and config.element_size > 2:
@@ -50,7 +63,7 @@ class Retimer:
         # One cost model for every proposal of an epoch: building it is the costly part.
         self.model = _Model(graph, swarm, config)
 
-    def retime(self, plan: Plan) -> Plan:
+    def retime(self, plan: Plan) -> Retimed:
         """``plan`` with every figure recomputed here; PlanCheckError if it cannot run as is.
 
         Expects a plan ``agreement.check_plan`` accepted (contiguous stages over our model,
@@ -62,20 +75,43 @@ class Retimer:
         cuts = [s.start for s in plan.stages] + [plan.stages[-1].stop]
         if cuts[0] != 0 or cuts[-1] != self.model.n:
             raise PlanCheckError(f"stages run {cuts[0]}..{cuts[-1]}, our model 0..{self.model.n}")
+        for k, cut in enumerate(cuts[1:-1]):
+            if not math.isfinite(self.model.cut[cut]):
+                raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
         stages = tuple(self._stage(plan, cuts, k) for k in range(len(plan.stages)))
         budget = max(s.forward_time + s.backward_time for s in stages)
-        links = tuple(self._link(link, cuts, budget) for link in plan.links)
+        rule = tuple(self._link(link, cuts, budget) for link in plan.links)
+        links = tuple(map(self._as_claimed, rule, plan.links))
         result = simulate(pipeline_times(stages, links, self.config.micro_batches))
-        return Plan(
-            method=plan.method,
-            fences=plan.fences,
-            stages=stages,
-            links=links,
-            backup=plan.backup,
-            micro_batches=self.config.micro_batches,
-            estimated_step_time=result.step_time,
-            bubble_fraction=result.bubble_fraction,
+        return Retimed(
+            Plan(
+                method=plan.method,
+                fences=plan.fences,
+                stages=stages,
+                links=links,
+                backup=plan.backup,
+                micro_batches=self.config.micro_batches,
+                estimated_step_time=result.step_time,
+                bubble_fraction=result.bubble_fraction,
+            ),
+            rule,
         )
+
+    def _as_claimed(self, ours: LinkPlan, claimed: LinkPlan) -> LinkPlan:
+        """Our link with the claimed codecs: what would cross it if the plan ran."""
+        dense = ours.dense_bytes
+        fwd = (claimed.forward_codec, claimed.forward_ratio)
+        bwd = (claimed.backward_codec, claimed.backward_ratio)
+        try:
+            fwd_wire = wire_bytes_for(*fwd, dense, self.config)
+            bwd_wire = wire_bytes_for(*bwd, dense, self.config)
+        except PlanCheckError as exc:
+            raise PlanCheckError(f"link {claimed.src_stage}: {exc}") from None
+        return dataclasses.replace(
+            ours,
+            forward_codec=fwd[0], forward_ratio=fwd[1], forward_wire_bytes=fwd_wire,
+            backward_codec=bwd[0], backward_ratio=bwd[1], backward_wire_bytes=bwd_wire,
+        )  # fmt: skip
 
     def _stage(self, plan: Plan, cuts: list[int], k: int) -> StagePlan:
         claimed = plan.stages[k]
@@ -95,10 +131,7 @@ class Retimer:
 
     def _link(self, claimed: LinkPlan, cuts: list[int], budget: float) -> LinkPlan:
         k = claimed.src_stage
-        dense = float(self.model.cut[cuts[k + 1]])
-        if not math.isfinite(dense):
-            raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
-        dense_bytes = round(dense)
+        dense_bytes = round(float(self.model.cut[cuts[k + 1]]))
         src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
         forward, backward = self.swarm.link(src, dst), self.swarm.link(dst, src)
         f = _wire(dense_bytes, forward.bandwidth, budget, self.config)

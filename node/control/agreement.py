@@ -114,10 +114,10 @@ def check_proposal(proposal: PlanProposal, view: EpochView) -> Candidate:
         memory_fraction=view.config.memory_fraction,
     )
     try:
-        ours = view.retimer.retime(plan)
+        retimed = view.retimer.retime(plan)
     except PlanCheckError as exc:
         raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
-    return Candidate(proposal, plan, audit(plan, ours, view.config, view.limits))
+    return Candidate(proposal, plan, audit(plan, retimed, view.config, view.limits))
 
 
 def check_plan(

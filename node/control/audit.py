@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.dag.plan_check import PlanCheckError, wire_bytes_for
+from fusionllm.dag.plan_check import Retimed
 from fusionllm.dag.plan_records import Plan, PlanConfig
 from fusionllm.dht.records import RecordError
 
@@ -56,9 +56,10 @@ class Audit:
         return f"{self.figure}: claims {self.claimed:.6g}, we compute {self.ours:.6g}"
 
 
-def audit(claimed: Plan, ours: Plan, config: PlanConfig, limits: AuditLimits) -> Audit:
-    """How far ``claimed`` understates its figures against ``ours`` (``Retimer.retime`` of
-    it); RecordError where it breaks a rule."""
+def audit(claimed: Plan, retimed: Retimed, config: PlanConfig, limits: AuditLimits) -> Audit:
+    """How far ``claimed`` understates its figures against ``retimed`` (``Retimer.retime`` of
+    it, which already refused codecs the rule never makes); RecordError where it breaks a rule."""
+    ours = retimed.plan
     if claimed.micro_batches != config.micro_batches:
         raise RecordError(
             f"plan runs {claimed.micro_batches} micro-batches, the swarm {config.micro_batches}"
@@ -74,9 +75,13 @@ def audit(claimed: Plan, ours: Plan, config: PlanConfig, limits: AuditLimits) ->
             raise RecordError(
                 f"link {k} carries {theirs.dense_bytes} dense bytes, our model {mine.dense_bytes}"
             )
-        _check_codec(k, theirs, config)
+        for way in ("forward", "backward"):
+            wire, codec = f"{way}_wire_bytes", getattr(theirs, f"{way}_codec")
+            if getattr(theirs, wire) != getattr(mine, wire):
+                raise RecordError(f"link {k} {way}: {codec} at {getattr(theirs, f'{way}_ratio')} "
+                                  f"puts {getattr(mine, wire)} bytes on the wire")  # fmt: skip
     worst = Audit(1.0, "", 0.0, 0.0)
-    for what, claim, own in _figures(claimed, ours):
+    for what, claim, own in _figures(claimed, retimed):
         if claim < 0:
             raise RecordError(f"{what} is negative: {claim:.6g}")
         if claim < own * (1 - _ROUNDING) and claim / own < worst.slack:  # hence own > 0
@@ -84,23 +89,9 @@ def audit(claimed: Plan, ours: Plan, config: PlanConfig, limits: AuditLimits) ->
     return worst
 
 
-def _check_codec(k: int, link, config: PlanConfig) -> None:
-    """Codec, ratio and wire bytes of both directions: what the rule can produce, nothing else."""
-    for way in ("forward", "backward"):
-        codec = getattr(link, f"{way}_codec")
-        ratio = getattr(link, f"{way}_ratio")
-        if not config.compression and (codec, ratio) != ("dense", 1.0):
-            raise RecordError(f"link {k} {way}: {codec} at {ratio}, but the swarm sends dense")
-        try:
-            wire = wire_bytes_for(codec, ratio, link.dense_bytes, config)
-        except PlanCheckError as exc:
-            raise RecordError(f"link {k} {way}: {exc}") from exc
-        if getattr(link, f"{way}_wire_bytes") != wire:
-            raise RecordError(f"link {k} {way}: {codec} at {ratio} puts {wire} bytes on the wire")
-
-
-def _figures(claimed: Plan, ours: Plan) -> Iterator[tuple[str, float, float]]:
+def _figures(claimed: Plan, retimed: Retimed) -> Iterator[tuple[str, float, float]]:
     """(what, claimed, ours) for every figure a proposer could understate to win."""
+    ours = retimed.plan
     yield "estimated step time", claimed.estimated_step_time, ours.estimated_step_time
     for k, (theirs, mine) in enumerate(zip(claimed.stages, ours.stages, strict=True)):
         yield f"stage {k} forward time", theirs.forward_time, mine.forward_time
@@ -108,7 +99,7 @@ def _figures(claimed: Plan, ours: Plan) -> Iterator[tuple[str, float, float]]:
         yield f"stage {k} all-reduce time", theirs.allreduce_time, mine.allreduce_time
         for peer, a, b in zip(mine.peers, theirs.memory_bytes, mine.memory_bytes, strict=True):
             yield f"stage {k} memory on {peer[:16]}...", float(a), float(b)
-    for k, (theirs, mine) in enumerate(zip(claimed.links, ours.links, strict=True)):
-        # Fewer bytes than the rule gives at our bandwidth: compressed beyond what we see.
-        yield f"link {k} forward wire bytes", theirs.forward_wire_bytes, mine.forward_wire_bytes
-        yield f"link {k} backward wire bytes", theirs.backward_wire_bytes, mine.backward_wire_bytes
+    for k, (theirs, rule) in enumerate(zip(claimed.links, retimed.rule, strict=True)):
+        # Fewer bytes than AdaTopK gives at our bandwidth: compressed beyond what we see.
+        yield f"link {k} forward wire bytes", theirs.forward_wire_bytes, rule.forward_wire_bytes
+        yield f"link {k} backward wire bytes", theirs.backward_wire_bytes, rule.backward_wire_bytes
