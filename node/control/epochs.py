@@ -96,8 +96,6 @@ class PlanAgreement:
         self.state = NodeState.JOINING
         self.run_finished = False  # some member's record says the run reached its end
         self.outvoted = Outvoted()
-        # Candidates of recent epochs we could follow if the majority did (convergence).
-        self._acceptable: dict[int, dict[str, Candidate]] = {}
         self._last_plan: tuple[bytes, Plan] | None = None
         self._last_plan_failure = ""
         self.counters = {
@@ -279,9 +277,7 @@ class PlanAgreement:
         members = self.snapshot()
         view = self._view(epoch, members, self._swarm(members))
         proposals = self.directory.proposals(epoch)
-        believed, acceptable = self._judge(view, proposals)
-        self._acceptable = {e: c for e, c in self._acceptable.items() if e >= epoch - 2}
-        self._acceptable[epoch] = acceptable
+        believed, _ = self._judge(view, proposals)
         self.outvoted.prune(epoch)
         # A plan the majority out-voted here stays out a while, unless nothing else is left.
         fresh = [c for c in believed if not self.outvoted.holds(c.digest, epoch)]
@@ -290,29 +286,32 @@ class PlanAgreement:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
 
     def _judge(
-        self, view: EpochView, proposals: list[PlanProposal]
+        self, view: EpochView, proposals: list[PlanProposal], *, count: bool = True
     ) -> tuple[list[Candidate], dict[str, Candidate]]:
-        """(the proposals we believe, every digest we could follow if the majority did)."""
+        """(the proposals we believe, every digest we could follow if the majority did);
+        ``count``: refusals go to the counters (not when an epoch is judged a second time)."""
         believed: list[Candidate] = []
         acceptable: dict[str, Candidate] = {}
+        refused: list[str] = []
         for proposal in proposals:
             try:
                 candidate = check_proposal(proposal, view)
             except RecordError as exc:
-                self.counters["invalid_proposals"] += 1
-                if isinstance(exc, NotAMemberError):
-                    self.counters["proposals_not_members"] += 1
+                refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
                 logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
                 continue
             if candidate.believable(self.limits.converge_tolerance):
                 acceptable.setdefault(candidate.digest, candidate)
             if not candidate.believable(self.limits.tolerance):
-                self.counters["invalid_proposals"] += 1
-                self.counters["proposals_overclaimed"] += 1
+                refused.append("overclaimed")
                 logger.info("epoch %d: refused a proposal from %s...: %s",
                             view.epoch, proposal.proposer[:16], candidate.audit)  # fmt: skip
                 continue
             believed.append(candidate)
+        if count:
+            self.counters["invalid_proposals"] += len(refused)
+            for why in filter(None, refused):
+                self.counters[f"proposals_{why}"] += 1
         return believed, acceptable
 
     def _converge(self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm) -> None:
@@ -320,21 +319,23 @@ class PlanAgreement:
         adopted, last = self.adopted, self.adopted_epoch
         if adopted is None or last is None:
             return
-        acceptable = self._acceptable.get(last, {})
-        target = converge(adopted.digest, tally(members.values(), last), acceptable)
+        votes = tally(members.values(), last)
+        if converge(adopted.digest, votes, acceptable=votes.keys()) is None:
+            return  # no plan has more followers than ours
+        # Judged again, now: we may never have seen the majority's proposal (a replica that
+        # missed it), or a member in it may have gone since.
+        view = self._view(last, members, swarm)
+        _, acceptable = self._judge(view, self.directory.proposals(last), count=False)
+        target = converge(adopted.digest, votes, acceptable.keys())
         if target is None:
-            return
-        try:  # still runnable now? (a member may have gone since we judged it)
-            view = self._view(last, members, swarm)
-            candidate = check_proposal(acceptable[target].proposal, view)
-        except RecordError as exc:
-            logger.info("epoch %d: cannot follow the majority's plan: %s", epoch, exc)
+            logger.info("epoch %d: most members follow plan %s, which we cannot accept",
+                        last, max(votes, key=votes.__getitem__)[:12])  # fmt: skip
             return
         self.outvoted.add(adopted.digest, epoch)
         self.counters["converged"] += 1
         logger.info("epoch %d: most members follow plan %s, not ours %s: switching",
                     last, target[:12], adopted.digest[:12])  # fmt: skip
-        self._follow(candidate, last, members, converged=True)
+        self._follow(acceptable[target], last, members, converged=True)
 
     def _follow(
         self, best: Candidate, epoch: int, members: Mapping[str, NodeInfo], **fields: Any
