@@ -2,8 +2,9 @@
 
 One ``NodeDaemon`` per node, four activities:
 
-- epochs (main loop): the plan epochs (agreement.py): propose at an epoch's start, adopt the
-  best valid proposal ``settle_fraction`` into it.
+- epochs (main loop): the plan epochs, run by ``epochs.PlanAgreement`` with agreement.py's
+  rules: propose at an epoch's start, adopt the best valid proposal ``settle_fraction`` into
+  it, follow the majority where views split.
 - heartbeat (thread): refresh our NodeInfo on the DHT every ``heartbeat_s`` (it expires
   ``ttl_s`` after the last refresh).
 - probes (thread): every ``probe_interval_s``, connect to peers we know from the DHT and
@@ -136,7 +137,9 @@ class NodeDaemon:
             ("gossip", self.links.gossip_loop),
         )
         for name, target in loops:
-            thread = threading.Thread(target=target, name=f"node-{name}", daemon=True)
+            thread = threading.Thread(
+                target=_logged(name, target), name=f"node-{name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         self._emit(
@@ -279,6 +282,8 @@ class NodeDaemon:
                 self._timed("heartbeat", self._heartbeat)
             except (DhtError, RecordError) as exc:
                 logger.warning("heartbeat failed (will retry): %s", exc)
+            except Exception:  # a record that stops refreshing takes us out of every plan
+                logger.exception("heartbeat failed unexpectedly (will retry)")
 
     def _heartbeat(self) -> None:
         if not self.directory.announce(self._info(), ttl_s=self.settings.ttl_s):
@@ -321,3 +326,17 @@ class NodeDaemon:
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})
+
+
+def _logged(name: str, loop: Callable[[], None]) -> Callable[[], None]:
+    """``loop``, telling the log if it ends on an unexpected exception (a thread would
+    otherwise stop in silence and the node go on half-deaf)."""
+
+    def run() -> None:
+        try:
+            loop()
+        except Exception:
+            logger.exception("the %s loop stopped on an unexpected error", name)
+            raise
+
+    return run
