@@ -59,7 +59,7 @@ def fresh_members(
 class Candidate:
     proposal: PlanProposal
     plan: Plan
-    audit: Audit = field(default_factory=lambda: Audit(1.0, "", 0.0, 0.0))
+    audit: Audit = field(default_factory=Audit)
 
     @property
     def digest(self) -> str:
@@ -70,8 +70,14 @@ class Candidate:
         return self.proposal.estimate
 
     def believable(self, tolerance: float) -> bool:
-        """Whether no figure is understated beyond ``tolerance`` of our own."""
-        return self.audit.slack >= 1.0 - tolerance
+        """Whether no figure is understated beyond ``tolerance`` of our own (the bar for a
+        plan the swarm does not follow yet)."""
+        return self.audit.view.slack >= 1.0 - tolerance
+
+    def consistent(self, tolerance: float) -> bool:
+        """Whether no figure that our bandwidth view does not enter is understated (the bar
+        for a plan the swarm follows: see audit.py)."""
+        return self.audit.own.slack >= 1.0 - tolerance
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,13 @@ def tally(members: Iterable[NodeInfo], epoch: int) -> Counter[str]:
     )
 
 
+def most_followed(members: Iterable[NodeInfo]) -> str | None:
+    """The digest most of ``members`` report following, whatever epoch they adopted it in
+    (ties: the lowest digest); None if none reports one."""
+    votes = Counter(info.adopted[1] for info in members if info.adopted is not None)
+    return min(votes, key=lambda d: (-votes[d], d), default=None)
+
+
 def converge(own: str, votes: Mapping[str, int], acceptable: Collection[str]) -> str | None:
     """The digest to follow instead of ``own``, or None to keep ``own``.
 

@@ -41,7 +41,7 @@ from fusionllm.node.control.agreement import (
 )
 from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.bandwidth import BandwidthBook
-from fusionllm.node.control.convergence import Outvoted, converge, tally
+from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
@@ -250,9 +250,9 @@ class PlanAgreement:
         except RecordError as exc:
             logger.info("epoch %d: the current plan is no longer valid: %s", epoch, exc)
             return None
-        if not candidate.believable(self.limits.tolerance):
-            logger.info("epoch %d: the current plan's figures no longer hold: %s",
-                        epoch, candidate.audit)  # fmt: skip
+        if not candidate.consistent(self.limits.own_tolerance):
+            logger.info("epoch %d: the current plan's figures do not hold: %s",
+                        epoch, candidate.audit.own)  # fmt: skip
             return None
         return candidate
 
@@ -277,7 +277,7 @@ class PlanAgreement:
         members = self.snapshot()
         view = self._view(epoch, members, self._swarm(members))
         proposals = self.directory.proposals(epoch)
-        believed, _ = self._judge(view, proposals)
+        believed, _ = self._judge(view, proposals, followed=self._followed(epoch, members))
         self.outvoted.prune(epoch)
         # A plan the majority out-voted here stays out a while, unless nothing else is left.
         fresh = [c for c in believed if not self.outvoted.holds(c.digest, epoch)]
@@ -285,11 +285,27 @@ class PlanAgreement:
         if best is not None:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
 
+    def _followed(self, epoch: int, members: Mapping[str, NodeInfo]) -> set[str]:
+        """The plans the swarm follows now: ours, and the one most fresh members report for
+        the last epochs (a newcomer's, too, before it has adopted anything)."""
+        followed = {self.adopted.digest} if self.adopted is not None else set()
+        recent = [i for i in members.values() if i.adopted and i.adopted[0] >= epoch - 2]
+        most = most_followed(recent)
+        return followed | ({most} if most else set())
+
     def _judge(
-        self, view: EpochView, proposals: list[PlanProposal], *, count: bool = True
+        self,
+        view: EpochView,
+        proposals: list[PlanProposal],
+        *,
+        followed: set[str],
+        count: bool = True,
     ) -> tuple[list[Candidate], dict[str, Candidate]]:
-        """(the proposals we believe, every digest we could follow if the majority did);
-        ``count``: refusals go to the counters (not when an epoch is judged a second time)."""
+        """(the proposals we believe, every digest we could follow if the majority did).
+
+        A plan the swarm already follows (``followed``) is held to the figures no bandwidth
+        view changes; any other plan to every figure (see audit.py). ``count``: refusals go to
+        the counters (not when an epoch is judged a second time)."""
         believed: list[Candidate] = []
         acceptable: dict[str, Candidate] = {}
         refused: list[str] = []
@@ -300,9 +316,14 @@ class PlanAgreement:
                 refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
                 logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
                 continue
-            if candidate.believable(self.limits.converge_tolerance):
+            consistent = candidate.consistent(self.limits.own_tolerance)
+            if consistent:
                 acceptable.setdefault(candidate.digest, candidate)
-            if not candidate.believable(self.limits.tolerance):
+            if candidate.digest in followed:
+                ok = consistent
+            else:
+                ok = consistent and candidate.believable(self.limits.tolerance)
+            if not ok:
                 refused.append("overclaimed")
                 logger.info("epoch %d: refused a proposal from %s...: %s",
                             view.epoch, proposal.proposer[:16], candidate.audit)  # fmt: skip
@@ -325,7 +346,8 @@ class PlanAgreement:
         # Judged again, now: we may never have seen the majority's proposal (a replica that
         # missed it), or a member in it may have gone since.
         view = self._view(last, members, swarm)
-        _, acceptable = self._judge(view, self.directory.proposals(last), count=False)
+        proposals = self.directory.proposals(last)
+        _, acceptable = self._judge(view, proposals, followed=set(), count=False)
         target = converge(adopted.digest, votes, acceptable.keys())
         if target is None:
             logger.info("epoch %d: most members follow plan %s, which we cannot accept",

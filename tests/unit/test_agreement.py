@@ -248,12 +248,13 @@ def test_micro_batches_must_be_the_swarms(pipeline):
 
 def test_a_lying_estimate_is_checked_but_left_to_the_caller(pipeline):
     honest = check(proposal_of(pipeline))
-    assert honest.audit.slack == 1.0
+    assert honest.audit.view.slack == 1.0
     assert honest.believable(0.0)
     lie = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time / 2)
     candidate = check(proposal_of(lie))
-    assert candidate.audit.slack == pytest.approx(0.5)
-    assert candidate.audit.figure == "estimated step time"
+    assert candidate.audit.view.slack == pytest.approx(0.5)
+    assert candidate.audit.view.figure.startswith("estimated step time")
+    assert not candidate.consistent(0.01)  # its own figures give twice the claim
     assert not candidate.believable(0.05)
     assert candidate.believable(0.5)
     shaded = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time * 0.97)

@@ -14,10 +14,11 @@ from fusionllm.compression.adaptive import topk_wire_bytes
 from fusionllm.dag.plan_check import PlanCheckError, Retimer, wire_bytes_for
 from fusionllm.dag.plan_wire import plan_from_json, plan_to_json
 from fusionllm.dag.planner import Plan, PlanConfig, plan
+from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.synthetic import gpt2_costs
 from fusionllm.dht.records import DeviceInfo, NodeInfo, NodeState, RecordError
-from fusionllm.node.control.audit import Audit, AuditLimits, audit
+from fusionllm.node.control.audit import CLEAN, Audit, AuditLimits, Finding, audit
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 
 GRAPH = gpt2_costs("small", batch=1, seq=128)
@@ -55,8 +56,12 @@ def plan_in(swarm: Swarm, config: PlanConfig = CONFIG, **changes) -> Plan:
     return plan(GRAPH, swarm, dataclasses.replace(config, **changes))
 
 
-def audited(claimed: Plan, swarm: Swarm, config: PlanConfig = CONFIG) -> Audit:
-    """What check_proposal computes (RecordError for rules; PlanCheckError from retime)."""
+def audited(claimed: Plan, swarm: Swarm, config: PlanConfig = CONFIG) -> Finding:
+    """Every figure against ours (RecordError for rules; PlanCheckError from retime)."""
+    return full_audit(claimed, swarm, config).view
+
+
+def full_audit(claimed: Plan, swarm: Swarm, config: PlanConfig = CONFIG) -> Audit:
     return audit(claimed, Retimer(GRAPH, swarm, config).retime(claimed), config, LIMITS)
 
 
@@ -154,15 +159,17 @@ def test_wire_bytes_for_the_planners_codecs():
 @pytest.mark.parametrize("which", ["fast", "slow"])
 def test_an_honest_plan_audits_clean(request, which):
     p, swarm = request.getfixturevalue(which)
-    result = audited(p, swarm)
-    assert result == Audit(1.0, "", 0.0, 0.0)
+    result = full_audit(p, swarm)
+    assert result == Audit(view=CLEAN, own=CLEAN)
     assert str(result) == "every figure at least ours"
 
 
 def test_a_claim_above_ours_costs_nothing(fast):
     p, swarm = fast
-    modest = dataclasses.replace(p, estimated_step_time=p.estimated_step_time * 3)
-    assert audited(with_stage(modest, 0, forward_time=1.0), swarm).slack == 1.0
+    slower = with_stage(p, 0, forward_time=1.0)
+    modest = dataclasses.replace(slower, estimated_step_time=p.estimated_step_time * 10)
+    assert modest.estimated_step_time > simulate(modest.pipeline_times()).step_time
+    assert full_audit(modest, swarm) == Audit(view=CLEAN, own=CLEAN)
 
 
 @pytest.mark.parametrize(
@@ -213,6 +220,41 @@ def test_compression_beyond_the_rule_is_caught(fast):
     result = audited(squeezed, swarm)
     assert result.figure == "link 0 forward wire bytes"
     assert result.slack < 0.2
+
+
+def test_a_view_that_drifted_leaves_the_own_figures_clean(slow):
+    """Links measured slower since the plan was made: every view figure may fall short, the
+    figures no view enters do not (what a followed plan is held to)."""
+    p, _ = slow
+    slower = view(4, **{f"peer{i}": record(f"peer{i}", bandwidth=2.5e5) for i in range(4)})
+    result = full_audit(p, slower)
+    assert result.view.slack < 1 - LIMITS.tolerance
+    assert result.own == CLEAN
+
+
+@pytest.mark.parametrize(
+    ("lie", "figure"),
+    [
+        (lambda p: dataclasses.replace(p, estimated_step_time=p.estimated_step_time * 0.5),
+         "estimated step time (by its own figures)"),
+        (lambda p: with_stage(p, 0, forward_time=p.stages[0].forward_time * 0.5),
+         "stage 0 forward time"),
+        (lambda p: with_stage(p, 0, memory_bytes=(p.stages[0].memory_bytes[0] // 2,)),
+         "stage 0 memory on"),
+    ],
+)  # fmt: skip
+def test_own_figures_catch_lies_in_any_view(slow, lie, figure):
+    p, _ = slow
+    faster = view(4)  # links far faster than the plan assumed: no view figure falls short
+    result = full_audit(lie(p), faster)
+    assert result.own.figure.startswith(figure)
+    assert result.own.slack < 0.9
+
+
+def test_own_figures_refuse_a_plan_that_cannot_time_a_step(fast):
+    p, swarm = fast
+    with pytest.raises(RecordError, match="own figures"):
+        full_audit(with_link(p, 0, forward_bandwidth=0.0), swarm)
 
 
 def test_fewer_micro_batches_than_the_swarms(fast):
@@ -277,7 +319,7 @@ def test_shares_must_follow_the_devices():
 
 def test_negative_figures_are_refused(fast):
     p, swarm = fast
-    with pytest.raises(RecordError, match="negative"):
+    with pytest.raises(RecordError, match=r"negative|must be finite and >= 0"):
         audited(with_stage(p, 0, allreduce_time=-1.0), swarm)
 
 
@@ -296,8 +338,7 @@ def test_measured_links_enter_the_recomputation(slow):
 
 @pytest.mark.parametrize(
     "limits",
-    [{"tolerance": -0.1}, {"tolerance": 0.3, "converge_tolerance": 0.2},
-     {"converge_tolerance": 1.0}, {"share_tolerance": 0.5}],
+    [{"tolerance": -0.1}, {"tolerance": 1.0}, {"own_tolerance": 1.5}, {"share_tolerance": 0.5}],
 )  # fmt: skip
 def test_audit_limits_are_validated(limits):
     with pytest.raises(ConfigError):

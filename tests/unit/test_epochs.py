@@ -96,6 +96,7 @@ class Node:
         self.peer, self.directory, self.clock = peer, directory, clock
         self.events: list[dict] = []
         self.memory = kw.pop("memory", 8 * GIB)
+        self.bandwidth = kw.pop("bandwidth", 1e8)  # what its record says of its access link
         self.agreement = PlanAgreement(
             settings=kw.pop("settings", SETTINGS),
             costs=GRAPH,
@@ -111,7 +112,9 @@ class Node:
     def info(self) -> NodeInfo:
         a = self.agreement
         adopted = (a.adopted_epoch, a.adopted.digest) if a.adopted is not None else None
-        return record(self.peer, at=self.clock(), memory=self.memory, adopted=adopted)
+        return record(self.peer, at=self.clock(), memory=self.memory, adopted=adopted,
+                      uplink=self.bandwidth, downlink=self.bandwidth,
+                      config_digest=a.settings.digest())  # fmt: skip
 
     def heartbeat(self) -> None:
         self.directory.records[self.peer] = self.info()
@@ -287,6 +290,17 @@ def shaded(proposal: PlanProposal, factor: float, **changes) -> PlanProposal:
     return dataclasses.replace(proposal, **fields)
 
 
+def renamed_below(proposal: PlanProposal) -> PlanProposal:
+    """The same plan under another method name, chosen so its digest sorts first."""
+    plan = plan_from_json(proposal.plan)
+    for i in range(100):
+        other = dataclasses.replace(proposal, plan=plan_to_json(
+            dataclasses.replace(plan, method=f"alt{i}")))  # fmt: skip
+        if other.digest < proposal.digest:
+            return other
+    raise AssertionError("no name gives a lower digest")
+
+
 def test_a_node_in_the_minority_follows_the_majority_and_does_not_flap():
     clock = FakeClock(T0 + 0.1)
     directory, nodes = swarm_of(3, clock)
@@ -294,8 +308,9 @@ def test_a_node_in_the_minority_follows_the_majority_and_does_not_flap():
     for node in nodes:
         node.agreement.propose(e)
     honest = dict(directory.plans[e])
-    # peer2 alone saw an (honest-looking, slightly better) alternative: it adopts that one.
-    alt = shaded(honest["peer2"], 0.97)
+    # peer2 alone saw an honest alternative (same figures, other bytes, a lower digest: it
+    # ranks first wherever it is seen): it adopts that one.
+    alt = renamed_below(honest["peer2"])
     directory.plans[e] = {"peer2": alt}
     nodes[2].agreement.adopt(e)
     directory.plans[e] = honest
@@ -362,3 +377,26 @@ def test_equal_camps_keep_their_plans(tie):
     nodes[0].agreement.propose(e + 1)
     assert nodes[0].agreement.adopted.digest == before
     assert nodes[0].agreement.counters["converged"] == 0
+
+
+def test_a_followed_plan_survives_a_drifting_view_a_new_one_does_not():
+    """Links measured slower after agreement (training load on the probes): the plan the swarm
+    follows keeps being proposed and adopted, judged by the figures no view changes; the same
+    claims under a new digest are judged by every figure, and refused."""
+    clock = FakeClock(T0 + 0.1)
+    settings = dataclasses.replace(SETTINGS, min_stages=2)
+    directory, nodes = swarm_of(2, clock, bandwidth=2e6, settings=settings)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    followed = nodes[0].agreement.adopted
+    assert len(followed.plan.stages) == 2
+    for node in nodes:
+        node.bandwidth = 2e6 / 64  # far slower links than when the plan was made
+        node.heartbeat()
+    nodes[0].agreement.propose(e + 1)
+    assert directory.plans[e + 1]["peer0"].plan == followed.proposal.plan
+    newcomer = dataclasses.replace(renamed_below(followed.proposal), epoch=e + 1)
+    directory.plans[e + 1]["peer1"] = newcomer
+    nodes[0].agreement.adopt(e + 1)
+    assert nodes[0].agreement.adopted.digest == followed.digest
+    assert nodes[0].agreement.counters["proposals_overclaimed"] == 1
