@@ -7,8 +7,10 @@ recomputes everything that follows from those choices with the planner's own rul
 (``build_plan``): shares, memory, compute and all-reduce times from the graph and the members'
 devices, the bytes each link's codec puts on the wire, link times at the bandwidth *we* see,
 and the step time by the simulator: the plan as it would run here. Beside it, ``Retimed.rule``
-holds each link as AdaTopK would compress it at our bandwidth, so a caller can tell a plan
-that compresses more than the rule allows.
+holds each link as AdaTopK would compress it at the bandwidth the plan itself claims for it
+(and our compute budget), so a caller can tell a plan that compresses more than its own
+figures allow, and ``Retimed.ours`` at the bandwidth we see (more than our view allows); a
+claimed bandwidth above what we see shows in the step time instead.
 
 ``wire_bytes_for``: the bytes a (codec, ratio) puts on the wire, for the codecs the planner
 makes and no other.
@@ -38,7 +40,8 @@ class PlanCheckError(ConfigError):
 @dataclass(frozen=True)
 class Retimed:
     plan: Plan  # the proposal's plan as it would run in our view
-    rule: tuple[LinkPlan, ...]  # its links as AdaTopK would compress them at our bandwidth
+    rule: tuple[LinkPlan, ...]  # its links as AdaTopK compresses them at their own bandwidth
+    ours: tuple[LinkPlan, ...]  # ... and at the bandwidth we see
 
 
 def wire_bytes_for(codec: str, ratio: float, dense_bytes: int, config: PlanConfig) -> int:
@@ -80,8 +83,9 @@ class Retimer:
                 raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
         stages = tuple(self._stage(plan, cuts, k) for k in range(len(plan.stages)))
         budget = max(s.forward_time + s.backward_time for s in stages)
-        rule = tuple(self._link(link, cuts, budget) for link in plan.links)
-        links = tuple(map(self._as_claimed, rule, plan.links))
+        ours = tuple(self._link(link, cuts, budget) for link in plan.links)
+        links = tuple(map(self._as_claimed, ours, plan.links))
+        rule = tuple(map(self._by_the_rule, links, plan.links, (budget,) * len(links)))
         result = simulate(pipeline_times(stages, links, self.config.micro_batches))
         return Retimed(
             Plan(
@@ -95,6 +99,7 @@ class Retimer:
                 bubble_fraction=result.bubble_fraction,
             ),
             rule,
+            ours,
         )
 
     def _as_claimed(self, ours: LinkPlan, claimed: LinkPlan) -> LinkPlan:
@@ -111,6 +116,19 @@ class Retimer:
             ours,
             forward_codec=fwd[0], forward_ratio=fwd[1], forward_wire_bytes=fwd_wire,
             backward_codec=bwd[0], backward_ratio=bwd[1], backward_wire_bytes=bwd_wire,
+        )  # fmt: skip
+
+    def _by_the_rule(self, ours: LinkPlan, claimed: LinkPlan, budget: float) -> LinkPlan:
+        """AdaTopK's choice for the link at the bandwidths the plan claims for it."""
+        up, down = claimed.forward_bandwidth, claimed.backward_bandwidth
+        if not (up > 0 and down > 0):
+            raise PlanCheckError(f"link {claimed.src_stage} claims a bandwidth of {up}, {down}")
+        f = _wire(ours.dense_bytes, up, budget, self.config)
+        b = _wire(ours.dense_bytes, down, budget, self.config)
+        return dataclasses.replace(
+            ours,
+            forward_codec=f[0], forward_ratio=f[1], forward_wire_bytes=f[2],
+            backward_codec=b[0], backward_ratio=b[1], backward_wire_bytes=b[2],
         )  # fmt: skip
 
     def _stage(self, plan: Plan, cuts: list[int], k: int) -> StagePlan:

@@ -69,15 +69,15 @@ class Candidate:
     def estimate(self) -> float:
         return self.proposal.estimate
 
-    def believable(self, tolerance: float) -> bool:
-        """Whether no figure is understated beyond ``tolerance`` of our own (the bar for a
-        plan the swarm does not follow yet)."""
-        return self.audit.view.slack >= 1.0 - tolerance
+    def believable(self, limits: AuditLimits) -> bool:
+        """Whether no figure is understated beyond ``limits`` of our own (the bar for a plan
+        the swarm does not follow yet)."""
+        return self.audit.believable(limits)
 
-    def consistent(self, tolerance: float) -> bool:
+    def consistent(self, limits: AuditLimits) -> bool:
         """Whether no figure that our bandwidth view does not enter is understated (the bar
         for a plan the swarm follows: see audit.py)."""
-        return self.audit.own.slack >= 1.0 - tolerance
+        return self.audit.consistent(limits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +100,9 @@ class NotAMemberError(RecordError):
 def check_proposal(proposal: PlanProposal, view: EpochView) -> Candidate:
     """The proposal as a Candidate if it is valid in ``view``; RecordError says why not.
 
-    The Candidate carries its audit: whether its figures are believable is the caller's call
-    (``Candidate.believable``), with a tolerance that depends on what it decides.
+    The Candidate carries its audit; which bar it must clear is the caller's call: every
+    figure (``believable``) for a plan the swarm does not follow yet, the figures no bandwidth
+    view changes (``consistent``) for the one it follows.
     """
     if proposal.swarm != view.swarm or proposal.epoch != view.epoch:
         raise RecordError(f"proposal is for {proposal.swarm!r} epoch {proposal.epoch}")

@@ -250,7 +250,7 @@ class PlanAgreement:
         except RecordError as exc:
             logger.info("epoch %d: the current plan is no longer valid: %s", epoch, exc)
             return None
-        if not candidate.consistent(self.limits.own_tolerance):
+        if not candidate.consistent(self.limits):
             logger.info("epoch %d: the current plan's figures do not hold: %s",
                         epoch, candidate.audit.own)  # fmt: skip
             return None
@@ -316,13 +316,13 @@ class PlanAgreement:
                 refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
                 logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
                 continue
-            consistent = candidate.consistent(self.limits.own_tolerance)
+            consistent = candidate.consistent(self.limits)
             if consistent:
                 acceptable.setdefault(candidate.digest, candidate)
             if candidate.digest in followed:
                 ok = consistent
             else:
-                ok = consistent and candidate.believable(self.limits.tolerance)
+                ok = consistent and candidate.believable(self.limits)
             if not ok:
                 refused.append("overclaimed")
                 logger.info("epoch %d: refused a proposal from %s...: %s",

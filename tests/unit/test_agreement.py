@@ -28,6 +28,7 @@ from fusionllm.node.control.agreement import (
     keep_incumbent,
     serving_peers,
 )
+from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.bandwidth import BandwidthBook
 
 MEMORY = 8 << 30
@@ -249,16 +250,16 @@ def test_micro_batches_must_be_the_swarms(pipeline):
 def test_a_lying_estimate_is_checked_but_left_to_the_caller(pipeline):
     honest = check(proposal_of(pipeline))
     assert honest.audit.view.slack == 1.0
-    assert honest.believable(0.0)
+    assert honest.believable(AuditLimits(tolerance=0.0))
     lie = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time / 2)
     candidate = check(proposal_of(lie))
     assert candidate.audit.view.slack == pytest.approx(0.5)
     assert candidate.audit.view.figure.startswith("estimated step time")
-    assert not candidate.consistent(0.01)  # its own figures give twice the claim
-    assert not candidate.believable(0.05)
-    assert candidate.believable(0.5)
+    assert not candidate.consistent(AuditLimits())  # its own figures give twice the claim
+    assert not candidate.believable(AuditLimits(tolerance=0.05))
+    assert candidate.believable(AuditLimits(tolerance=0.51))
     shaded = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time * 0.97)
-    assert check(proposal_of(shaded)).believable(0.05)
+    assert check(proposal_of(shaded)).believable(AuditLimits(tolerance=0.05))
 
 
 # ----------------------------------------------------------------------------- plan level

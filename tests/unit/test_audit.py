@@ -160,7 +160,7 @@ def test_wire_bytes_for_the_planners_codecs():
 def test_an_honest_plan_audits_clean(request, which):
     p, swarm = request.getfixturevalue(which)
     result = full_audit(p, swarm)
-    assert result == Audit(view=CLEAN, own=CLEAN)
+    assert result == Audit(view=CLEAN, own=CLEAN, compression=CLEAN)
     assert str(result) == "every figure at least ours"
 
 
@@ -169,7 +169,7 @@ def test_a_claim_above_ours_costs_nothing(fast):
     slower = with_stage(p, 0, forward_time=1.0)
     modest = dataclasses.replace(slower, estimated_step_time=p.estimated_step_time * 10)
     assert modest.estimated_step_time > simulate(modest.pipeline_times()).step_time
-    assert full_audit(modest, swarm) == Audit(view=CLEAN, own=CLEAN)
+    assert full_audit(modest, swarm) == Audit(view=CLEAN, own=CLEAN, compression=CLEAN)
 
 
 @pytest.mark.parametrize(
@@ -251,10 +251,34 @@ def test_own_figures_catch_lies_in_any_view(slow, lie, figure):
     assert result.own.slack < 0.9
 
 
+def test_a_link_claimed_at_no_bandwidth_is_refused(fast):
+    p, swarm = fast
+    with pytest.raises(PlanCheckError, match=r"claims a bandwidth of 0\.0"):
+        full_audit(with_link(p, 0, forward_bandwidth=0.0), swarm)
+
+
 def test_own_figures_refuse_a_plan_that_cannot_time_a_step(fast):
     p, swarm = fast
     with pytest.raises(RecordError, match="own figures"):
-        full_audit(with_link(p, 0, forward_bandwidth=0.0), swarm)
+        full_audit(with_link(p, 0, forward_rtt=-1.0), swarm)
+
+
+def test_compression_beyond_our_view_is_believed_only_within_its_tolerance(slow):
+    """A plan compressed for links slower than we see: its own figures hold, its bytes fall
+    short of AdaTopK at our bandwidth, and past compression_tolerance it is not believed."""
+    p, _ = slow
+    assert p.links[0].forward_ratio < 0.9
+    faster = view(4, **{f"peer{i}": record(f"peer{i}", bandwidth=4e6) for i in range(4)})
+    result = full_audit(p, faster)
+    assert result.own == CLEAN
+    assert result.compression.figure.startswith("link 0")
+    assert "at our bandwidth" in result.compression.figure
+    assert result.compression.slack < 1.0
+    slack = result.compression.slack
+    strict = AuditLimits(tolerance=0.99, compression_tolerance=max(0.0, 1 - slack - 0.01))
+    loose = AuditLimits(tolerance=0.99, compression_tolerance=min(0.99, 1 - slack + 0.01))
+    assert not result.believable(strict)
+    assert result.believable(loose)
 
 
 def test_fewer_micro_batches_than_the_swarms(fast):
@@ -338,7 +362,8 @@ def test_measured_links_enter_the_recomputation(slow):
 
 @pytest.mark.parametrize(
     "limits",
-    [{"tolerance": -0.1}, {"tolerance": 1.0}, {"own_tolerance": 1.5}, {"share_tolerance": 0.5}],
+    [{"tolerance": -0.1}, {"tolerance": 1.0}, {"own_tolerance": 1.5}, {"share_tolerance": 0.5},
+     {"compression_tolerance": -1}],
 )  # fmt: skip
 def test_audit_limits_are_validated(limits):
     with pytest.raises(ConfigError):
