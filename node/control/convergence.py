@@ -27,11 +27,17 @@ def tally(members: Iterable[NodeInfo], epoch: int) -> Counter[str]:
     )
 
 
-def most_followed(members: Iterable[NodeInfo]) -> str | None:
-    """The digest most of ``members`` report following, whatever epoch they adopted it in
-    (ties: the lowest digest); None if none reports one."""
-    votes = Counter(info.adopted[1] for info in members if info.adopted is not None)
-    return min(votes, key=lambda d: (-votes[d], d), default=None)
+def most_followed(members: Collection[NodeInfo], *, since_epoch: int) -> str | None:
+    """The digest more than half of ``members`` report following (adopted in ``since_epoch``
+    or later); None if no digest has such a majority. A plurality is not enough: in a swarm of
+    two, one liar's record would be half of it."""
+    votes = Counter(
+        info.adopted[1]
+        for info in members
+        if info.adopted is not None and info.adopted[0] >= since_epoch
+    )
+    best = min(votes, key=lambda d: (-votes[d], d), default=None)
+    return best if best is not None and 2 * votes[best] > len(members) else None
 
 
 def converge(own: str, votes: Mapping[str, int], acceptable: Collection[str]) -> str | None:

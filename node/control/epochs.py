@@ -234,7 +234,7 @@ class PlanAgreement:
     def _incumbent(
         self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm
     ) -> Candidate | None:
-        """The plan we follow, if it still runs here and its claims still hold in our view."""
+        """The plan we follow, if it still runs here and its own figures hold (audit.py)."""
         adopted = self.adopted
         if adopted is None:
             return None
@@ -286,11 +286,10 @@ class PlanAgreement:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
 
     def _followed(self, epoch: int, members: Mapping[str, NodeInfo]) -> set[str]:
-        """The plans the swarm follows now: ours, and the one most fresh members report for
-        the last epochs (a newcomer's, too, before it has adopted anything)."""
+        """The plans the swarm follows now: ours, and the one a majority of fresh members
+        report for the last epochs (a newcomer's, too, before it has adopted anything)."""
         followed = {self.adopted.digest} if self.adopted is not None else set()
-        recent = [i for i in members.values() if i.adopted and i.adopted[0] >= epoch - 2]
-        most = most_followed(recent)
+        most = most_followed(list(members.values()), since_epoch=epoch - 2)
         return followed | ({most} if most else set())
 
     def _judge(

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import DeviceInfo, NodeInfo, NodeState
-from fusionllm.node.control.convergence import Outvoted, converge, tally
+from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 
 A, B, C = ("a" * 64, "b" * 64, "c" * 64)
 DEVICE = DeviceInfo(
@@ -27,6 +27,16 @@ def test_tally_counts_reports_for_that_epoch_only():
     assert tally(members, 5) == {A: 1, B: 2}
     assert tally(members, 4) == {A: 1}
     assert tally(members, 6) == {}
+
+
+def test_most_followed_needs_a_majority_of_all_members():
+    three = [record("p1", (5, A)), record("p2", (4, A)), record("p3", None)]
+    assert most_followed(three, since_epoch=4) == A
+    assert most_followed(three, since_epoch=5) is None  # p2's report is too old to count
+    # Two members, one report each way (an honest node and a liar): no majority.
+    assert most_followed([record("p1", (5, A)), record("p2", (5, B))], since_epoch=0) is None
+    assert most_followed([record("p1", (5, B)), record("p2", None)], since_epoch=0) is None
+    assert most_followed([], since_epoch=0) is None
 
 
 def test_the_minority_follows_the_majority():

@@ -400,3 +400,8 @@ def test_a_followed_plan_survives_a_drifting_view_a_new_one_does_not():
     nodes[0].agreement.adopt(e + 1)
     assert nodes[0].agreement.adopted.digest == followed.digest
     assert nodes[0].agreement.counters["proposals_overclaimed"] == 1
+    # A newcomer that follows nothing yet takes the plan a majority reports following.
+    newcomer = Node("peer9", directory, clock, bandwidth=2e6 / 64, settings=settings)
+    newcomer.heartbeat()
+    newcomer.agreement.adopt(e + 1)
+    assert newcomer.agreement.adopted.digest == followed.digest
