@@ -24,6 +24,9 @@ MAX_LINKS = 32
 MAX_NAME_CHARS = 128
 MAX_PEER_ID_CHARS = 128
 MAX_PLAN_BYTES = 512 << 10
+# Nodes are assumed NTP-close; a record dated further ahead than this is refused, or it would
+# look fresh (and win "latest" comparisons) for as long as it lives.
+MAX_CLOCK_SKEW_S = 5.0
 _MAX_BYTES_PER_S = 1e15  # 8 Pb/s: anything above is a lie or a bug
 _MAX_FLOPS = 1e18
 _MAX_MEMORY = 1 << 50

@@ -6,6 +6,9 @@
 - swarm_settings.py:  ``SwarmSettings``: what every node of a swarm must share, and its digest
 - bandwidth.py:       ``BandwidthBook``, ``BandwidthReport`` (the gossip message)
 - agreement.py:       leaderless plan choice: ``check_proposal``, ``choose``, epochs
+- epochs.py:          ``PlanAgreement``: one node's epochs (snapshot, propose, adopt, converge)
+- audit.py:           a proposal's rules and figures against our own recomputation
+- convergence.py:     nodes that adopted different plans follow the majority's
 - probe.py:           this machine's FLOP/s, memory bandwidth and per-op overhead (cached)
 - status.py:          ``gather`` / ``format_status`` behind ``fusionllm status``
 """

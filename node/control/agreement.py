@@ -3,10 +3,11 @@
 Time is cut into epochs of ``epoch_s`` seconds (wall clock; nodes are assumed NTP-close, as
 hivemind's DHT itself assumes). In each epoch every node proposes one plan; after a settle
 delay every node reads all proposals of the epoch, keeps those valid *in its own view*
-(``check_proposal``: the plan covers our model, every peer in it is alive and has the memory
-its stage needs, the claimed estimate is the plan's own) and adopts the best: lowest estimated
-step time, ties broken by the lowest digest (``choose``). Equal inputs give equal choices, so
-no coordinator is needed.
+(``check_proposal``: the proposer is a fresh member, the plan covers our model, every peer in
+it is a fresh member, the rules and figures survive ``audit.audit`` against our own
+recomputation) and adopts the best: lowest estimated step time, ties broken by the lowest
+digest (``choose``). Equal inputs give equal choices, so no coordinator is needed; where views
+differ, convergence.py brings the odd nodes to the plan most members follow.
 
 A node re-proposes the plan it follows (its bytes unchanged, hence its digest) unless that plan
 became invalid or its own fresh plan is better by more than ``switch_margin``: plans do not
@@ -15,12 +16,14 @@ flap with measurement noise, yet a crash or a clearly better swarm re-plans at o
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.dag.plan_check import PlanCheckError, Retimer
 from fusionllm.dag.plan_wire import plan_from_json
-from fusionllm.dag.planner import Plan
-from fusionllm.dht.records import NodeInfo, PlanProposal, RecordError
+from fusionllm.dag.planner import Plan, PlanConfig
+from fusionllm.dht.records import NodeInfo, NodeState, PlanProposal, RecordError
+from fusionllm.node.control.audit import Audit, AuditLimits, audit
 
 
 def epoch_at(now: float, epoch_s: float) -> int:
@@ -31,10 +34,32 @@ def epoch_start(epoch: int, epoch_s: float) -> float:
     return epoch * epoch_s
 
 
+def fresh_members(
+    records: Mapping[str, NodeInfo],
+    *,
+    digest: str,
+    now: float,
+    suspect_after_s: float,
+    max_skew_s: float,
+) -> dict[str, NodeInfo]:
+    """The records that count as members: our settings, not leaving, written within
+    ``suspect_after_s`` (a node that missed several heartbeats is treated as gone before its
+    record expires), and not dated ahead of ``now`` by more than ``max_skew_s`` (such a
+    record would look fresh for as long as it lives)."""
+    return {
+        pid: info
+        for pid, info in records.items()
+        if info.config_digest == digest
+        and info.state is not NodeState.LEAVING
+        and now - suspect_after_s <= info.time <= now + max_skew_s
+    }
+
+
 @dataclass(frozen=True)
 class Candidate:
     proposal: PlanProposal
     plan: Plan
+    audit: Audit = field(default_factory=Audit)
 
     @property
     def digest(self) -> str:
@@ -44,27 +69,62 @@ class Candidate:
     def estimate(self) -> float:
         return self.proposal.estimate
 
+    def believable(self, limits: AuditLimits) -> bool:
+        """Whether no figure is understated beyond ``limits`` of our own (the bar for a plan
+        the swarm does not follow yet)."""
+        return self.audit.believable(limits)
 
-def check_proposal(
-    proposal: PlanProposal,
-    *,
-    swarm: str,
-    epoch: int,
-    members: Mapping[str, NodeInfo],
-    node_ids: Sequence[str],
-    memory_fraction: float,
-) -> Candidate:
-    """The proposal as a Candidate if it is valid in this view; RecordError says why not."""
-    if proposal.swarm != swarm or proposal.epoch != epoch:
+    def consistent(self, limits: AuditLimits) -> bool:
+        """Whether no figure that our bandwidth view does not enter is understated (the bar
+        for a plan the swarm follows: see audit.py)."""
+        return self.audit.consistent(limits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochView:
+    """What a node judges one epoch's proposals against: its own snapshot of the swarm."""
+
+    swarm: str
+    epoch: int
+    members: Mapping[str, NodeInfo]  # fresh members on our settings, ourselves included
+    node_ids: Sequence[str]  # our model's graph nodes
+    config: PlanConfig  # from the swarm settings: micro-batches, compression, memory fraction
+    retimer: Retimer  # graph costs + members' devices + our quantized bandwidth book
+    limits: AuditLimits = field(default_factory=AuditLimits)
+
+
+class NotAMemberError(RecordError):
+    """A proposal from a key that is not a fresh member of the swarm in our view."""
+
+
+def check_proposal(proposal: PlanProposal, view: EpochView) -> Candidate:
+    """The proposal as a Candidate if it is valid in ``view``; RecordError says why not.
+
+    The Candidate carries its audit; which bar it must clear is the caller's call: every
+    figure (``believable``) for a plan the swarm does not follow yet, the figures no bandwidth
+    view changes (``consistent``) for the one it follows.
+    """
+    if proposal.swarm != view.swarm or proposal.epoch != view.epoch:
         raise RecordError(f"proposal is for {proposal.swarm!r} epoch {proposal.epoch}")
+    if proposal.proposer not in view.members:
+        raise NotAMemberError(f"proposal from {proposal.proposer[:16]}..., not a fresh member")
     try:
         plan = plan_from_json(proposal.plan)
     except ConfigError as exc:
         raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
     if not math.isclose(plan.estimated_step_time, proposal.estimate, rel_tol=1e-9):
         raise RecordError("proposal's estimate is not its plan's estimated step time")
-    check_plan(plan, members=members, node_ids=node_ids, memory_fraction=memory_fraction)
-    return Candidate(proposal, plan)
+    check_plan(
+        plan,
+        members=view.members,
+        node_ids=view.node_ids,
+        memory_fraction=view.config.memory_fraction,
+    )
+    try:
+        retimed = view.retimer.retime(plan)
+    except PlanCheckError as exc:
+        raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
+    return Candidate(proposal, plan, audit(plan, retimed, view.config, view.limits))
 
 
 def check_plan(

@@ -6,6 +6,11 @@ link with its time, forgets samples older than ``max_age_s``, and turns a member
 into the planner's ``Swarm``: measured links as measured, every other pair estimated by the
 Swarm from the two ends' uplink/downlink (and marked estimated in ``link_table``).
 
+Only members' word counts: a report is filed only if its author is a member, and only its
+links towards members (``record_report``); a node's downlink is read only from what members
+measured towards it (``towards``). A stranger can neither add links to the planner's Swarm nor
+raise a member's advertised downlink.
+
 Bandwidths and RTTs are rounded to a quarter-octave grid before planning: two nodes whose
 books differ by measurement noise then build the same Swarm, hence the same plan and digest.
 """
@@ -13,7 +18,7 @@ books differ by measurement noise then build the same Swarm, hence the same plan
 import math
 import random
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +27,13 @@ import msgpack
 from fusionllm.common.errors import ConfigError, peer_repr
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 from fusionllm.dag.swarm import Peer, Swarm
-from fusionllm.dht.records import MAX_NAME_CHARS, LinkReport, NodeInfo, RecordError
+from fusionllm.dht.records import (
+    MAX_CLOCK_SKEW_S,
+    MAX_NAME_CHARS,
+    LinkReport,
+    NodeInfo,
+    RecordError,
+)
 
 REPORT_VERSION = 1
 MAX_REPORT_LINKS = 64
@@ -111,7 +122,7 @@ class BandwidthBook:
 
     def record(self, src: str, dst: str, sample: LinkSample, *, now: float) -> bool:
         """Keep ``sample`` if it is newer than what we have and not stale or from the future."""
-        if src == dst or not (now - self.max_age_s <= sample.measured_at <= now + 5.0):
+        if src == dst or not (now - self.max_age_s <= sample.measured_at <= now + MAX_CLOCK_SKEW_S):
             return False
         with self._lock:
             old = self._links.get((src, dst))
@@ -120,10 +131,17 @@ class BandwidthBook:
             self._links[(src, dst)] = sample
         return True
 
-    def record_report(self, author: str, report: BandwidthReport, *, now: float) -> int:
-        """The links in a gossiped report, attributed to its (signature-verified) author."""
+    def record_report(
+        self, author: str, report: BandwidthReport, *, now: float, members: Container[str]
+    ) -> int:
+        """The links in a gossiped report, attributed to its (signature-verified) author: none
+        unless the author is one of ``members``, and only its links towards members."""
+        if author not in members:
+            return 0
         kept = 0
         for link in report.links:
+            if link.peer not in members:
+                continue
             at = report.time - link.age
             kept += self.record(
                 author, link.peer, LinkSample(link.bandwidth, link.rtt, at), now=now
@@ -144,9 +162,12 @@ class BandwidthBook:
         )
         return BandwidthReport(swarm=swarm, time=now, links=links)
 
-    def towards(self, dst: str, now: float) -> list[float]:
-        """Fresh bandwidths others measured towards ``dst`` (its downlink, seen from outside)."""
-        return [s.bandwidth for (_, d), s in self._fresh(now).items() if d == dst]
+    def towards(self, dst: str, now: float, *, sources: Container[str]) -> list[float]:
+        """Fresh bandwidths ``sources`` measured towards ``dst`` (its downlink, seen from
+        outside; only members' samples, or a stranger could set it)."""
+        return [
+            s.bandwidth for (src, d), s in self._fresh(now).items() if d == dst and src in sources
+        ]
 
     def last_measured(self, src: str, now: float) -> dict[str, float]:
         """dst -> time of src's newest fresh sample towards it."""

@@ -26,11 +26,15 @@ from fusionllm.node.p2p.control_host import ControlHost
 logger = get_logger(__name__)
 
 
-def gossip_validator(topic: str, swarm: str) -> Callable[[str, str, bytes], bool]:
-    """The control host's check of every gossip message: a bandwidth report of our swarm."""
+def gossip_validator(
+    topic: str, swarm: str, is_member: Callable[[str], bool]
+) -> Callable[[str, str, bytes], bool]:
+    """The control host's check of every gossip message: a bandwidth report of our swarm by
+    a member. What fails is neither filed nor forwarded, so strangers' reports die at the first
+    honest hop."""
 
     def valid(message_topic: str, author: str, data: bytes) -> bool:
-        if message_topic != topic:
+        if message_topic != topic or not is_member(author):
             return False
         try:
             report = BandwidthReport.from_bytes(data)
@@ -91,7 +95,9 @@ class LinkMonitor:
                 report = BandwidthReport.from_bytes(message.data)
             except RecordError:
                 continue  # the validator let it through, so this cannot happen; be safe anyway
-            self.book.record_report(message.author, report, now=time.time())
+            # Members again: the validator ran at arrival, membership may have changed since.
+            members = self._members()
+            self.book.record_report(message.author, report, now=time.time(), members=members)
 
     def probe_loop(self) -> None:
         while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self._members() else 0):

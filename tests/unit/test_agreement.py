@@ -8,30 +8,36 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusionllm.dag.cost import DeviceProfile
+from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.planner import Plan, PlanConfig, plan
-from fusionllm.dag.swarm import Peer, Swarm
+from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.synthetic import gpt2_costs
 from fusionllm.dht.records import DeviceInfo, NodeInfo, NodeState, PlanProposal, RecordError
 from fusionllm.node.control.agreement import (
     Candidate,
+    EpochView,
+    NotAMemberError,
     backup_pool,
     check_plan,
     check_proposal,
     choose,
     epoch_at,
     epoch_start,
+    fresh_members,
     keep_incumbent,
     serving_peers,
 )
+from fusionllm.node.control.audit import AuditLimits
+from fusionllm.node.control.bandwidth import BandwidthBook
 
 MEMORY = 8 << 30
 FRACTION = 0.9
 SWARM, EPOCH = "demo", 42
 GRAPH = gpt2_costs("small", batch=1, seq=128)
 NODE_IDS = tuple(n.node_id for n in GRAPH.nodes)
-PROFILE = DeviceProfile(name="gpu", flops=1e12, memory_bandwidth=1e11, memory_bytes=MEMORY)
+CONFIG = PlanConfig(micro_batches=4, batch_size=8, memory_fraction=FRACTION)
+NOW = 1.7e9
 
 
 def member(peer_id: str, memory: int = MEMORY) -> NodeInfo:
@@ -50,22 +56,34 @@ def member(peer_id: str, memory: int = MEMORY) -> NodeInfo:
         state=NodeState.BACKUP,
         stage=None,
         adopted=None,
-        time=1.7e9,
+        time=NOW,
     )  # fmt: skip
 
 
+def swarm_of(members: dict[str, NodeInfo]) -> Swarm:
+    """The planner's view of ``members``, as a node builds it (quantized, no measured links)."""
+    return BandwidthBook(max_age_s=60.0).swarm(sorted(members.values(), key=lambda m: m.peer_id),
+                                               now=NOW)  # fmt: skip
+
+
 def make_plan(n_peers: int, **config) -> Plan:
-    peers = [Peer(peer_id=f"peer{i}", device=PROFILE, uplink=1e9, downlink=1e9)
-             for i in range(n_peers)]  # fmt: skip
     settings = {"micro_batches": 4, "batch_size": 8, "memory_fraction": FRACTION, **config}
-    return plan(GRAPH, Swarm.from_links(peers), PlanConfig(**settings))
+    return plan(GRAPH, swarm_of(members_of(n_peers)), PlanConfig(**settings))
+
+
+def view_of(members: dict[str, NodeInfo], **changes) -> EpochView:
+    fields = {"swarm": SWARM, "epoch": EPOCH, "members": members, "node_ids": NODE_IDS,
+              "config": CONFIG, "retimer": Retimer(GRAPH, swarm_of(members), CONFIG)}  # fmt: skip
+    fields.update(changes)
+    return EpochView(**fields)
 
 
 @pytest.fixture(scope="module")
 def pipeline() -> Plan:
     """Several stages, one peer each, and peers left in backup."""
-    p = make_plan(4)
+    p = make_plan(4, max_replicas=1, max_stages=3)
     assert len(p.stages) >= 2
+    assert p.backup
     assert all(len(s.peers) == 1 for s in p.stages)
     return p
 
@@ -90,8 +108,7 @@ def proposal_of(p: Plan, **changes) -> PlanProposal:
 
 
 def check(proposal: PlanProposal, members: dict | None = None) -> Candidate:
-    return check_proposal(proposal, swarm=SWARM, epoch=EPOCH, members=members or members_of(8),
-                          node_ids=NODE_IDS, memory_fraction=FRACTION)  # fmt: skip
+    return check_proposal(proposal, view_of(members or members_of(8)))
 
 
 def check_p(p: Plan, members: dict | None = None, node_ids=NODE_IDS) -> None:
@@ -182,8 +199,67 @@ def test_estimate_within_canonical_rounding_is_accepted(pipeline):
 def test_plan_level_rejection_surfaces_through_proposal(pipeline):
     members = members_of(8)
     del members[pipeline.stages[0].peers[0]]
+    proposer = pipeline.stages[-1].peers[0]
     with pytest.raises(RecordError, match="not alive"):
-        check(proposal_of(pipeline), members)
+        check(proposal_of(pipeline, proposer=proposer), members)
+
+
+# ----------------------------------------------------------------------------- members only
+
+
+def test_a_non_member_proposal_is_refused_even_when_its_plan_is_valid(pipeline):
+    prop = proposal_of(pipeline, proposer="stranger")
+    with pytest.raises(NotAMemberError, match="not a fresh member"):
+        check(prop)
+    # The same plan from a member is fine: only the proposer made the difference.
+    assert check(proposal_of(pipeline, proposer="peer7")).digest == prop.digest
+
+
+def test_a_member_that_went_stale_may_not_propose(pipeline):
+    records = members_of(8)
+    records["peer7"] = dataclasses.replace(records["peer7"], time=NOW - 30)
+    members = fresh_members(records, digest="0123456789abcdef", now=NOW, suspect_after_s=15,
+                            max_skew_s=5)  # fmt: skip
+    with pytest.raises(NotAMemberError):
+        check(proposal_of(pipeline, proposer="peer7"), members)
+
+
+def test_fresh_members_rules():
+    base = member("a")
+    records = {
+        "a": base,
+        "other-settings": dataclasses.replace(member("other-settings"), config_digest="ffff"),
+        "leaving": dataclasses.replace(member("leaving"), state=NodeState.LEAVING),
+        "stale": dataclasses.replace(member("stale"), time=NOW - 15.001),
+        "edge-stale": dataclasses.replace(member("edge-stale"), time=NOW - 15.0),
+        "ahead": dataclasses.replace(member("ahead"), time=NOW + 5.001),
+        "edge-ahead": dataclasses.replace(member("edge-ahead"), time=NOW + 5.0),
+    }
+    fresh = fresh_members(records, digest=base.config_digest, now=NOW, suspect_after_s=15.0,
+                          max_skew_s=5.0)  # fmt: skip
+    assert sorted(fresh) == ["a", "edge-ahead", "edge-stale"]
+    assert fresh["a"] is base
+
+
+def test_micro_batches_must_be_the_swarms(pipeline):
+    other = dataclasses.replace(pipeline, micro_batches=pipeline.micro_batches * 2)
+    with pytest.raises(RecordError, match="micro-batches"):
+        check(proposal_of(other))
+
+
+def test_a_lying_estimate_is_checked_but_left_to_the_caller(pipeline):
+    honest = check(proposal_of(pipeline))
+    assert honest.audit.view.slack == 1.0
+    assert honest.believable(AuditLimits(tolerance=0.0))
+    lie = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time / 2)
+    candidate = check(proposal_of(lie))
+    assert candidate.audit.view.slack == pytest.approx(0.5)
+    assert candidate.audit.view.figure.startswith("estimated step time")
+    assert not candidate.consistent(AuditLimits())  # its own figures give twice the claim
+    assert not candidate.believable(AuditLimits(tolerance=0.05))
+    assert candidate.believable(AuditLimits(tolerance=0.51))
+    shaded = dataclasses.replace(pipeline, estimated_step_time=pipeline.estimated_step_time * 0.97)
+    assert check(proposal_of(shaded)).believable(AuditLimits(tolerance=0.05))
 
 
 # ----------------------------------------------------------------------------- plan level
@@ -400,7 +476,10 @@ def test_keep_incumbent():
 
 def test_serving_peers_and_backup_pool(pipeline):
     used = serving_peers(pipeline)
-    assert used == {p for s in pipeline.stages for p in s.peers}
+    # Every stage's one replica, each a distinct peer: as many as stages, none in backup.
+    assert len(used) == len(pipeline.stages)
+    assert used.isdisjoint(pipeline.backup)
+    assert used | set(pipeline.backup) == {f"peer{i}" for i in range(4)}
     members = [f"peer{i}" for i in range(8)] + ["late-joiner"]
     pool = backup_pool(pipeline, reversed(members))
     assert pool == sorted(set(members) - used)

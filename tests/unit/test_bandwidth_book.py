@@ -26,6 +26,16 @@ from fusionllm.node.control.bandwidth import (
 NOW = 1_700_000_000.0
 
 
+class _Everyone:
+    """A membership that contains every peer (for tests of other rules than membership)."""
+
+    def __contains__(self, peer: object) -> bool:
+        return True
+
+
+EVERYONE = _Everyone()
+
+
 def member(peer_id: str, *, up: float = 1e7, down: float = 1e8, links=()) -> NodeInfo:
     return NodeInfo(
         peer_id=peer_id,
@@ -178,7 +188,10 @@ def test_arbitrary_bytes_only_raise_record_error(data):
         report = BandwidthReport.from_bytes(data)
     except RecordError:
         return
-    assert isinstance(report, BandwidthReport)
+    # Whatever parses is a well-formed report: it survives our own encoding unchanged.
+    assert len(report.links) <= MAX_REPORT_LINKS
+    assert math.isfinite(report.time)
+    assert BandwidthReport.from_bytes(report.to_bytes()) == report
 
 
 # ----------------------------------------------------------------------------- the book
@@ -200,7 +213,7 @@ def test_newest_sample_wins():
     assert book.record("a", "b", sample(NOW - 5, 2e6), now=NOW)
     assert not book.record("a", "b", sample(NOW - 7, 3e6), now=NOW)  # older: ignored
     assert not book.record("a", "b", sample(NOW - 5, 4e6), now=NOW)  # same time: ignored
-    assert book.towards("b", NOW) == [2e6]
+    assert book.towards("b", NOW, sources=EVERYONE) == [2e6]
     assert book.last_measured("a", NOW) == {"b": NOW - 5}
 
 
@@ -208,8 +221,8 @@ def test_directions_are_separate():
     book = BandwidthBook(max_age_s=60.0)
     assert book.record("a", "b", sample(NOW, 1e6), now=NOW)
     assert book.record("b", "a", sample(NOW, 5e6), now=NOW)
-    assert book.towards("b", NOW) == [1e6]
-    assert book.towards("a", NOW) == [5e6]
+    assert book.towards("b", NOW, sources=EVERYONE) == [1e6]
+    assert book.towards("a", NOW, sources=EVERYONE) == [5e6]
 
 
 def test_stale_and_future_samples_refused():
@@ -225,17 +238,17 @@ def test_stale_and_future_samples_refused():
 def test_self_links_refused():
     book = BandwidthBook(max_age_s=60.0)
     assert not book.record("a", "a", sample(NOW), now=NOW)
-    assert book.towards("a", NOW) == []
+    assert book.towards("a", NOW, sources=EVERYONE) == []
 
 
 def test_samples_expire():
     book = BandwidthBook(max_age_s=30.0)
     book.record("a", "b", sample(NOW), now=NOW)
     book.record("c", "b", sample(NOW + 20, 3e6), now=NOW + 20)
-    assert sorted(book.towards("b", NOW + 30)) == [1e6, 3e6]
-    assert book.towards("b", NOW + 30.5) == [3e6]
+    assert sorted(book.towards("b", NOW + 30, sources=EVERYONE)) == [1e6, 3e6]
+    assert book.towards("b", NOW + 30.5, sources=EVERYONE) == [3e6]
     assert book.last_measured("a", NOW + 31) == {}
-    assert book.towards("b", NOW + 51) == []
+    assert book.towards("b", NOW + 51, sources=EVERYONE) == []
     # An expired link accepts any fresh sample again.
     assert book.record("a", "b", sample(NOW + 40), now=NOW + 40)
 
@@ -251,21 +264,44 @@ def test_record_report_attributes_links_to_author():
             link("alice", 3e6),  # the author's link to itself: refused
         ),
     )
-    assert book.record_report("alice", report, now=NOW) == 1
+    assert book.record_report("alice", report, now=NOW, members=EVERYONE) == 1
     assert book.last_measured("alice", NOW) == {"b": NOW - 2.0}
-    assert book.towards("b", NOW) == [1e6]
+    assert book.towards("b", NOW, sources=EVERYONE) == [1e6]
     assert book.last_measured("b", NOW) == {}  # nothing attributed to the link's peer
     # Replaying the same report adds nothing; a newer one replaces.
-    assert book.record_report("alice", report, now=NOW) == 0
+    assert book.record_report("alice", report, now=NOW, members=EVERYONE) == 0
     newer = BandwidthReport(swarm="demo", time=NOW + 10, links=(link("b", 9e6, age=0.0),))
-    assert book.record_report("alice", newer, now=NOW + 10) == 1
-    assert book.towards("b", NOW + 10) == [9e6]
+    assert book.record_report("alice", newer, now=NOW + 10, members=EVERYONE) == 1
+    assert book.towards("b", NOW + 10, sources=EVERYONE) == [9e6]
 
 
 def test_record_report_from_the_future_refused():
     book = BandwidthBook(max_age_s=60.0)
     report = BandwidthReport(swarm="demo", time=NOW + 3600, links=(link("b", age=0.0),))
-    assert book.record_report("alice", report, now=NOW) == 0
+    assert book.record_report("alice", report, now=NOW, members=EVERYONE) == 0
+
+
+def test_record_report_only_from_members_about_members():
+    book = BandwidthBook(max_age_s=60.0)
+    members = {"alice", "b", "c"}
+    report = BandwidthReport(
+        swarm="demo", time=NOW, links=(link("b", 1e6), link("stranger", 2e6), link("c", 3e6))
+    )
+    # A stranger's report is not filed at all, whatever it claims.
+    assert book.record_report("mallory", report, now=NOW, members=members) == 0
+    assert book.last_measured("mallory", NOW) == {}
+    # A member's report keeps only its links towards members.
+    assert book.record_report("alice", report, now=NOW, members=members) == 2
+    assert book.last_measured("alice", NOW) == {"b": NOW - 1.0, "c": NOW - 1.0}
+
+
+def test_a_stranger_cannot_set_a_members_downlink():
+    book = BandwidthBook(max_age_s=60.0)
+    book.record("a", "me", sample(NOW, 2e6), now=NOW)
+    book.record("mallory", "me", sample(NOW, 1e14), now=NOW)  # e.g. filed before a rule
+    assert sorted(book.towards("me", NOW, sources=EVERYONE)) == [2e6, 1e14]
+    assert book.towards("me", NOW, sources={"a", "me"}) == [2e6]
+    assert book.towards("me", NOW, sources=set()) == []
 
 
 def test_own_report_newest_first_and_capped():
@@ -283,7 +319,7 @@ def test_own_report_newest_first_and_capped():
     # It survives the wire and re-attributes to the same measurement times.
     back = BandwidthReport.from_bytes(report.to_bytes())
     other = BandwidthBook(max_age_s=1000.0)
-    assert other.record_report("me", back, now=NOW + 1) == MAX_REPORT_LINKS
+    assert other.record_report("me", back, now=NOW + 1, members=EVERYONE) == MAX_REPORT_LINKS
     expected = {f"peer{i:03d}": NOW - i for i in range(MAX_REPORT_LINKS)}
     assert other.last_measured("me", NOW + 1) == expected
 

@@ -80,7 +80,15 @@ def through_msgpack(wire):
 
 
 def test_record_error_is_a_peer_error():
-    assert issubclass(RecordError, PeerError)
+    """Readers skip a peer's bad entry by catching PeerError: every parse failure must be one,
+    of the record kind (not a KeyError or TypeError from a half-checked map)."""
+    for bad in ({"v": 1}, {"v": 1, "id": 5}, [], None, {"v": True}):
+        with pytest.raises(PeerError) as caught:
+            NodeInfo.from_wire(bad)
+        assert type(caught.value) is RecordError, (bad, caught.value)
+        with pytest.raises(PeerError) as caught:
+            PlanProposal.from_wire(bad)
+        assert type(caught.value) is RecordError, (bad, caught.value)
 
 
 # ----------------------------------------------------------------------------- round trips

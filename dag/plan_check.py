@@ -1,0 +1,172 @@
+"""A proposed plan's figures recomputed in our own view of the swarm.
+
+A node must not take a proposal's numbers on trust: a member could claim a step time its plan
+cannot reach, or a stage that fits in memory when it does not. ``Retimer.retime`` keeps what
+the proposer chose (stage boundaries, replicas, the peer pair and the codec of each link) and
+recomputes everything that follows from those choices with the planner's own rules
+(``build_plan``): shares, memory, compute and all-reduce times from the graph and the members'
+devices, the bytes each link's codec puts on the wire, link times at the bandwidth *we* see,
+and the step time by the simulator: the plan as it would run here. Beside it, ``Retimed.rule``
+holds each link as AdaTopK would compress it at the bandwidth the plan itself claims for it
+(and our compute budget), so a caller can tell a plan that compresses more than its own
+figures allow, and ``Retimed.ours`` at the bandwidth we see (more than our view allows); a
+claimed bandwidth above what we see shows in the step time instead.
+
+``wire_bytes_for``: the bytes a (codec, ratio) puts on the wire, for the codecs the planner
+makes and no other.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.compression.adaptive import topk_wire_bytes
+from fusionllm.dag.chain_cuts import _Model
+from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.plan_build import _stage_record, _wire
+from fusionllm.dag.plan_records import LinkPlan, Plan, PlanConfig, StagePlan, pipeline_times
+from fusionllm.dag.simulate import simulate
+from fusionllm.dag.swarm import Swarm
+
+CODECS = ("dense", "fp16", "topk")
+
+
+class PlanCheckError(ConfigError):
+    """A plan that cannot run as written in our view (a replica that cannot hold its stage, a
+    cut the runtime cannot ship, a codec that does not exist)."""
+
+
+@dataclass(frozen=True)
+class Retimed:
+    plan: Plan  # the proposal's plan as it would run in our view
+    rule: tuple[LinkPlan, ...]  # its links as AdaTopK compresses them at their own bandwidth
+    ours: tuple[LinkPlan, ...]  # ... and at the bandwidth we see
+
+
+def wire_bytes_for(codec: str, ratio: float, dense_bytes: int, config: PlanConfig) -> int:
+    """Bytes on the wire when ``codec`` at ``ratio`` carries ``dense_bytes`` (the planner's
+    accounting, cost.compressed_wire); PlanCheckError for a combination it never makes."""
+    if not config.compression and (codec, ratio) != ("dense", 1.0):
+        raise PlanCheckError(f"{codec} at ratio {ratio}, but the swarm sends dense")
+    if codec == "dense" and ratio == 1.0:
+        return int(dense_bytes)
+    if codec == "fp16" and ratio == 1.0 and config.allow_fp16 and config.element_size > 2:
+        return int(dense_bytes) * 2 // config.element_size
+    if codec == "topk" and config.min_ratio <= ratio < 1.0:
+        return topk_wire_bytes(max(1, dense_bytes // config.element_size), ratio)
+    raise PlanCheckError(f"codec {codec!r} at ratio {ratio} is not one the planner makes")
+
+
+class Retimer:
+    """Our view (graph costs, members' devices, our bandwidth book as a Swarm) of any plan."""
+
+    def __init__(self, graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> None:
+        self.graph, self.swarm, self.config = graph, swarm, config
+        # One cost model for every proposal of an epoch: building it is the costly part.
+        self.model = _Model(graph, swarm, config)
+
+    def retime(self, plan: Plan) -> Retimed:
+        """``plan`` with every figure recomputed here; PlanCheckError if it cannot run as is.
+
+        Expects a plan ``agreement.check_plan`` accepted (contiguous stages over our model,
+        every peer one of the swarm's, link ends inside their stages).
+        """
+        ids = set(self.swarm.peer_ids)
+        if not plan.stages or any(p not in ids for s in plan.stages for p in s.peers):
+            raise PlanCheckError("plan names peers outside our view of the swarm")
+        cuts = [s.start for s in plan.stages] + [plan.stages[-1].stop]
+        if cuts[0] != 0 or cuts[-1] != self.model.n:
+            raise PlanCheckError(f"stages run {cuts[0]}..{cuts[-1]}, our model 0..{self.model.n}")
+        for k, cut in enumerate(cuts[1:-1]):
+            if not math.isfinite(self.model.cut[cut]):
+                raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
+        stages = tuple(self._stage(plan, cuts, k) for k in range(len(plan.stages)))
+        budget = max(s.forward_time + s.backward_time for s in stages)
+        ours = tuple(self._link(link, cuts, budget) for link in plan.links)
+        links = tuple(map(self._as_claimed, ours, plan.links))
+        rule = tuple(map(self._by_the_rule, links, plan.links, (budget,) * len(links)))
+        result = simulate(pipeline_times(stages, links, self.config.micro_batches))
+        return Retimed(
+            Plan(
+                method=plan.method,
+                fences=plan.fences,
+                stages=stages,
+                links=links,
+                backup=plan.backup,
+                micro_batches=self.config.micro_batches,
+                estimated_step_time=result.step_time,
+                bubble_fraction=result.bubble_fraction,
+            ),
+            rule,
+            ours,
+        )
+
+    def _as_claimed(self, ours: LinkPlan, claimed: LinkPlan) -> LinkPlan:
+        """Our link with the claimed codecs: what would cross it if the plan ran."""
+        dense = ours.dense_bytes
+        fwd = (claimed.forward_codec, claimed.forward_ratio)
+        bwd = (claimed.backward_codec, claimed.backward_ratio)
+        try:
+            fwd_wire = wire_bytes_for(*fwd, dense, self.config)
+            bwd_wire = wire_bytes_for(*bwd, dense, self.config)
+        except PlanCheckError as exc:
+            raise PlanCheckError(f"link {claimed.src_stage}: {exc}") from None
+        return dataclasses.replace(
+            ours,
+            forward_codec=fwd[0], forward_ratio=fwd[1], forward_wire_bytes=fwd_wire,
+            backward_codec=bwd[0], backward_ratio=bwd[1], backward_wire_bytes=bwd_wire,
+        )  # fmt: skip
+
+    def _by_the_rule(self, ours: LinkPlan, claimed: LinkPlan, budget: float) -> LinkPlan:
+        """AdaTopK's choice for the link at the bandwidths the plan claims for it."""
+        up, down = claimed.forward_bandwidth, claimed.backward_bandwidth
+        if not (up > 0 and down > 0):
+            raise PlanCheckError(f"link {claimed.src_stage} claims a bandwidth of {up}, {down}")
+        f = _wire(ours.dense_bytes, up, budget, self.config)
+        b = _wire(ours.dense_bytes, down, budget, self.config)
+        return dataclasses.replace(
+            ours,
+            forward_codec=f[0], forward_ratio=f[1], forward_wire_bytes=f[2],
+            backward_codec=b[0], backward_ratio=b[1], backward_wire_bytes=b[2],
+        )  # fmt: skip
+
+    def _stage(self, plan: Plan, cuts: list[int], k: int) -> StagePlan:
+        claimed = plan.stages[k]
+        try:
+            _, record = _stage_record(
+                self.graph, self.swarm, self.config, self.model, cuts, k, list(claimed.peers)
+            )
+        except ConfigError as exc:  # InfeasiblePlanError: nobody can hold it
+            raise PlanCheckError(str(exc)) from exc
+        dropped = sorted(set(claimed.peers) - set(record["peers"]))
+        if dropped:
+            raise PlanCheckError(
+                f"stage {k}: {dropped[0][:16]}... cannot hold nodes {cuts[k]}:{cuts[k + 1]} "
+                "in our view of its device"
+            )
+        return StagePlan(fence=claimed.fence, **record)
+
+    def _link(self, claimed: LinkPlan, cuts: list[int], budget: float) -> LinkPlan:
+        k = claimed.src_stage
+        dense_bytes = round(float(self.model.cut[cuts[k + 1]]))
+        src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
+        forward, backward = self.swarm.link(src, dst), self.swarm.link(dst, src)
+        f = _wire(dense_bytes, forward.bandwidth, budget, self.config)
+        b = _wire(dense_bytes, backward.bandwidth, budget, self.config)
+        return LinkPlan(
+            src_stage=k,
+            src_peer=claimed.src_peer,
+            dst_peer=claimed.dst_peer,
+            dense_bytes=dense_bytes,
+            forward_codec=f[0],
+            forward_ratio=f[1],
+            forward_wire_bytes=f[2],
+            forward_bandwidth=forward.bandwidth,
+            forward_rtt=forward.rtt,
+            backward_codec=b[0],
+            backward_ratio=b[1],
+            backward_wire_bytes=b[2],
+            backward_bandwidth=backward.bandwidth,
+            backward_rtt=backward.rtt,
+        )

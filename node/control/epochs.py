@@ -1,0 +1,386 @@
+"""One node's side of the plan epochs: snapshot, propose, adopt, converge (agreement.py's rules).
+
+``PlanAgreement`` sees the world through three narrow things, so that tests can hand it fakes
+and a fake clock: a ``Directory`` (the swarm's records and proposals on the DHT), the node's
+``BandwidthBook`` and a callable giving the node's own current record. ``next_step`` is the
+epoch loop's schedule as a pure function of the clock.
+
+    epoch e:  [start] propose(e) ...... [settle] adopt(e) ......  [start of e+1] converge, propose
+"""
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.plan_check import Retimer
+from fusionllm.dag.plan_wire import plan_to_json
+from fusionllm.dag.planner import InfeasiblePlanError, Plan, plan
+from fusionllm.dag.swarm import Swarm
+from fusionllm.dht.records import (
+    MAX_CLOCK_SKEW_S,
+    NodeInfo,
+    NodeState,
+    PlanProposal,
+    RecordError,
+)
+from fusionllm.node.control.agreement import (
+    Candidate,
+    EpochView,
+    NotAMemberError,
+    backup_pool,
+    check_proposal,
+    choose,
+    epoch_at,
+    epoch_start,
+    fresh_members,
+    keep_incumbent,
+)
+from fusionllm.node.control.audit import AuditLimits
+from fusionllm.node.control.bandwidth import BandwidthBook
+from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
+from fusionllm.node.control.swarm_settings import SwarmSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Directory(Protocol):
+    def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]: ...
+    def proposals(self, epoch: int) -> list[PlanProposal]: ...
+    def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool: ...
+
+
+def next_step(
+    now: float, *, proposed: int, adopted_for: int, epoch_s: float, settle_fraction: float
+) -> tuple[str | None, int, float]:
+    """(action, its epoch, when to look again): "adopt" the epoch we proposed in once its
+    settle time has come (even late: skipping it would stall us a whole epoch), else
+    "propose" in a new epoch, else nothing until the next of those moments."""
+    epoch = epoch_at(now, epoch_s)
+    settle = epoch_start(proposed, epoch_s) + settle_fraction * epoch_s
+    if adopted_for < proposed:
+        return ("adopt", proposed, now) if now >= settle else (None, proposed, settle)
+    if proposed < epoch:
+        return "propose", epoch, now
+    return None, proposed, epoch_start(proposed + 1, epoch_s)
+
+
+class PlanAgreement:
+    def __init__(
+        self,
+        *,
+        settings: SwarmSettings,
+        costs: GraphCosts,
+        node_ids: tuple[str, ...],
+        peer_id: str,
+        directory: Directory,
+        book: BandwidthBook,
+        own_info: Callable[[], NodeInfo],
+        emit: Callable[..., None] = lambda event, **fields: None,
+        clock: Callable[[], float] = time.time,
+        limits: AuditLimits | None = None,
+    ) -> None:
+        self.settings, self.costs, self.node_ids = settings, costs, node_ids
+        self.plan_config = settings.plan_config()
+        self.peer_id = peer_id
+        self.directory, self.book = directory, book
+        self._own_info, self._emit, self.clock = own_info, emit, clock
+        self.limits = limits or AuditLimits()
+        self._lock = threading.Lock()
+        self.members: dict[str, NodeInfo] = {}
+        self.adopted: Candidate | None = None
+        self.adopted_epoch: int | None = None
+        self.state = NodeState.JOINING
+        self.run_finished = False  # some member's record says the run reached its end
+        self.outvoted = Outvoted()
+        self._last_plan: tuple[bytes, Plan] | None = None
+        self._last_plan_failure = ""
+        self.counters = {
+            "invalid_proposals": 0,
+            "proposals_not_members": 0,  # of which: from keys that are not fresh members
+            "proposals_overclaimed": 0,  # of which: figures below ours beyond the tolerance
+            "plans_failed": 0,
+            "converged": 0,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        end: float = float("inf"),
+        timed: Callable[..., None] = lambda what, step, *args: step(*args),
+        errors: tuple[type[BaseException], ...] = (RecordError,),
+    ) -> None:
+        """Epochs until ``stop`` is set or the clock passes ``end``."""
+        now = self.clock()
+        epoch = epoch_at(now, self.settings.epoch_s)
+        # A newcomer follows the plan the swarm settled on last epoch until it can vote.
+        self.adopt(epoch - 1)
+        late = now - epoch_start(epoch, self.settings.epoch_s) > 0.25 * self.settings.epoch_s
+        proposed, adopted_for = (epoch if late else epoch - 1), epoch - 1
+        while not stop.is_set() and self.clock() < end:
+            action, at, _ = self._next(proposed, adopted_for)
+            try:
+                if action == "adopt":
+                    adopted_for = at
+                    timed("adopt", self.adopt, at)
+                elif action == "propose":
+                    proposed = at
+                    timed("propose", self.propose, at)
+            except errors as exc:
+                logger.warning("control plane step failed (will retry): %s", exc)
+            now = self.clock()
+            _, _, wake = self._next(proposed, adopted_for)
+            stop.wait(max(0.01, min(wake, end) - now))
+
+    def _next(self, proposed: int, adopted_for: int) -> tuple[str | None, int, float]:
+        s = self.settings
+        return next_step(
+            self.clock(),
+            proposed=proposed,
+            adopted_for=adopted_for,
+            epoch_s=s.epoch_s,
+            settle_fraction=s.settle_fraction,
+        )
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict[str, NodeInfo]:
+        """Fresh members that run our settings (and ourselves, even before our record shows)."""
+        everyone = self.directory.members(include_leaving=True)
+        digest = self.settings.digest()
+        members = fresh_members(
+            everyone,
+            digest=digest,
+            now=self.clock(),
+            suspect_after_s=self.settings.suspect_after_s,
+            max_skew_s=MAX_CLOCK_SKEW_S,
+        )
+        if len(members) < len(everyone):
+            logger.debug("%d records are stale, leaving or on other settings",
+                         len(everyone) - len(members))  # fmt: skip
+        members[self.peer_id] = self._own_info()
+        # Members that finished the run leave: their last records tell a backup it is over.
+        if any(
+            i.training and i.training.finished
+            for i in everyone.values()
+            if i.config_digest == digest
+        ):
+            self.run_finished = True
+        with self._lock:
+            self.members = members
+        return members
+
+    def members_now(self) -> dict[str, NodeInfo]:
+        with self._lock:
+            return dict(self.members)
+
+    def is_member(self, peer: str) -> bool:
+        with self._lock:
+            return peer in self.members
+
+    def _view(self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm) -> EpochView:
+        return EpochView(
+            swarm=self.settings.swarm,
+            epoch=epoch,
+            members=members,
+            node_ids=self.node_ids,
+            config=self.plan_config,
+            retimer=Retimer(self.costs, swarm, self.plan_config),
+            limits=self.limits,
+        )
+
+    def _swarm(self, members: Mapping[str, NodeInfo]) -> Swarm:
+        ordered = sorted(members.values(), key=lambda m: m.peer_id)
+        return self.book.swarm(ordered, now=self.clock())
+
+    # ------------------------------------------------------------------ propose
+
+    def propose(self, epoch: int) -> None:
+        members = self.snapshot()
+        swarm = self._swarm(members)
+        self._converge(epoch, members, swarm)
+        try:
+            fresh = self._plan(swarm)
+        except InfeasiblePlanError as exc:
+            self.counters["plans_failed"] += 1
+            # Said once per reason: a node waiting for peers would repeat it every epoch.
+            level = logging.DEBUG if str(exc) == self._last_plan_failure else logging.WARNING
+            self._last_plan_failure = str(exc)
+            logger.log(
+                level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
+            )
+            return
+        plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
+        incumbent = self._incumbent(epoch, members, swarm)
+        if incumbent is not None and keep_incumbent(
+            incumbent.estimate, estimate, self.settings.switch_margin
+        ):
+            plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
+        proposal = PlanProposal(
+            swarm=self.settings.swarm,
+            epoch=epoch,
+            proposer=self.peer_id,
+            estimate=estimate,
+            plan=plan_bytes,
+        )
+        self.directory.propose(proposal, ttl_s=4 * self.settings.epoch_s)
+
+    def _incumbent(
+        self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm
+    ) -> Candidate | None:
+        """The plan we follow, if it still runs here and its own figures hold (audit.py)."""
+        adopted = self.adopted
+        if adopted is None:
+            return None
+        again = PlanProposal(
+            swarm=self.settings.swarm,
+            epoch=epoch,
+            proposer=self.peer_id,
+            estimate=adopted.estimate,
+            plan=adopted.proposal.plan,
+        )
+        try:
+            candidate = check_proposal(again, self._view(epoch, members, swarm))
+        except RecordError as exc:
+            logger.info("epoch %d: the current plan is no longer valid: %s", epoch, exc)
+            return None
+        if not candidate.consistent(self.limits):
+            logger.info("epoch %d: the current plan's figures do not hold: %s",
+                        epoch, candidate.audit.own)  # fmt: skip
+            return None
+        return candidate
+
+    def _plan(self, swarm: Swarm) -> Plan:
+        """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
+        see the same inputs, and planning is the costliest part of an epoch."""
+        key = hashlib.sha256(
+            repr([(p.peer_id, p.device, p.uplink, p.downlink, p.rtt) for p in swarm.peers]).encode()
+            + b"".join(a.tobytes() for a in (swarm.src, swarm.dst, swarm.bandwidth, swarm.rtt))
+        ).digest()
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        fresh = plan(self.costs, swarm, self.plan_config)
+        self._last_plan = (key, fresh)
+        return fresh
+
+    # ------------------------------------------------------------------ adopt
+
+    def adopt(self, epoch: int) -> None:
+        if epoch < 0:
+            return
+        members = self.snapshot()
+        view = self._view(epoch, members, self._swarm(members))
+        proposals = self.directory.proposals(epoch)
+        believed, _ = self._judge(view, proposals, followed=self._followed(epoch, members))
+        self.outvoted.prune(epoch)
+        # A plan the majority out-voted here stays out a while, unless nothing else is left.
+        fresh = [c for c in believed if not self.outvoted.holds(c.digest, epoch)]
+        best = choose(fresh) or choose(believed)
+        if best is not None:
+            self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
+
+    def _followed(self, epoch: int, members: Mapping[str, NodeInfo]) -> set[str]:
+        """The plans the swarm follows now: ours, and the one a majority of fresh members
+        report for the last epochs (a newcomer's, too, before it has adopted anything)."""
+        followed = {self.adopted.digest} if self.adopted is not None else set()
+        most = most_followed(list(members.values()), since_epoch=epoch - 2)
+        return followed | ({most} if most else set())
+
+    def _judge(
+        self,
+        view: EpochView,
+        proposals: list[PlanProposal],
+        *,
+        followed: set[str],
+        count: bool = True,
+    ) -> tuple[list[Candidate], dict[str, Candidate]]:
+        """(the proposals we believe, every digest we could follow if the majority did).
+
+        A plan the swarm already follows (``followed``) is held to the figures no bandwidth
+        view changes; any other plan to every figure (see audit.py). ``count``: refusals go to
+        the counters (not when an epoch is judged a second time)."""
+        believed: list[Candidate] = []
+        acceptable: dict[str, Candidate] = {}
+        refused: list[str] = []
+        for proposal in proposals:
+            try:
+                candidate = check_proposal(proposal, view)
+            except RecordError as exc:
+                refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
+                logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
+                continue
+            consistent = candidate.consistent(self.limits)
+            if consistent:
+                acceptable.setdefault(candidate.digest, candidate)
+            if candidate.digest in followed:
+                ok = consistent
+            else:
+                ok = consistent and candidate.believable(self.limits)
+            if not ok:
+                refused.append("overclaimed")
+                logger.info("epoch %d: refused a proposal from %s...: %s",
+                            view.epoch, proposal.proposer[:16], candidate.audit)  # fmt: skip
+                continue
+            believed.append(candidate)
+        if count:
+            self.counters["invalid_proposals"] += len(refused)
+            for why in filter(None, refused):
+                self.counters[f"proposals_{why}"] += 1
+        return believed, acceptable
+
+    def _converge(self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm) -> None:
+        """Follow the plan most fresh members adopted for our last epoch, if not ours."""
+        adopted, last = self.adopted, self.adopted_epoch
+        if adopted is None or last is None:
+            return
+        votes = tally(members.values(), last)
+        if converge(adopted.digest, votes, acceptable=votes.keys()) is None:
+            return  # no plan has more followers than ours
+        # Judged again, now: we may never have seen the majority's proposal (a replica that
+        # missed it), or a member in it may have gone since.
+        view = self._view(last, members, swarm)
+        proposals = self.directory.proposals(last)
+        _, acceptable = self._judge(view, proposals, followed=set(), count=False)
+        target = converge(adopted.digest, votes, acceptable.keys())
+        if target is None:
+            logger.info("epoch %d: most members follow plan %s, which we cannot accept",
+                        last, max(votes, key=votes.__getitem__)[:12])  # fmt: skip
+            return
+        self.outvoted.add(adopted.digest, epoch)
+        self.counters["converged"] += 1
+        logger.info("epoch %d: most members follow plan %s, not ours %s: switching",
+                    last, target[:12], adopted.digest[:12])  # fmt: skip
+        self._follow(acceptable[target], last, members, converged=True)
+
+    def _follow(
+        self, best: Candidate, epoch: int, members: Mapping[str, NodeInfo], **fields: Any
+    ) -> None:
+        changed = self.adopted is None or best.digest != self.adopted.digest
+        self.adopted, self.adopted_epoch = best, epoch
+        serving = any(self.peer_id in s.peers for s in best.plan.stages)
+        if self.state is not NodeState.LEAVING:
+            self.state = NodeState.SERVING if serving else NodeState.BACKUP
+        backup = backup_pool(best.plan, members)
+        if changed:
+            logger.info(
+                "epoch %d: adopted plan %s (%d stages, est %.4gs), backup %d",
+                epoch, best.digest[:12], len(best.plan.stages), best.estimate, len(backup),
+            )  # fmt: skip
+        self._emit(
+            "epoch",
+            epoch=epoch,
+            digest=best.digest,
+            changed=changed,
+            estimate=best.estimate,
+            stages=[list(s.peers) for s in best.plan.stages],
+            backup=backup,
+            members=sorted(members),
+            state=str(self.state),
+            **fields,
+        )

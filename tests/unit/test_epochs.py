@@ -1,0 +1,407 @@
+"""node/control/epochs.py: a node's plan epochs with a fake DHT directory and a fake clock.
+
+No processes and no sleeps: ``FakeDirectory`` holds records and proposals in memory (what
+``SwarmDirectory`` would read back from the DHT), ``FakeClock`` moves only when the loop waits.
+"""
+
+import dataclasses
+
+import pytest
+
+from fusionllm.dag.plan_wire import plan_from_json, plan_to_json
+from fusionllm.dag.synthetic import gpt2_costs
+from fusionllm.dht.records import (
+    DeviceInfo,
+    NodeInfo,
+    NodeState,
+    PlanProposal,
+    TrainingProgress,
+)
+from fusionllm.node.control.agreement import epoch_at
+from fusionllm.node.control.bandwidth import BandwidthBook
+from fusionllm.node.control.epochs import PlanAgreement, next_step
+from fusionllm.node.control.swarm_settings import SwarmSettings
+
+SETTINGS = SwarmSettings(swarm="demo", heartbeat_s=1.0, ttl_s=5.0, epoch_s=2.0, max_replicas=1)
+GRAPH = gpt2_costs("small", batch=1, seq=64)
+NODE_IDS = tuple(n.node_id for n in GRAPH.nodes)
+T0 = 1_700_000_000.0  # an epoch start (epoch_s 2)
+GIB = 1 << 30
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeStop:
+    """threading.Event's face for the loop: waiting moves the fake clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.waits: list[float] = []
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        self.clock.now += timeout
+        return self._set
+
+
+class FakeDirectory:
+    def __init__(self) -> None:
+        self.records: dict[str, NodeInfo] = {}
+        self.plans: dict[int, dict[str, PlanProposal]] = {}
+
+    def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
+        return {p: i for p, i in self.records.items()
+                if include_leaving or i.state is not NodeState.LEAVING}  # fmt: skip
+
+    def proposals(self, epoch: int) -> list[PlanProposal]:
+        return list(self.plans.get(epoch, {}).values())
+
+    def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool:
+        self.plans.setdefault(proposal.epoch, {})[proposal.proposer] = proposal
+        return True
+
+
+def record(peer: str, *, at: float = T0, memory: int = 8 * GIB, **changes) -> NodeInfo:
+    device = DeviceInfo(
+        name="cpu",
+        kind="cpu",
+        memory_bytes=memory,
+        flops=1e11,
+        memory_bandwidth=1e10,
+        op_overhead=1e-5,
+        cpu_cores=2,
+        ram_bytes=memory,
+    )
+    fields = dict(peer_id=peer, swarm="demo", addrs=(), dht_addrs=(), device=device, uplink=1e8,
+                  downlink=1e8, links=(), software="t", config_digest=SETTINGS.digest(),
+                  state=NodeState.BACKUP, stage=None, adopted=None, time=at)  # fmt: skip
+    fields.update(changes)
+    return NodeInfo(**fields)
+
+
+class Node:
+    """One PlanAgreement over a shared FakeDirectory, with the events it emitted."""
+
+    def __init__(self, peer: str, directory: FakeDirectory, clock: FakeClock, **kw) -> None:
+        self.peer, self.directory, self.clock = peer, directory, clock
+        self.events: list[dict] = []
+        self.memory = kw.pop("memory", 8 * GIB)
+        self.bandwidth = kw.pop("bandwidth", 1e8)  # what its record says of its access link
+        self.agreement = PlanAgreement(
+            settings=kw.pop("settings", SETTINGS),
+            costs=GRAPH,
+            node_ids=NODE_IDS,
+            peer_id=peer,
+            directory=directory,
+            book=BandwidthBook(max_age_s=60.0),
+            own_info=self.info,
+            emit=lambda event, **fields: self.events.append({"event": event, **fields}),
+            clock=clock,
+        )
+
+    def info(self) -> NodeInfo:
+        a = self.agreement
+        adopted = (a.adopted_epoch, a.adopted.digest) if a.adopted is not None else None
+        return record(self.peer, at=self.clock(), memory=self.memory, adopted=adopted,
+                      uplink=self.bandwidth, downlink=self.bandwidth,
+                      config_digest=a.settings.digest())  # fmt: skip
+
+    def heartbeat(self) -> None:
+        self.directory.records[self.peer] = self.info()
+
+
+def swarm_of(n: int, clock: FakeClock, **kw) -> tuple[FakeDirectory, list[Node]]:
+    directory = FakeDirectory()
+    nodes = [Node(f"peer{i}", directory, clock, **kw) for i in range(n)]
+    for node in nodes:
+        node.heartbeat()
+    return directory, nodes
+
+
+def epoch_round(nodes: list[Node], epoch: int) -> None:
+    for node in nodes:
+        node.agreement.propose(epoch)
+    for node in nodes:
+        node.heartbeat()
+    for node in nodes:
+        node.agreement.adopt(epoch)
+    for node in nodes:
+        node.heartbeat()
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_next_step_schedule():
+    kw = {"epoch_s": 2.0, "settle_fraction": 0.5}
+    e = epoch_at(T0, 2.0)
+    # Proposed in e, not adopted: wait for the settle time, then adopt (even late).
+    assert next_step(T0 + 0.2, proposed=e, adopted_for=e - 1, **kw) == (None, e, T0 + 1.0)
+    assert next_step(T0 + 1.0, proposed=e, adopted_for=e - 1, **kw) == ("adopt", e, T0 + 1.0)
+    assert next_step(T0 + 9.0, proposed=e, adopted_for=e - 1, **kw) == ("adopt", e, T0 + 9.0)
+    # Adopted: wait for the next epoch, then propose in the epoch we are in.
+    assert next_step(T0 + 1.5, proposed=e, adopted_for=e, **kw) == (None, e, T0 + 2.0)
+    assert next_step(T0 + 2.0, proposed=e, adopted_for=e, **kw) == ("propose", e + 1, T0 + 2.0)
+    assert next_step(T0 + 7.0, proposed=e, adopted_for=e, **kw) == ("propose", e + 3, T0 + 7.0)
+
+
+def test_the_loop_proposes_then_adopts_every_epoch():
+    clock = FakeClock(T0 + 0.1)
+    directory, (node,) = swarm_of(1, clock)
+    stop = FakeStop(clock)
+    node.agreement.run(stop, end=T0 + 8.05)
+    e = epoch_at(T0, 2.0)
+    assert sorted(directory.plans) == [e, e + 1, e + 2, e + 3, e + 4]  # the last at T0 + 8
+    adopted = [ev["epoch"] for ev in node.events if ev["event"] == "epoch"]
+    assert adopted == [e, e + 1, e + 2, e + 3]
+    assert node.agreement.state is NodeState.SERVING
+    # It slept to the settle and epoch times, not in small polls.
+    assert len(stop.waits) <= 2 * 4 + 2
+
+
+def test_a_late_starter_follows_last_epochs_plan_and_waits_to_vote():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)  # the swarm settled a plan in epoch e
+    clock.now = T0 + 2.9  # 45% into epoch e + 1: too late for its proposal to be read
+    for node in nodes:
+        node.agreement.propose(e + 1)
+    newcomer = Node("peer9", directory, clock)
+    newcomer.heartbeat()
+    newcomer.agreement.run(FakeStop(clock), end=T0 + 4.05)
+    assert [ev["epoch"] for ev in newcomer.events] == [e, e + 1]  # followed, then adopted
+    assert "peer9" not in directory.plans[e + 1]
+    assert "peer9" in directory.plans[e + 2]  # it votes from the next epoch on
+
+
+# ----------------------------------------------------------------------------- snapshot
+
+
+def test_snapshot_keeps_fresh_members_on_our_settings_and_ourselves():
+    clock = FakeClock(T0 + 100)
+    directory, (node,) = swarm_of(1, clock)
+    now = clock.now
+    directory.records.update({
+        "fresh": record("fresh", at=now - 1),
+        "stale": record("stale", at=now - SETTINGS.suspect_after_s - 0.1),
+        "ahead": record("ahead", at=now + 60),
+        "other": record("other", at=now, config_digest="ffffffffffffffff"),
+        "leaving": record("leaving", at=now, state=NodeState.LEAVING),
+    })  # fmt: skip
+    del directory.records["peer0"]  # our own record has not shown yet: we count anyway
+    assert sorted(node.agreement.snapshot()) == ["fresh", "peer0"]
+    assert not node.agreement.run_finished
+    done = TrainingProgress(replica=0, step=9, loss=1.0, finished=True)
+    directory.records["leaving"] = dataclasses.replace(directory.records["leaving"], training=done)
+    node.agreement.snapshot()
+    assert node.agreement.run_finished
+    assert node.agreement.is_member("fresh")
+    assert not node.agreement.is_member("ahead")
+
+
+# ----------------------------------------------------------------------------- propose
+
+
+def test_the_incumbent_stays_within_the_switch_margin_and_goes_beyond_it():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    first = nodes[0].agreement.adopted
+    # A slower member joins: the fresh plan differs (three stages) and is better, but by less
+    # than the 10% margin (0.2% here): we keep proposing the plan we follow.
+    slow = dataclasses.replace(record("peer2").device, flops=5e10)
+    directory.records["peer2"] = dataclasses.replace(record("peer2", at=clock.now), device=slow)
+    members = nodes[0].agreement.snapshot()
+    fresh = nodes[0].agreement._plan(nodes[0].agreement._swarm(members))
+    assert len(fresh.stages) != len(first.plan.stages)
+    assert first.estimate * 0.9 < fresh.estimated_step_time < first.estimate
+    nodes[0].agreement.propose(e + 1)
+    assert directory.plans[e + 1]["peer0"].plan == first.proposal.plan
+    # Much faster peers arrive: a fresh plan wins by far more than the margin.
+    for pid in ("fast0", "fast1"):
+        directory.records[pid] = dataclasses.replace(
+            record(pid, at=clock.now),
+            device=dataclasses.replace(record(pid).device, flops=1e13, memory_bandwidth=1e12),
+        )
+    nodes[0].agreement.propose(e + 2)
+    assert directory.plans[e + 2]["peer0"].plan != first.proposal.plan
+    assert directory.plans[e + 2]["peer0"].estimate < first.estimate * 0.9
+
+
+def test_an_infeasible_swarm_counts_and_proposes_nothing():
+    clock = FakeClock(T0 + 0.1)
+    directory, (node,) = swarm_of(1, clock, memory=1 << 20)  # 1 MiB: no stage fits
+    e = epoch_at(T0, 2.0)
+    node.agreement.propose(e)
+    node.agreement.propose(e + 1)
+    assert node.agreement.counters["plans_failed"] == 2
+    assert directory.plans == {}
+
+
+# ----------------------------------------------------------------------------- adopt
+
+
+def test_honest_nodes_agree_and_a_liar_and_a_stranger_change_nothing():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(3, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    honest = {n.agreement.adopted.digest for n in nodes}
+    assert len(honest) == 1
+    for node in nodes:
+        node.agreement.propose(e + 1)
+    # peer2 lies: the plan it follows, claimed twice as fast; "stranger" is not a member.
+    real = directory.plans[e + 1]["peer2"]
+    directory.plans[e + 1]["peer2"] = shaded(real, 0.5)
+    directory.plans[e + 1]["stranger"] = shaded(real, 0.97, proposer="stranger")
+    for node in nodes:
+        node.agreement.adopt(e + 1)
+    assert {n.agreement.adopted.digest for n in nodes} == honest
+    for node in nodes:
+        counters = node.agreement.counters
+        assert counters["proposals_overclaimed"] == 1
+        assert counters["proposals_not_members"] == 1
+        assert counters["invalid_proposals"] == 2
+        last = node.events[-1]
+        assert last["proposals"] == 4
+        assert last["valid"] == 2
+
+
+# ----------------------------------------------------------------------------- converge
+
+
+def shaded(proposal: PlanProposal, factor: float, **changes) -> PlanProposal:
+    """``proposal``'s plan with its estimate times ``factor`` (other bytes: another digest)."""
+    plan = plan_from_json(proposal.plan)
+    plan = dataclasses.replace(plan, estimated_step_time=plan.estimated_step_time * factor)
+    fields = {"plan": plan_to_json(plan), "estimate": plan.estimated_step_time, **changes}
+    return dataclasses.replace(proposal, **fields)
+
+
+def renamed_below(proposal: PlanProposal) -> PlanProposal:
+    """The same plan under another method name, chosen so its digest sorts first."""
+    plan = plan_from_json(proposal.plan)
+    for i in range(100):
+        other = dataclasses.replace(proposal, plan=plan_to_json(
+            dataclasses.replace(plan, method=f"alt{i}")))  # fmt: skip
+        if other.digest < proposal.digest:
+            return other
+    raise AssertionError("no name gives a lower digest")
+
+
+def test_a_node_in_the_minority_follows_the_majority_and_does_not_flap():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(3, clock)
+    e = epoch_at(T0, 2.0)
+    for node in nodes:
+        node.agreement.propose(e)
+    honest = dict(directory.plans[e])
+    # peer2 alone saw an honest alternative (same figures, other bytes, a lower digest: it
+    # ranks first wherever it is seen): it adopts that one.
+    alt = renamed_below(honest["peer2"])
+    directory.plans[e] = {"peer2": alt}
+    nodes[2].agreement.adopt(e)
+    directory.plans[e] = honest
+    nodes[0].agreement.adopt(e)
+    nodes[1].agreement.adopt(e)
+    majority = nodes[0].agreement.adopted.digest
+    assert nodes[1].agreement.adopted.digest == majority
+    assert nodes[2].agreement.adopted.digest == alt.digest
+    for node in nodes:
+        node.heartbeat()
+    # Next epoch: its peers' records say they follow the other plan; it switches to it.
+    odd = nodes[2].agreement
+    odd.propose(e + 1)
+    assert odd.adopted.digest == majority
+    assert odd.adopted_epoch == e
+    assert odd.counters["converged"] == 1
+    assert nodes[2].events[-1]["converged"] is True
+    assert nodes[2].events[-1]["digest"] == majority
+    assert odd.outvoted.holds(alt.digest, e + 1)
+    # The plan it left stays out of its choice even where it would rank first ...
+    directory.plans[e + 1]["peer1"] = dataclasses.replace(alt, epoch=e + 1, proposer="peer1")
+    odd.adopt(e + 1)
+    assert odd.adopted.digest == majority
+    # ... unless the majority follows it: convergence overrides the hold.
+    for node in nodes[:2]:
+        node.agreement.adopt(e + 1)
+        assert node.agreement.adopted.digest == alt.digest
+    for node in nodes:
+        node.heartbeat()
+    odd.propose(e + 2)
+    assert odd.adopted.digest == alt.digest
+    assert odd.counters["converged"] == 2
+
+
+def test_the_majority_plan_is_followed_only_if_we_accept_it():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(3, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    ours = nodes[0].agreement.adopted.digest
+    # Two members report a plan whose figures are far below ours (a liar's, say).
+    lie = shaded(directory.plans[e]["peer1"], 0.5)
+    directory.plans[e]["peer1"] = lie
+    for peer in ("peer1", "peer2"):
+        directory.records[peer] = dataclasses.replace(
+            directory.records[peer], adopted=(e, lie.digest)
+        )
+    nodes[0].agreement.propose(e + 1)
+    assert nodes[0].agreement.adopted.digest == ours
+    assert nodes[0].agreement.counters["converged"] == 0
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_equal_camps_keep_their_plans(tie):
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    before = nodes[0].agreement.adopted.digest
+    if tie:
+        directory.records["peer1"] = dataclasses.replace(
+            directory.records["peer1"], adopted=(e, "f" * 64)
+        )
+    nodes[0].agreement.propose(e + 1)
+    assert nodes[0].agreement.adopted.digest == before
+    assert nodes[0].agreement.counters["converged"] == 0
+
+
+def test_a_followed_plan_survives_a_drifting_view_a_new_one_does_not():
+    """Links measured slower after agreement (training load on the probes): the plan the swarm
+    follows keeps being proposed and adopted, judged by the figures no view changes; the same
+    claims under a new digest are judged by every figure, and refused."""
+    clock = FakeClock(T0 + 0.1)
+    settings = dataclasses.replace(SETTINGS, min_stages=2)
+    directory, nodes = swarm_of(2, clock, bandwidth=2e6, settings=settings)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    followed = nodes[0].agreement.adopted
+    assert len(followed.plan.stages) == 2
+    for node in nodes:
+        node.bandwidth = 2e6 / 64  # far slower links than when the plan was made
+        node.heartbeat()
+    nodes[0].agreement.propose(e + 1)
+    assert directory.plans[e + 1]["peer0"].plan == followed.proposal.plan
+    newcomer = dataclasses.replace(renamed_below(followed.proposal), epoch=e + 1)
+    directory.plans[e + 1]["peer1"] = newcomer
+    nodes[0].agreement.adopt(e + 1)
+    assert nodes[0].agreement.adopted.digest == followed.digest
+    assert nodes[0].agreement.counters["proposals_overclaimed"] == 1
+    # A newcomer that follows nothing yet takes the plan a majority reports following.
+    newcomer = Node("peer9", directory, clock, bandwidth=2e6 / 64, settings=settings)
+    newcomer.heartbeat()
+    newcomer.agreement.adopt(e + 1)
+    assert newcomer.agreement.adopted.digest == followed.digest
