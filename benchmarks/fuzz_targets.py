@@ -348,7 +348,8 @@ def _read_pipe(data: bytes, _context: Any) -> list[Any]:
 
 
 def gossip_target() -> Target:
-    validate = gossip_validator("fusionllm/fuzz/bw", "fuzz")
+    # Every author a member: the fuzzed bytes reach the report parser behind the member check.
+    validate = gossip_validator("fusionllm/fuzz/bw", "fuzz", lambda author: True)
     seeds = []
     for n in (0, 1, 4):
         links = tuple(
