@@ -247,11 +247,17 @@ async def read_head(
         return None
     if len(first) > PREFIX_BYTES:
         raise FrameError(f"stream returned {len(first)} bytes where {PREFIX_BYTES} were asked")
-    rest = b""
-    if len(first) < PREFIX_BYTES:
-        rest = await read_exactly(
-            stream, PREFIX_BYTES - len(first), stall_timeout_s=stall_timeout_s, what="prefix"
+    # The whole head (at most ~260 bytes) within one stall deadline: a byte per deadline
+    # would otherwise hold a stream for the head's length times the deadline.
+    with trio.move_on_after(stall_timeout_s):
+        rest = b""
+        if len(first) < PREFIX_BYTES:
+            rest = await read_exactly(
+                stream, PREFIX_BYTES - len(first), stall_timeout_s=stall_timeout_s, what="prefix"
+            )
+        header_len, body_len = parse_prefix(bytes(first) + rest, max_body_bytes=max_body_bytes)
+        head = await read_exactly(
+            stream, header_len, stall_timeout_s=stall_timeout_s, what="header"
         )
-    header_len, body_len = parse_prefix(bytes(first) + rest, max_body_bytes=max_body_bytes)
-    head = await read_exactly(stream, header_len, stall_timeout_s=stall_timeout_s, what="header")
-    return FrameHeader.from_wire(head), body_len
+        return FrameHeader.from_wire(head), body_len
+    raise DeadlineError(f"a frame head took over {stall_timeout_s}s to arrive")
