@@ -446,7 +446,7 @@ def test_an_expanding_frame_is_refused_by_the_expected_shape_before_allocation(m
         unpack_tensor(data)
     with pytest.raises(FrameError, match=r"declares shape \[268435456\], expected \[4\]"):
         unpack_tensor(data, expect_dtype=torch.float32, expect_shape=(4,))
-    with pytest.raises(FrameError, match="declares torch.float32, expected torch.float64"):
+    with pytest.raises(FrameError, match=r"declares torch\.float32, expected torch\.float64"):
         unpack_tensor(data, expect_dtype=torch.float64, expect_shape=(2**28,))
 
 
