@@ -22,7 +22,8 @@ TENSOR_PROTOCOL = TProtocol("/fusionllm/tensor/1.0.0")
 
 # Connections in total (both directions) and to one peer. py-libp2p refuses an inbound
 # connection over the total before its handshake, and closes the extra ones to one peer;
-# the watermarks it prunes and re-dials by stay its own (pruning starts at the total).
+# the watermarks it prunes and re-dials by stay its own (pruning starts at the total), and so
+# does its handshake deadline (10 s: a dialer that stalls holds an inbound slot that long).
 MAX_CONNECTIONS = 300
 MAX_CONNECTIONS_PER_PEER = 3
 
@@ -42,7 +43,5 @@ def new_secure_host(key_pair: KeyPair, *, negotiate_timeout_s: float) -> IHost:
             max_connections=MAX_CONNECTIONS,
             high_watermark=MAX_CONNECTIONS,
             max_connections_per_peer=MAX_CONNECTIONS_PER_PEER,
-            # A dialer that stalls its handshake holds an inbound slot this long at most.
-            inbound_upgrade_timeout=negotiate_timeout_s,
         ),
     )

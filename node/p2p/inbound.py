@@ -277,7 +277,8 @@ class Inbound:
             expect_dtype=spec.dtype if spec is not None else None,
             expect_shape=spec.shape if spec is not None else None,
         )
-        if parsed.decoded_bytes > self.config.max_decoded_bytes:
+        # With a spec, the run's layout bounds the tensor; without one, this limit does.
+        if spec is None and parsed.decoded_bytes > self.config.max_decoded_bytes:
             raise FrameError(
                 f"frame expands to {parsed.decoded_bytes} bytes, over the limit of "
                 f"{self.config.max_decoded_bytes}"

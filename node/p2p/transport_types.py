@@ -49,12 +49,12 @@ class TransportConfig:
     # Frames decoding to more than this are decoded off the trio thread (whatever their size
     # on the wire: a few bytes of top-k may expand to a large tensor).
     decode_in_thread_bytes: int = 1 << 20
-    max_decoded_bytes: int = 256 << 20  # a frame expanding to more is refused, expected or not
+    max_decoded_bytes: int = 256 << 20  # a frame nobody expects may expand to this at most
     # Bodies announced (length read) but not yet decoded, per peer and all peers together.
     max_peer_pending_bytes: int = 512 << 20
     max_pending_bytes: int = 1 << 30
     # A body must arrive at this rate, measured over windows of rate_window_s.
-    min_body_rate_bytes_s: float = 64 << 10
+    min_body_rate_bytes_s: float = 32 << 10  # 256 kbit/s: 1/32 of the slowest paper link
     rate_window_s: float = 10.0
     limits: FrameLimits = DEFAULT_LIMITS
 
