@@ -16,6 +16,7 @@ A public node is dialled by strangers, so every step is bounded before it is pai
    none; a peer holds at most ``max_in_flight`` of them.
 """
 
+import logging
 import queue
 from collections.abc import Callable
 
@@ -115,8 +116,7 @@ class Inbound:
         peer = stream.muxed_conn.peer_id.to_base58()
         refusal = self._refusal(peer)
         if refusal is not None:
-            self._refusals.add(refusal)
-            logger.debug("refused a tensor stream from %s: %s", peer, refusal)
+            self._refuse(refusal, peer)
             await reset_quietly(stream)
             return
         self._streams += 1
@@ -126,6 +126,12 @@ class Inbound:
             self._streams -= 1
             self._counters.close_inbound(peer)
             self._prune(peer)
+
+    def _refuse(self, reason: str, peer: str) -> None:
+        count = self._refusals.add(reason)
+        # Visible in the node's log without letting a flood flood it: the 1st, 2nd, 4th, ...
+        level = logging.INFO if count & (count - 1) == 0 else logging.DEBUG
+        logger.log(level, "refused %s from %s (%d so far)", reason, peer, count)
 
     def _refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not open a stream now, or None (then it is counted as open)."""
@@ -209,7 +215,7 @@ class Inbound:
         """What the frame must hold; FrameError if its length already says it does not."""
         spec = self._expect(header) if self._expect is not None else None
         if spec is not None and body_len > spec.max_body_bytes:
-            self._refusals.add(BODY_TOO_LONG)
+            self._refusals.add(BODY_TOO_LONG)  # the peer's FrameError is logged by _serve
             raise FrameError(
                 f"a body of {body_len} bytes for {header}: no frame of the expected "
                 f"{spec.dtype} {list(spec.shape)} is longer than {spec.max_body_bytes}"
@@ -226,7 +232,7 @@ class Inbound:
     ) -> tuple[torch.Tensor, bytearray]:
         """The body read (within the budgets and the rate floor) and decoded."""
         if not self._budget.reserve(peer, body_len):
-            self._refusals.add(OVER_BUDGET)
+            self._refusals.add(OVER_BUDGET)  # the peer's FrameError is logged by _serve
             raise FrameError(
                 f"a body of {body_len} bytes is over the budget (peer holds "
                 f"{self._budget.held_by(peer)}, all peers {self._budget.used})"

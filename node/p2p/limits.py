@@ -113,9 +113,11 @@ class Refusals:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
-    def add(self, reason: str) -> None:
+    def add(self, reason: str) -> int:
+        """Count one more; returns how many of this reason so far."""
         with self._lock:
             self._counts[reason] += 1
+            return self._counts[reason]
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
