@@ -446,3 +446,15 @@ def test_reads_reset_by_the_peer_are_transport_errors():
     reader = inbound_module._StreamReader(Reset())
     with pytest.raises(TransportError, match="reset"):
         run(functools.partial(reader.read, 10))
+
+
+def test_the_host_bounds_connections_in_total_and_per_peer():
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from fusionllm.node.p2p.host import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER, new_secure_host
+
+    host = new_secure_host(create_new_key_pair(), negotiate_timeout_s=5)
+    config = host.get_network().connection_config
+    assert config.max_connections == MAX_CONNECTIONS
+    assert config.max_connections_per_peer == MAX_CONNECTIONS_PER_PEER
+    assert config.high_watermark <= MAX_CONNECTIONS
