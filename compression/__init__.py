@@ -1,6 +1,7 @@
 """Tensor codecs, the AdaTopK policy and the wire frame.
 
-- frame.py:    ``pack_tensor`` / ``unpack_tensor``, the versioned msgpack frame
+- frame.py:    ``pack_tensor`` / ``unpack_tensor``, the versioned msgpack frame;
+               ``parse_frame`` / ``decode_frame``, the same in two halves (check, allocate)
 - codecs.py:   ``IdentityCodec``, ``Float16Codec``, ``TopKCodec``, ``TernaryCodec`` (encode,
                validating decode)
 - topk.py:     exact top-k selection faster than torch.topk on CPU; index bitmaps
@@ -31,7 +32,14 @@ from fusionllm.compression.codecs import (
     TopKCodec,
 )
 from fusionllm.compression.feedback import ErrorFeedback
-from fusionllm.compression.frame import FRAME_VERSION, pack_tensor, unpack_tensor
+from fusionllm.compression.frame import (
+    FRAME_VERSION,
+    ParsedFrame,
+    decode_frame,
+    pack_tensor,
+    parse_frame,
+    unpack_tensor,
+)
 from fusionllm.compression.limits import DEFAULT_LIMITS, FrameLimits
 from fusionllm.compression.topk import select_topk, topk_count
 
@@ -46,11 +54,14 @@ __all__ = [
     "FrameError",
     "FrameLimits",
     "IdentityCodec",
+    "ParsedFrame",
     "TernaryCodec",
     "TopKCodec",
     "activation_codec",
     "budget_codec",
+    "decode_frame",
     "pack_tensor",
+    "parse_frame",
     "select_topk",
     "target_ratio",
     "ternary_group_for",

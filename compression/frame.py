@@ -7,6 +7,7 @@ The decoded tensor always has the sender's dtype and shape; codecs only change w
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -27,6 +28,7 @@ from fusionllm.compression.limits import DEFAULT_LIMITS, FrameLimits
 FRAME_VERSION = 1
 _MAX_FRAME_KEYS = 16
 _MAX_STR_LEN = 32
+_FRAME_OVERHEAD_BYTES = 512
 
 
 def pack_tensor(tensor: torch.Tensor, codec: Codec | None = None) -> bytes:
@@ -40,6 +42,20 @@ def pack_tensor(tensor: torch.Tensor, codec: Codec | None = None) -> bytes:
     return msgpack.packb(frame, use_bin_type=True)
 
 
+def max_encoded_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The most bytes any codec's frame of a tensor of this dtype and shape can take.
+
+    Lets a receiver that knows what it expects refuse a longer body before reading it.
+    Dense: numel x itemsize. Half-precision codecs spend at most 2 bytes per element on
+    values plus 1/8 (top-k bitmap, int32 indices only when smaller) or 1/5 (ternary symbols)
+    on positions: under 2.25 bytes per element. Map keys, strs and dims: well under 512.
+    """
+    if any(dim < 0 for dim in shape):
+        return 0
+    numel = math.prod(shape)
+    return math.ceil(numel * max(dtype.itemsize, 2.25)) + _FRAME_OVERHEAD_BYTES + 9 * len(shape)
+
+
 def frame_header(tensor: torch.Tensor, codec: Codec) -> dict[str, Any]:
     """The fields every frame carries; the codec adds its own."""
     return {
@@ -50,32 +66,90 @@ def frame_header(tensor: torch.Tensor, codec: Codec) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ParsedFrame:
+    """A frame whose map and common fields passed every check, nothing allocated yet.
+
+    ``decoded_bytes`` is what decoding it will allocate (the tensor), known before it does:
+    a small frame may expand to a large tensor, so callers decide where (or whether) to
+    decode it from this, not from the frame's size.
+    """
+
+    fields: dict[str, Any]
+    codec: type[Codec]
+    target: DecodeTarget
+    limits: FrameLimits
+
+    @property
+    def decoded_bytes(self) -> int:
+        return self.target.numel * self.target.dtype.itemsize
+
+
 def unpack_tensor(
     data: bytes | bytearray | memoryview,
     *,
     limits: FrameLimits | None = None,
     device: torch.device | str | None = None,
+    expect_dtype: torch.dtype | None = None,
+    expect_shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The tensor in a frame from a peer, on ``device`` (CPU by default).
 
-    Raises FrameError for anything malformed or over ``limits``; never another exception type.
+    ``expect_dtype``/``expect_shape``: what the receiver expects; a frame declaring anything
+    else is refused before its tensor is allocated. Raises FrameError for anything malformed
+    or over ``limits``; never another exception type.
+    """
+    parsed = parse_frame(
+        data, limits=limits, device=device, expect_dtype=expect_dtype, expect_shape=expect_shape
+    )
+    return decode_frame(parsed)
+
+
+def parse_frame(
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: FrameLimits | None = None,
+    device: torch.device | str | None = None,
+    expect_dtype: torch.dtype | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+) -> ParsedFrame:
+    """Check a peer's frame up to, not including, the allocation of its tensor.
+
+    Cheap (no payload is copied for the frames ``pack_tensor`` writes), so a receiver can do
+    it on its event loop and decode large frames elsewhere. FrameError for anything refused.
     """
     limits = limits if limits is not None else DEFAULT_LIMITS
     frame = _parse(data, limits)
     codec = _codec_of(frame)
     target = _target_of(frame, limits, torch.device(device) if device is not None else None)
+    _check_expected(target, expect_dtype, expect_shape)
     codec.check_keys(frame)
+    return ParsedFrame(fields=frame, codec=codec, target=target, limits=limits)
+
+
+def decode_frame(parsed: ParsedFrame) -> torch.Tensor:
+    """The tensor of a parsed frame (allocates ``parsed.decoded_bytes``); FrameError only."""
+    codec, frame = parsed.codec, parsed.fields
     try:
         if codec is not IdentityCodec and codec is not Float16Codec:
             # Dense payloads are decoded straight from the receive buffer (one copy); the
             # other codecs' payloads are small and some of them want bytes.
             frame = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in frame.items()}
-        return codec.decode(frame, target, limits)
+        return codec.decode(frame, parsed.target, parsed.limits)
     except FrameError:
         raise
     except (ValueError, TypeError, RuntimeError, IndexError, OverflowError) as exc:
         # A check we missed must still surface as the peer's fault, not crash the caller.
         raise FrameError(f"{codec.codec_id} frame failed to decode: {exc}") from exc
+
+
+def _check_expected(
+    target: DecodeTarget, dtype: torch.dtype | None, shape: tuple[int, ...] | None
+) -> None:
+    if dtype is not None and target.dtype != dtype:
+        raise FrameError(f"frame declares {target.dtype}, expected {dtype}")
+    if shape is not None and target.shape != tuple(shape):
+        raise FrameError(f"frame declares shape {list(target.shape)}, expected {list(shape)}")
 
 
 def _parse(data: object, limits: FrameLimits) -> dict[str, Any]:

@@ -114,6 +114,9 @@ def run_node(
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER
 
+    def admit(peer: str) -> bool:
+        return trainer is not None and trainer.admits(peer)
+
     finished = threading.Event()
     try:
         daemon.start()
@@ -121,6 +124,7 @@ def run_node(
             transport = Transport(
                 TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
                 expect=expect,
+                admit=admit,
                 host=daemon.host,
             ).start()
             trainer = _trainer(config, daemon, transport, on_event).start()

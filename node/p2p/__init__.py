@@ -3,13 +3,16 @@
 - peer_host.py:     ``PeerHost`` (the node's one py-libp2p host, its trio thread and the one
                     thread bridge: call/call_sync/run_sync_soon, services, stream handlers,
                     connect), ``HostConfig``, ``HostService``
-- host.py:          ``new_secure_host`` (Noise + Yamux only), ``TENSOR_PROTOCOL``
+- host.py:          ``new_secure_host`` (Noise + Yamux only, connection limits), ``TENSOR_PROTOCOL``
 - identity.py:      ``load_or_create_identity``, the Ed25519 key file (mode 0600)
 - checks.py:        the value checks the configs share (deadlines, ranges, IPs, peer ids)
 - framing.py:       ``FrameHeader``, ``FrameKind``, the length-prefixed frame and its read loop
 - transport.py:     ``Transport`` (send/recv/connect/stats of tensor frames)
+- inbound.py:       ``Inbound``, the receiving half: stream admission, budgets, reading and
+                    decoding frames within what the receiver expects
+- limits.py:        ``RateFloor``, ``ByteBudget``, ``Refusals``, ``InFlight``: what a peer may cost
 - transport_types.py: ``TransportConfig``, ``TensorSpec``, ``Received``, ``PeerStats``,
-                    ``PeerCounters``
+                    ``PeerCounters``, ``SpecFor``, ``AdmitPeer``
 - control_host.py:  ``ControlHost``, ``ControlConfig``, ``ControlStats``: gossipsub + probes
 - gossip.py:        ``GossipMessage``, ``MessageChecks`` (size, rate, validate), ``GuardedPubsub``,
                     the gossip ``Inbox``, ``TokenBuckets``

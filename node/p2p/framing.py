@@ -21,6 +21,7 @@ import trio
 
 from fusionllm.common.errors import FrameError
 from fusionllm.node.errors import DeadlineError
+from fusionllm.node.p2p.limits import RateFloor, RateFloorConfig
 
 FRAMING_VERSION = 1
 PREFIX = struct.Struct(">BHI")
@@ -161,13 +162,18 @@ async def read_exactly(
     what: str = "frame",
     into: bytearray | None = None,
     batch_s: float = 0.0,
+    floor: RateFloorConfig | None = None,
 ) -> bytearray | memoryview:
     """Exactly ``n`` bytes; FrameError if the stream ends first, DeadlineError if it stalls.
 
     The deadline is per read, not per frame: a large frame on a slow link is fine as long as
     bytes keep arriving; a peer that stops sending mid-frame is cut off after stall_timeout_s.
-    With ``into`` (at least ``n`` bytes) the bytes land there and a view of them is returned:
-    copying 64 MB into fresh memory costs ~60 ms of page faults here, into warm memory ~6 ms.
+    With ``floor``, the bytes must also keep up a minimum rate (``limits.RateFloor``).
+
+    Memory is committed as bytes arrive, never from the announced length alone: with ``into``
+    (at least ``n`` bytes, warm from an earlier frame) the bytes land there and a view of them
+    is returned (copying 64 MB into fresh memory costs ~60 ms of page faults here, into warm
+    memory ~6 ms); otherwise a new buffer grows with what the peer actually sent.
 
     With ``batch_s``, a short read in the middle of a large frame is followed by a pause of
     that long, so the next read collects what arrived meanwhile. py-libp2p's yamux answers
@@ -176,29 +182,50 @@ async def read_exactly(
     64 MB. The tail of a frame is never delayed (the pause needs ``_BATCH_MIN_LEFT_BYTES``
     still to come), and the 16 MB yamux window keeps the peer sending meanwhile.
     """
-    if into is not None and len(into) >= n:
-        view = memoryview(into)[:n]
-        result: bytearray | memoryview = view
-    else:
-        result = bytearray(n)
-        view = memoryview(result)
-    got = 0
+    sink = _Sink(n, into)
+    rate = RateFloor(floor, n, trio.current_time()) if floor is not None else None
     # One cancel scope whose deadline moves with progress: a 64 MB body is ~1000 reads.
     with trio.CancelScope() as scope:
-        while got < n:
+        while sink.got < n:
             scope.deadline = trio.current_time() + stall_timeout_s
-            chunk = await stream.read(n - got)
+            chunk = await stream.read(n - sink.got)
             if not chunk:
-                raise FrameError(f"stream ended after {got} of {n} {what} bytes")
-            if len(chunk) > n - got:
-                raise FrameError(f"stream returned {len(chunk)} bytes where {n - got} were asked")
-            view[got : got + len(chunk)] = chunk
-            got += len(chunk)
-            if batch_s and len(chunk) < _BATCH_CHUNK_BYTES and n - got >= _BATCH_MIN_LEFT_BYTES:
+                raise FrameError(f"stream ended after {sink.got} of {n} {what} bytes")
+            if len(chunk) > n - sink.got:
+                raise FrameError(
+                    f"stream returned {len(chunk)} bytes where {n - sink.got} were asked"
+                )
+            sink.add(chunk)
+            if rate is not None:
+                rate.check(trio.current_time(), sink.got)
+            left = n - sink.got
+            if batch_s and len(chunk) < _BATCH_CHUNK_BYTES and left >= _BATCH_MIN_LEFT_BYTES:
                 await trio.sleep(batch_s)
-    if got < n:
-        raise DeadlineError(f"peer stalled for {stall_timeout_s}s after {got} of {n} {what} bytes")
-    return result
+    if sink.got < n:
+        raise DeadlineError(
+            f"peer stalled for {stall_timeout_s}s after {sink.got} of {n} {what} bytes"
+        )
+    return sink.result()
+
+
+class _Sink:
+    """Where read_exactly puts bytes: a warm buffer's prefix, or a buffer grown by appending
+    (bytearray grows geometrically with realloc, so the copies stay amortized O(n))."""
+
+    def __init__(self, n: int, into: bytearray | None) -> None:
+        self.got = 0
+        self._view = memoryview(into)[:n] if into is not None and len(into) >= n else None
+        self._grown = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        if self._view is not None:
+            self._view[self.got : self.got + len(chunk)] = chunk
+        else:
+            self._grown += chunk
+        self.got += len(chunk)
+
+    def result(self) -> bytearray | memoryview:
+        return self._view if self._view is not None else self._grown
 
 
 async def read_head(
@@ -220,11 +247,17 @@ async def read_head(
         return None
     if len(first) > PREFIX_BYTES:
         raise FrameError(f"stream returned {len(first)} bytes where {PREFIX_BYTES} were asked")
-    rest = b""
-    if len(first) < PREFIX_BYTES:
-        rest = await read_exactly(
-            stream, PREFIX_BYTES - len(first), stall_timeout_s=stall_timeout_s, what="prefix"
+    # The whole head (at most ~260 bytes) within one stall deadline: a byte per deadline
+    # would otherwise hold a stream for the head's length times the deadline.
+    with trio.move_on_after(stall_timeout_s):
+        rest = b""
+        if len(first) < PREFIX_BYTES:
+            rest = await read_exactly(
+                stream, PREFIX_BYTES - len(first), stall_timeout_s=stall_timeout_s, what="prefix"
+            )
+        header_len, body_len = parse_prefix(bytes(first) + rest, max_body_bytes=max_body_bytes)
+        head = await read_exactly(
+            stream, header_len, stall_timeout_s=stall_timeout_s, what="header"
         )
-    header_len, body_len = parse_prefix(bytes(first) + rest, max_body_bytes=max_body_bytes)
-    head = await read_exactly(stream, header_len, stall_timeout_s=stall_timeout_s, what="header")
-    return FrameHeader.from_wire(head), body_len
+        return FrameHeader.from_wire(head), body_len
+    raise DeadlineError(f"a frame head took over {stall_timeout_s}s to arrive")

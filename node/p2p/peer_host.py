@@ -351,6 +351,10 @@ class PeerHost:
         host = new_secure_host(self._key_pair, negotiate_timeout_s=config.dial_timeout_s)
         with trio.CancelScope() as outer:
             async with host.run(listen_addrs=[config.listen_multiaddr]):
+                # py-libp2p re-dials peers from its peer store to keep ~150 connections: any
+                # stranger that connected once (and named, via identify, any address it liked)
+                # would have us dial it, or a victim, again and again. We dial whom we choose.
+                await host.get_network().auto_connector.stop()
                 async with trio.open_nursery() as nursery:
                     self._host, self._nursery = host, nursery
                     self._addrs = [str(addr) for addr in host.get_addrs()]

@@ -13,37 +13,40 @@ Per peer there is one outbound stream (frames are written whole, one at a time) 
 once ``max_in_flight`` frames to a peer are unfinished, and a reader stops reading a peer's
 stream once ``max_in_flight`` of its frames wait in the inbox (the window then fills and the
 sender blocks). A malformed or stalled frame resets only its stream and is counted against
-the peer; the node keeps serving everyone else.
+the peer; the node keeps serving everyone else. What an inbound stream may cost, and who may
+open one (``admit``), is inbound.py's; the per-peer state of a peer that disconnects is
+dropped (its counters stay readable among the last ``_GONE_PEERS_KEPT`` gone peers').
 """
 
 import contextlib
 import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 import trio
-from libp2p.abc import INetStream
-from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE as _YAMUX_HEADER_BYTES
 from libp2p.stream_muxer.yamux.yamux import MAX_MESSAGE_SIZE as _YAMUX_MAX_FRAME_BYTES
 
-from fusionllm.common.errors import FusionError, PeerError
+from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import Codec, pack_tensor, unpack_tensor
+from fusionllm.compression import Codec, pack_tensor
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.checks import parse_peer_id
-from fusionllm.node.p2p.framing import FrameHeader, encode_head, read_exactly, read_head
+from fusionllm.node.p2p.framing import FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL
+from fusionllm.node.p2p.inbound import Inbound
+from fusionllm.node.p2p.limits import InFlight, Refusals
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, reset_quietly
 from fusionllm.node.p2p.transport_types import (
     CLOSED,
+    AdmitPeer,
     PeerCounters,
     PeerStats,
     Received,
@@ -54,12 +57,17 @@ from fusionllm.node.p2p.transport_types import (
 )
 
 # The value types live in transport_types.py; importing them from here keeps working.
-__all__ = ["PeerStats", "Received", "SpecFor", "TensorSpec", "Transport", "TransportConfig"]
+__all__ = [
+    "AdmitPeer",
+    "PeerStats",
+    "Received",
+    "SpecFor",
+    "TensorSpec",
+    "Transport",
+    "TransportConfig",
+]
 
 logger = get_logger(__name__)
-
-# A stream keeps its largest body buffer up to this size for the next frame.
-_MAX_SCRATCH_BYTES = 128 << 20
 
 # Bytes per stream.write: the most one yamux DATA frame carries that still fits one Noise
 # message. yamux alone cuts writes into 64 KiB frames (12-byte header + 65524), one more than
@@ -68,10 +76,8 @@ _MAX_SCRATCH_BYTES = 128 << 20
 # size, each yamux frame is exactly one Noise message.
 _WRITE_CHUNK_BYTES = min(_YAMUX_MAX_FRAME_BYTES, _NOISE_MAX_PLAINTEXT) - _YAMUX_HEADER_BYTES
 
-# Pause between short reads of a large body, to batch yamux window updates (framing.read_exactly).
-# 2 ms: ~400 KB per read at the ~200 MB/s py-libp2p manages here, ~5x fewer updates; 1 ms and
-# 0.5 ms saved less CPU on both ends.
-_BODY_READ_BATCH_S = 0.002
+# Counters of peers that disconnected stay readable (stats) until this many more have gone.
+_GONE_PEERS_KEPT = 64
 
 
 @dataclass
@@ -80,26 +86,14 @@ class _Outbound:
     stream: INetStream | None = None
 
 
-class _StreamReader:
-    """A py-libp2p stream as a framing.Reader: EOF is b"", a reset is a TransportError."""
-
-    def __init__(self, stream: INetStream) -> None:
-        self._stream = stream
-
-    async def read(self, n: int) -> bytes:
-        try:
-            return await self._stream.read(n)
-        except StreamEOF:
-            return b""
-        except StreamReset as exc:
-            raise TransportError("stream reset by peer") from exc
-
-
 class Transport:
     """A node's tensor transport; use as a context manager or call ``start``/``close``.
 
     ``host``: the node's PeerHost, already started, to attach to (its key must be
     ``config.key_path``); None: make and own one from ``config.host_config()``.
+    ``expect``: what a frame must hold, by header (checked before its tensor is allocated).
+    ``admit``: whether a peer may open tensor streams to us at all (None: anyone may); it
+    runs in the host's thread at every stream open, so it must be quick and thread-safe.
     """
 
     def __init__(
@@ -107,10 +101,12 @@ class Transport:
         config: TransportConfig,
         *,
         expect: SpecFor | None = None,
+        admit: AdmitPeer | None = None,
         host: PeerHost | None = None,
     ) -> None:
         self.config = config
         self._expect = expect
+        self._admit = admit
         self._owns_host = host is None
         if host is None:
             host = PeerHost(config.host_config(), thread_name="fusionllm-transport")
@@ -119,17 +115,16 @@ class Transport:
         self.host = host
         self.peer_id = host.peer_id
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._counters = PeerCounters()
-        self._slots_lock = threading.Lock()  # guards _send_slots across threads
-        self._send_slots: dict[str, threading.BoundedSemaphore] = {}
+        self._counters = PeerCounters(keep_gone=_GONE_PEERS_KEPT)
+        self._refusals = Refusals()
+        self._in_flight = InFlight(config.max_in_flight)
         self._service: HostService | None = None
         self._started = False
         self._closed = False
         # Owned by the trio thread (the service) from here on.
         self._nursery: trio.Nursery | None = None
         self._outbound: dict[str, _Outbound] = {}
-        self._recv_slots: dict[str, trio.Semaphore] = {}
-        self._inbox_slots: trio.Semaphore | None = None
+        self._inbound: Inbound | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -194,14 +189,13 @@ class Transport:
         head = encode_head(header, len(body))
         parse_peer_id(peer)
         self._require_running()
-        slot = self._send_slot(peer)
         started = time.monotonic()
-        if not slot.acquire(timeout=timeout):
+        if not self._in_flight.acquire(peer, timeout):
             raise DeadlineError(
                 f"{self.config.max_in_flight} frames to {peer} still in flight after {timeout}s"
             )
         future: Future[None] = Future()
-        future.add_done_callback(lambda _: slot.release())
+        future.add_done_callback(lambda _: self._in_flight.release(peer))
         remaining = max(timeout - (time.monotonic() - started), 0.0)
         try:
             self.host.run_sync_soon(self._spawn_send, future, peer, head, body, remaining)
@@ -245,8 +239,25 @@ class Transport:
         return received
 
     def stats(self) -> dict[str, PeerStats]:
-        """Per-peer counters, a consistent snapshot."""
+        """Per-peer counters, a consistent snapshot (connected peers and the last gone ones)."""
         return self._counters.snapshot()
+
+    def refusals(self) -> dict[str, int]:
+        """Streams and frames refused before they cost anything, by reason (inbound.py)."""
+        return self._refusals.snapshot()
+
+    def tracked_peers(self) -> dict[str, int]:
+        """How many peers each kind of per-peer state holds (for tests of the pruning)."""
+        return self.host.call_sync(self._tracked_peers)
+
+    def _tracked_peers(self) -> dict[str, int]:
+        inbound = self._inbound.tracked_peers() if self._inbound is not None else 0
+        return {
+            "counters": self._counters.live_peers(),
+            "outbound": len(self._outbound),
+            "in_flight": self._in_flight.peers(),
+            "inbound": inbound,
+        }
 
     # ----- helpers for the bridge -------------------------------------------------------------
 
@@ -254,24 +265,25 @@ class Transport:
         if self._closed or self._service is None or not self._service.running:
             raise TransportClosedError("transport is not running")
 
-    def _send_slot(self, peer: str) -> threading.BoundedSemaphore:
-        with self._slots_lock:
-            slot = self._send_slots.get(peer)
-            if slot is None:
-                slot = self._send_slots[peer] = threading.BoundedSemaphore(
-                    self.config.max_in_flight
-                )
-            return slot
-
     # ----- the trio thread ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _serving(self) -> AsyncIterator[None]:
         """TENSOR_PROTOCOL on the host and a nursery for sends, until stopped."""
-        self._inbox_slots = trio.Semaphore(self.config.inbox_size)
+        self._inbound = Inbound(
+            self.config,
+            inbox=self._inbox,
+            counters=self._counters,
+            refusals=self._refusals,
+            expect=self._expect,
+            admit=self._admit,
+        )
         # Outside the nursery and the try: a refusal (another transport has the protocol)
         # reaches start() as itself, and that transport's handler stays.
-        self.host.set_stream_handler(TENSOR_PROTOCOL, self._handle_stream)
+        self.host.set_stream_handler(TENSOR_PROTOCOL, self._inbound.handle_stream)
+        network = self.host.libp2p.get_network()
+        departures = _Departures(self._forget)
+        network.register_notifee(departures)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -281,6 +293,7 @@ class Transport:
                     self._nursery = None
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
+            network.remove_notifee(departures)
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
             # Our outbound streams would otherwise stay open on a host that lives on.
@@ -381,6 +394,17 @@ class Transport:
         if out.stream is stream:
             out.stream = None
         await reset_quietly(stream)
+        if out.stream is None and not out.lock.locked() and self._outbound.get(peer) is out:
+            del self._outbound[peer]  # the next send opens a new stream anyway
+
+    def _forget(self, peer: str) -> None:
+        """The peer has no connection left: drop what we keep for it (trio thread)."""
+        out = self._outbound.get(peer)
+        if out is not None and out.stream is None and not out.lock.locked():
+            del self._outbound[peer]
+        if self._inbound is not None:
+            self._inbound.forget(peer)
+        self._counters.retire(peer)
 
     @staticmethod
     async def _write_or_drop(out: _Outbound, data: bytes | memoryview) -> None:
@@ -395,95 +419,29 @@ class Transport:
             await reset_quietly(stream)
             raise
 
-    async def _handle_stream(self, stream: INetStream) -> None:
-        peer = stream.muxed_conn.peer_id.to_base58()
-        if not self._counters.open_inbound(peer, self.config.max_streams_per_peer):
-            self._counters.error(peer, TransportError())
-            logger.debug(
-                "peer %s opened more than %d streams", peer, self.config.max_streams_per_peer
-            )
-            await reset_quietly(stream)
-            return
-        try:
-            await self._read_frames(peer, stream)
-        except (PeerError, *NETWORK_ERRORS) as exc:
-            # The peer's fault (or its network's): drop this stream, keep everything else.
-            self._counters.error(peer, exc)
-            logger.debug("closing a stream from %s", peer, exc_info=True)
-            await reset_quietly(stream)
-        except Exception as exc:
-            # A failure we did not foresee still costs only this stream, never the node.
-            self._counters.error(peer, exc)
-            logger.warning("unexpected error on a stream from %s", peer, exc_info=True)
-            await reset_quietly(stream)
-        else:
-            with contextlib.suppress(*NETWORK_ERRORS):
-                await stream.close()
-        finally:
-            self._counters.close_inbound(peer)
 
-    async def _read_frames(self, peer: str, stream: INetStream) -> None:
-        assert self._inbox_slots is not None
-        config = self.config
-        reader = _StreamReader(stream)
-        peer_slots = self._recv_slots.setdefault(peer, trio.Semaphore(config.max_in_flight))
-        scratch = bytearray()  # reused for every body on this stream (warm pages)
-        while True:
-            head = await read_head(
-                reader,
-                max_body_bytes=config.max_body_bytes,
-                stall_timeout_s=config.read_timeout_s,
-                idle_timeout_s=config.idle_timeout_s,
-            )
-            if head is None:
-                return
-            header, body_len = head
-            # Backpressure: do not read (or allocate) the body until the compute side has
-            # room for it; meanwhile the peer's window fills and its writes wait.
-            await peer_slots.acquire()
-            await self._inbox_slots.acquire()
-            release = _releaser(peer_slots, self._inbox_slots)
-            try:
-                if len(scratch) < body_len <= _MAX_SCRATCH_BYTES:
-                    scratch = bytearray(body_len)
-                body = await read_exactly(
-                    reader,
-                    body_len,
-                    stall_timeout_s=config.read_timeout_s,
-                    what="body",
-                    into=scratch,
-                    batch_s=_BODY_READ_BATCH_S,
-                )
-                # unpack_tensor copies each payload once into the new tensor and keeps no view
-                # of the body, so the scratch buffer is free for the next frame once it returns.
-                tensor = await self._decode(body)
-                spec = self._expect(header) if self._expect is not None else None
-                if spec is not None:
-                    spec.check(tensor)
-            except BaseException:
-                release()
-                raise
-            self._counters.received(peer, body_len)
-            self._inbox.put((Received(peer, header, tensor), release))
+class _Departures(INotifee):
+    """Tells the transport when a peer's last connection closed."""
 
-    async def _decode(self, body: bytearray | memoryview) -> torch.Tensor:
-        limits = self.config.limits
-        if len(body) < self.config.decode_in_thread_bytes:
-            return unpack_tensor(body, limits=limits)
-        # Big frames: copy/validate in a worker thread so the loop keeps serving other streams.
-        return await trio.to_thread.run_sync(
-            lambda: unpack_tensor(body, limits=limits), abandon_on_cancel=True
-        )
+    def __init__(self, on_gone) -> None:
+        self._on_gone = on_gone
 
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        if not network.get_connections(peer):
+            self._on_gone(peer.to_base58())
 
-def _releaser(*semaphores: trio.Semaphore) -> Callable[[], None]:
-    done = False
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        pass
 
-    def release() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            for semaphore in semaphores:
-                semaphore.release()
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
 
-    return release
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr) -> None:
+        pass

@@ -7,7 +7,7 @@ counters shared by the trio thread and callers, always behind one lock).
 
 import queue
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +16,11 @@ import torch
 
 from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
+from fusionllm.compression.frame import max_encoded_bytes
 from fusionllm.node.errors import DeadlineError, TransportClosedError
 from fusionllm.node.p2p.checks import positive_seconds
 from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
+from fusionllm.node.p2p.limits import RateFloorConfig
 from fusionllm.node.p2p.peer_host import HostConfig, host_config_of
 
 
@@ -42,8 +44,18 @@ class TransportConfig:
     max_frame_bytes: int = 256 << 20  # the pack_tensor bytes of one frame
     max_in_flight: int = 4  # frames per peer and direction not yet written / not yet taken
     max_streams_per_peer: int = 8
+    max_inbound_streams: int = 256  # all peers together
     inbox_size: int = 64  # received frames waiting for recv(), all peers together
-    decode_in_thread_bytes: int = 1 << 20  # larger bodies are decoded off the trio thread
+    # Frames decoding to more than this are decoded off the trio thread (whatever their size
+    # on the wire: a few bytes of top-k may expand to a large tensor).
+    decode_in_thread_bytes: int = 1 << 20
+    max_decoded_bytes: int = 256 << 20  # a frame nobody expects may expand to this at most
+    # Bodies announced (length read) but not yet decoded, per peer and all peers together.
+    max_peer_pending_bytes: int = 512 << 20
+    max_pending_bytes: int = 1 << 30
+    # A body must arrive at this rate, measured over windows of rate_window_s.
+    min_body_rate_bytes_s: float = 32 << 10  # 256 kbit/s: 1/32 of the slowest paper link
+    rate_window_s: float = 10.0
     limits: FrameLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -56,17 +68,31 @@ class TransportConfig:
             raise ConfigError(
                 f"max_frame_bytes must be in [64, {MAX_BODY_BYTES}], got {self.max_frame_bytes}"
             )
-        for name in ("max_in_flight", "max_streams_per_peer", "inbox_size"):
+        for name in ("max_in_flight", "max_streams_per_peer", "max_inbound_streams", "inbox_size"):
             if not 1 <= getattr(self, name) <= 1 << 16:
                 raise ConfigError(f"{name} must be in [1, 65536], got {getattr(self, name)}")
         if self.decode_in_thread_bytes < 0:
             raise ConfigError(
                 f"decode_in_thread_bytes must be >= 0, got {self.decode_in_thread_bytes}"
             )
+        if self.max_decoded_bytes < 1:
+            raise ConfigError(f"max_decoded_bytes must be >= 1, got {self.max_decoded_bytes}")
+        if not self.max_body_bytes <= self.max_peer_pending_bytes <= self.max_pending_bytes:
+            raise ConfigError(
+                "need max_frame_bytes <= max_peer_pending_bytes <= max_pending_bytes, got "
+                f"{self.max_body_bytes}, {self.max_peer_pending_bytes}, {self.max_pending_bytes}"
+            )
+        self.rate_floor()  # checks min_body_rate_bytes_s and rate_window_s
 
     @property
     def max_body_bytes(self) -> int:
         return min(self.max_frame_bytes, self.limits.max_frame_bytes)
+
+    def rate_floor(self) -> RateFloorConfig:
+        """The minimum rate of a body (raises ConfigError for bad fields)."""
+        return RateFloorConfig(
+            min_bytes_per_s=self.min_body_rate_bytes_s, window_s=self.rate_window_s
+        )
 
     def host_config(self) -> HostConfig:
         """The host a standalone transport runs (raises ConfigError for bad fields)."""
@@ -80,6 +106,11 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The longest body any codec needs for it; 0 for a spec that matches nothing."""
+        return max_encoded_bytes(self.dtype, self.shape)
+
     def check(self, tensor: torch.Tensor) -> None:
         if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
             raise FrameError(
@@ -89,6 +120,9 @@ class TensorSpec:
 
 # For each received header: the spec its tensor must match, or None to accept any.
 SpecFor = Callable[[FrameHeader], TensorSpec | None]
+
+# Whether a peer may open tensor streams to us at all (asked at stream open, trio thread).
+AdmitPeer = Callable[[str], bool]
 
 
 @dataclass(frozen=True)
@@ -132,11 +166,17 @@ class _Counters:
 
 
 class PeerCounters:
-    """Per-peer counters; the trio thread writes, any thread reads, every access locked."""
+    """Per-peer counters; the trio thread writes, any thread reads, every access locked.
 
-    def __init__(self) -> None:
+    ``retire`` moves a peer that went away to a table of the last ``keep_gone`` gone peers,
+    so its figures stay readable for a while but a stream of identities cannot grow memory.
+    """
+
+    def __init__(self, *, keep_gone: int = 64) -> None:
         self._lock = threading.Lock()
         self._by_peer: dict[str, _Counters] = {}
+        self._gone: OrderedDict[str, _Counters] = OrderedDict()
+        self._keep_gone = keep_gone
 
     def sent(self, peer: str, nbytes: int) -> None:
         with self._lock:
@@ -171,15 +211,37 @@ class PeerCounters:
         with self._lock:
             self._of(peer).inbound_streams -= 1
 
+    def inbound_of(self, peer: str) -> int:
+        with self._lock:
+            counters = self._by_peer.get(peer)
+            return counters.inbound_streams if counters is not None else 0
+
+    def retire(self, peer: str) -> None:
+        """``peer`` went away: keep its figures among the last gone peers' only."""
+        with self._lock:
+            counters = self._by_peer.get(peer)
+            if counters is None or counters.inbound_streams:
+                return
+            del self._by_peer[peer]
+            self._gone[peer] = counters
+            while len(self._gone) > self._keep_gone:
+                self._gone.popitem(last=False)
+
+    def live_peers(self) -> int:
+        with self._lock:
+            return len(self._by_peer)
+
     def snapshot(self) -> dict[str, PeerStats]:
         with self._lock:
-            return {peer: PeerStats.of(c) for peer, c in self._by_peer.items()}
+            every = {**self._gone, **self._by_peer}
+            return {peer: PeerStats.of(c) for peer, c in every.items()}
 
     def _of(self, peer: str) -> _Counters:
-        # Called with self._lock held.
+        # Called with self._lock held. A peer that comes back takes its old figures along.
         counters = self._by_peer.get(peer)
         if counters is None:
-            counters = self._by_peer[peer] = _Counters()
+            counters = self._gone.pop(peer, None) or _Counters()
+            self._by_peer[peer] = counters
         return counters
 
 

@@ -167,6 +167,14 @@ class SwarmTrainer:
         session = self._session
         return session.runner.expectations.expect(header) if session is not None else _NEVER
 
+    def admits(self, peer: str) -> bool:
+        """The transport's admission hook: only the plan we serve and the swarm's members
+        (ready announcements, state transfers) may open tensor streams to this node."""
+        session = self._session
+        if session is not None and peer in session.runner.peer_of.values():
+            return True
+        return self.view.is_member(peer)
+
     def start(self) -> "SwarmTrainer":
         self.router.start()
         self._thread.start()

@@ -3,7 +3,8 @@
     python -m tests.support.transport_main --key node.key [--mode echo|ack|sink] ...
 
 It prints one JSON line ``{"event": "ready", "peer_id": ..., "addrs": [...]}`` on stdout, then
-serves JSON-line commands on stdin (``{"cmd": "stats"}``, ``{"cmd": "connect", "addr": ...}``,
+serves JSON-line commands on stdin (``{"cmd": "stats"}``: per-peer counters, refusals and
+tracked per-peer state; ``{"cmd": "connect", "addr": ...}``,
 ``{"cmd": "quit"}``), answering each with one JSON line. It exits when stdin closes, so a
 parent that dies takes its nodes with it. Received frames are echoed back (``echo``), answered
 with a one-element control frame (``ack``, for timing), or dropped (``sink``).
@@ -44,6 +45,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-in-flight", type=int, default=4)
     parser.add_argument("--expect-dtype", help="refuse tensors of another dtype (wire name)")
     parser.add_argument("--expect-shape", help="refuse tensors of another shape, e.g. 4,4")
+    parser.add_argument(
+        "--admit",
+        action="append",
+        help="a peer id that may open tensor streams (repeatable; default: anyone may)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -73,7 +79,14 @@ def _commands(transport: Transport, out: _Out, stop: threading.Event) -> None:
                     return
                 if name == "stats":
                     stats = {peer: asdict(s) for peer, s in transport.stats().items()}
-                    out.write({"event": "stats", "peers": stats})
+                    out.write(
+                        {
+                            "event": "stats",
+                            "peers": stats,
+                            "refusals": transport.refusals(),
+                            "tracked": transport.tracked_peers(),
+                        }
+                    )
                 elif name == "connect":
                     peer = transport.connect(command["addr"], timeout=command.get("timeout"))
                     out.write({"event": "connected", "peer_id": peer})
@@ -139,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_in_flight=args.max_in_flight,
     )
     out = _Out()
-    with Transport(config, expect=(lambda _header: spec) if spec else None) as transport:
+    admitted = frozenset(args.admit) if args.admit else None
+    with Transport(
+        config,
+        expect=(lambda _header: spec) if spec else None,
+        admit=admitted.__contains__ if admitted is not None else None,
+    ) as transport:
         out.write({"event": "ready", "peer_id": transport.peer_id, "addrs": transport.addrs})
         stop = threading.Event()
         threading.Thread(

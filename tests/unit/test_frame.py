@@ -411,3 +411,64 @@ def test_decoded_tensor_owns_its_memory(codec):
     assert torch.equal(out, expected)
     assert out.numel() == 1000
     assert out.dtype == torch.float32
+
+
+# The attack of issue 12: a few bytes of top-k declaring 2**28 float32 elements (1 GiB),
+# within FrameLimits' element cap, so only the receiver's expectation can stop it.
+_EXPANDING_CLAIM = {
+    "v": 1,
+    "c": "topk",
+    "dt": "float32",
+    "sh": [2**28],
+    "wd": "float16",
+    "k": 0,
+    "ix": "i32",
+    "p": b"",
+    "ixp": b"",
+}
+
+
+def _forbid_allocation(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoder allocated before validating")
+
+    for name in ("zeros", "empty"):
+        monkeypatch.setattr(codecs_module.torch, name, refuse)
+
+
+def test_an_expanding_frame_is_refused_by_the_expected_shape_before_allocation(monkeypatch):
+    data = _repack(_EXPANDING_CLAIM)
+    assert len(data) < 80
+    parsed = frame_module.parse_frame(data)
+    assert parsed.decoded_bytes == 4 * 2**28  # what decoding it would allocate, known up front
+    _forbid_allocation(monkeypatch)
+    with pytest.raises(AssertionError, match="allocated"):  # nothing else would stop it
+        unpack_tensor(data)
+    with pytest.raises(FrameError, match=r"declares shape \[268435456\], expected \[4\]"):
+        unpack_tensor(data, expect_dtype=torch.float32, expect_shape=(4,))
+    with pytest.raises(FrameError, match=r"declares torch\.float32, expected torch\.float64"):
+        unpack_tensor(data, expect_dtype=torch.float64, expect_shape=(2**28,))
+
+
+def test_a_frame_matching_the_expectation_decodes_as_before():
+    tensor = _tensor((3, 5), torch.float32, 1)
+    data = pack_tensor(tensor, TopKCodec(0.5))
+    decoded = unpack_tensor(data, expect_dtype=torch.float32, expect_shape=(3, 5))
+    assert torch.equal(decoded, unpack_tensor(data))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (3, 5, 7), (4096,), (1, 1, 1, 1, 9)])
+def test_no_codec_writes_a_frame_longer_than_max_encoded_bytes(dtype, shape):
+    from fusionllm.compression import TernaryCodec
+
+    tensor = _tensor(shape, dtype, 5)
+    bound = frame_module.max_encoded_bytes(dtype, shape)
+    codecs = [None, Float16Codec(), Float16Codec(torch.bfloat16), TernaryCodec(1), TernaryCodec(64)]
+    codecs += [TopKCodec(r) for r in (1.0, 0.5, 0.03, 0.001)]
+    for codec in codecs:
+        assert len(pack_tensor(tensor, codec)) <= bound, codec
+
+
+def test_a_spec_with_a_negative_dim_allows_no_body():
+    assert frame_module.max_encoded_bytes(torch.float32, (-1,)) == 0
