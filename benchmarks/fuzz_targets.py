@@ -7,7 +7,6 @@ must satisfy. Seeds are valid inputs; ``tree`` (optional) decodes an input into 
 tree and encodes it back, so the fuzzer can damage structure, not just bytes.
 """
 
-import inspect
 import io
 import json
 import random
@@ -58,9 +57,6 @@ from fusionllm.node.training.holdings import Holding
 
 SMALL_LIMITS = FrameLimits(max_elements=1 << 16)
 MAX_BODY_BYTES = 1 << 26
-# The data plane may check the expected dtype and shape before decoding (issue 12); where it
-# does not yet, the receiver compares them after decoding, as the transport did.
-EXPECTS_SHAPE = "expect_shape" in inspect.signature(unpack_tensor).parameters
 
 
 @dataclass
@@ -131,12 +127,7 @@ def huge_shape(rng: random.Random, frame: Any) -> Any:
 
 def _decode_expected(data: bytes, context: Any) -> torch.Tensor:
     dtype, shape = context
-    if EXPECTS_SHAPE:
-        return unpack_tensor(data, expect_dtype=dtype, expect_shape=shape)
-    tensor = unpack_tensor(data)
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise FrameError("not the tensor the receiver expected")
-    return tensor
+    return unpack_tensor(data, expect_dtype=dtype, expect_shape=shape)
 
 
 def _check_expected(tensor: Any, context: Any) -> None:
@@ -430,12 +421,9 @@ class _BoardPath:
         if len(body) < body_len:
             raise FrameError("stream ended inside the body")
         body = body[:body_len]
-        if EXPECTS_SHAPE:
-            tensor = unpack_tensor(
-                body, limits=SMALL_LIMITS, expect_dtype=spec.dtype, expect_shape=spec.shape
-            )
-        else:
-            tensor = unpack_tensor(body, limits=SMALL_LIMITS)
+        tensor = unpack_tensor(
+            body, limits=SMALL_LIMITS, expect_dtype=spec.dtype, expect_shape=spec.shape
+        )
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
             raise FrameError("not the tensor the board expected")
         self.board.put(Received(peer=context, header=header, tensor=tensor))
