@@ -56,15 +56,19 @@ def _wanted_plan(nodes, scenario: str):
 
 def _copy_latencies(events: list[dict]) -> list[float]:
     """Seconds from a checkpoint to its copy kept on another node: the window in which a crash
-    of the checkpointing node still costs the interval before."""
-    kept = {(e["step"], tuple(e["range"])): e["t"] for e in events if e["event"] == "kept"}
-    return [
-        kept[key] - e["t"]
-        for e in events
-        if e["event"] == "checkpoint" and e.get("keeper")
-        for key in [(e["step"], tuple(e.get("range", ())))]
-        if key in kept
-    ]
+    of the checkpointing node still costs the interval before. (The same step and range may be
+    kept again later, donated after a crash: the first keep after the checkpoint counts.)"""
+    kept: dict[tuple, list[float]] = {}
+    for e in events:
+        if e["event"] == "kept":
+            kept.setdefault((e["step"], tuple(e["range"])), []).append(e["t"])
+    latencies = []
+    for e in events:
+        if e["event"] == "checkpoint" and e.get("keeper"):
+            after = [t for t in kept.get((e["step"], tuple(e["range"])), []) if t >= e["t"]]
+            if after:
+                latencies.append(min(after) - e["t"])
+    return latencies
 
 
 def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict:

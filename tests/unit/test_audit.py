@@ -211,6 +211,21 @@ def test_a_faster_bandwidth_claim_is_caught_by_the_step_time(slow):
     assert result.slack < 1 - LIMITS.tolerance, result
 
 
+@pytest.mark.parametrize(("faster", "believed"), [(1.6, True), (4.0, False)])
+def test_a_view_that_drifted_by_the_measured_noise_is_believed_an_octave_beyond_is_not(
+    faster, believed
+):
+    """Loopback links under training load drift by ~1.6x between epochs (a node's own plan
+    refused 2 s after it made it, with a tight bar): that much is believed, 4x is not."""
+    here = view(4, **{f"peer{i}": record(f"peer{i}", bandwidth=2e6) for i in range(4)})
+    made_in = view(4, **{f"peer{i}": record(f"peer{i}", bandwidth=2e6 * faster) for i in range(4)})
+    config = dataclasses.replace(CONFIG, min_stages=2)
+    result = full_audit(plan(GRAPH, made_in, config), here, config)
+    assert result.view.slack < 1.0  # the plan does claim more than we see
+    assert result.own == CLEAN
+    assert result.believable(LIMITS) is believed
+
+
 def test_compression_beyond_the_rule_is_caught(fast):
     """A link compressed where we see room for dense: consistent bytes, but fewer than ours."""
     p, swarm = fast
