@@ -117,7 +117,9 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
     """Two daemons train; a third, faster one joins. The swarm re-plans, every member switches
     after the same step (state moved peer to peer) and the run goes on as if nothing happened:
     dense, so every step's loss equals one process's."""
-    steps = 800  # the newcomer needs ~10 s to start and an epoch to be planned in
+    # The newcomer needs ~10 s to start and an epoch or two to be planned in (7 s here on a
+    # quiet box); one CI run on a loaded box had 800 steps (~45 s) end before it was placed.
+    steps = 1600
     run = {**RUN, "steps": steps, "seq-len": 32, "dense": True}
     swarm = LocalSwarm(tmp_path, extra=run)
     try:
