@@ -131,5 +131,5 @@ class Vault:
             logger.warning("a copy from %s holds non-finite values: dropped", copy.peer[:16])
             return False
         self.custody.save(StageState(copy.holding, dict(copy.state)))
-        logger.info("keeping %s of %s for %s", copy.holding, len(copy.state), copy.peer[:16])
+        logger.debug("keeping %s of %s for %s", copy.holding, len(copy.state), copy.peer[:16])
         return True
