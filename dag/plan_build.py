@@ -145,27 +145,35 @@ def _link_plans(
     for k in range(len(used) - 1):
         dense = round(model.cut[cuts[k + 1]])
         src, dst, fwd_link, bwd_link = model.best_pair(used[k], used[k + 1])
-        f = _wire(dense, fwd_link.bandwidth, budget, cfg)
-        bk = _wire(dense, bwd_link.bandwidth, budget, cfg)
-        links.append(
-            LinkPlan(
-                src_stage=k,
-                src_peer=swarm.peers[src].peer_id,
-                dst_peer=swarm.peers[dst].peer_id,
-                dense_bytes=dense,
-                forward_codec=f[0],
-                forward_ratio=f[1],
-                forward_wire_bytes=f[2],
-                forward_bandwidth=fwd_link.bandwidth,
-                forward_rtt=fwd_link.rtt,
-                backward_codec=bk[0],
-                backward_ratio=bk[1],
-                backward_wire_bytes=bk[2],
-                backward_bandwidth=bwd_link.bandwidth,
-                backward_rtt=bwd_link.rtt,
-            )
-        )
+        pair = (swarm.peers[src].peer_id, swarm.peers[dst].peer_id)
+        links.append(link_plan(k, pair, dense, (fwd_link, bwd_link), budget, cfg))
     return links
+
+
+def link_plan(
+    k: int, pair: tuple[str, str], dense: int, links: tuple, budget: float, cfg: PlanConfig
+) -> LinkPlan:
+    """The cut after stage ``k`` from ``pair[0]`` to ``pair[1]`` over ``links`` (forward,
+    backward), each direction compressed as AdaTopK's rule gives for its bandwidth."""
+    fwd_link, bwd_link = links
+    f = _wire(dense, fwd_link.bandwidth, budget, cfg)
+    bk = _wire(dense, bwd_link.bandwidth, budget, cfg)
+    return LinkPlan(
+        src_stage=k,
+        src_peer=pair[0],
+        dst_peer=pair[1],
+        dense_bytes=dense,
+        forward_codec=f[0],
+        forward_ratio=f[1],
+        forward_wire_bytes=f[2],
+        forward_bandwidth=fwd_link.bandwidth,
+        forward_rtt=fwd_link.rtt,
+        backward_codec=bk[0],
+        backward_ratio=bk[1],
+        backward_wire_bytes=bk[2],
+        backward_bandwidth=bwd_link.bandwidth,
+        backward_rtt=bwd_link.rtt,
+    )
 
 
 def _assemble(

@@ -24,7 +24,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.compression.adaptive import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.plan_build import _stage_record, _wire
+from fusionllm.dag.plan_build import _stage_record, _wire, link_plan
 from fusionllm.dag.plan_records import LinkPlan, Plan, PlanConfig, StagePlan, pipeline_times
 from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
@@ -152,21 +152,5 @@ class Retimer:
         dense_bytes = round(float(self.model.cut[cuts[k + 1]]))
         src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
         forward, backward = self.swarm.link(src, dst), self.swarm.link(dst, src)
-        f = _wire(dense_bytes, forward.bandwidth, budget, self.config)
-        b = _wire(dense_bytes, backward.bandwidth, budget, self.config)
-        return LinkPlan(
-            src_stage=k,
-            src_peer=claimed.src_peer,
-            dst_peer=claimed.dst_peer,
-            dense_bytes=dense_bytes,
-            forward_codec=f[0],
-            forward_ratio=f[1],
-            forward_wire_bytes=f[2],
-            forward_bandwidth=forward.bandwidth,
-            forward_rtt=forward.rtt,
-            backward_codec=b[0],
-            backward_ratio=b[1],
-            backward_wire_bytes=b[2],
-            backward_bandwidth=backward.bandwidth,
-            backward_rtt=backward.rtt,
-        )
+        pair = (claimed.src_peer, claimed.dst_peer)
+        return link_plan(k, pair, dense_bytes, (forward, backward), budget, self.config)

@@ -213,9 +213,9 @@ class SwarmTrainer:
             self.board.filed(copy.peer)
 
     def _on_want(self, peer: str, reached: int, floor: int) -> None:
-        self._keeper.submit(self._donate, peer, reached, floor)
+        self._keeper.submit(self._donate, peer, floor)
 
-    def _donate(self, peer: str, reached: int, floor: int) -> None:
+    def _donate(self, peer: str, floor: int) -> None:
         """A plan's member lacks state the swarm reached: send it everything we hold after
         ``floor`` (once each; the newest may be a partial stage, an older step whole), then
         DONE, so it stops waiting for us."""

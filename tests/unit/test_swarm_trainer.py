@@ -124,6 +124,15 @@ class Cluster:
         for peer in peers or self.views:
             self.views[peer].current = (plan_.digest(), plan_)
 
+    def start(self, plan_: Plan) -> None:
+        """Every node adopts ``plan_`` and starts training."""
+        self.adopt(plan_)
+        for trainer in self.trainers.values():
+            trainer.start()
+
+    def wait_finished(self, peers) -> None:
+        self.wait(lambda: all(self.trainers[p].finished.is_set() for p in peers), "the end")
+
     def losses(self, peer: str) -> dict[int, float]:
         return {e["step"]: e["loss"] for e in list(self.events[peer]) if e["event"] == "step"}
 
@@ -183,10 +192,8 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
     peers = ["peer-a", "peer-b", "peer-c"]
     fixed = _plan(peers, 3)
     cluster = cluster_of(peers)
-    cluster.adopt(fixed)
-    for trainer in cluster.trainers.values():
-        trainer.start()
-    cluster.wait(lambda: all(t.finished.is_set() for t in cluster.trainers.values()), "the end")
+    cluster.start(fixed)
+    cluster.wait_finished(cluster.trainers)
     reference = _reference(fixed)
     for peer in peers:
         losses = cluster.losses(peer)
@@ -201,12 +208,10 @@ def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):
     two = _plan(peers[:2], 2)
     three = _plan(peers, 3)
     cluster = cluster_of(peers)
-    cluster.adopt(two)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(two)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 4, "4 steps on the first plan")
     cluster.adopt(three)  # peer-c joins; every member votes for the new plan at a step's end
-    cluster.wait(lambda: all(t.finished.is_set() for t in cluster.trainers.values()), "the end")
+    cluster.wait_finished(cluster.trainers)
     losses = cluster.losses("peer-c")
     assert losses, "the joiner never trained"
     first = min(losses)
@@ -224,9 +229,7 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     peers = ["peer-a", "peer-b", "peer-c"]
     two = _plan(peers[:2], 2)
     cluster = cluster_of(peers)
-    cluster.adopt(two)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(two)
     cluster.wait(lambda: cluster.trainers["peer-a"].finished.is_set(), "the end")
     cluster.views["peer-c"].finished = True  # as the daemon learns from the members' records
     cluster.wait(lambda: cluster.trainers["peer-c"].finished.is_set(), "the backup to stop")
@@ -238,14 +241,12 @@ def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_p
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.adopt(three)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(three)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
     cluster.kill("peer-c")
     cluster.adopt(_plan(["peer-a", "peer-b", "peer-d"], 3), peers=["peer-a", "peer-b", "peer-d"])
     survivors = ["peer-a", "peer-b", "peer-d"]
-    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in survivors), "the end")
+    cluster.wait_finished(survivors)
     taken_over = cluster.starts("peer-d")[0]
     # The last stage's only copy of step 4 (or 8) lived with stage 0's node: the backup took
     # the stage from it and every stage went back to that same step.
@@ -273,9 +274,7 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.adopt(three)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(three)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
     cluster.trainers["peer-b"].stop()
     assert cluster.trainers["peer-b"].wait_gone(60.0)
@@ -284,7 +283,7 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
         view.alive.discard("peer-b")
     survivors = ["peer-a", "peer-c", "peer-d"]
     cluster.adopt(_plan(survivors, 3), peers=survivors)
-    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in survivors), "the end")
+    cluster.wait_finished(survivors)
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
@@ -294,12 +293,10 @@ def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     first = _plan(peers[:2], 2)
     cluster = cluster_of(peers)
-    cluster.adopt(first)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(first)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
     cluster.adopt(_plan(peers[2:], 2))  # nobody stays: a and b go to the backup pool
-    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers[2:]), "the end")
+    cluster.wait_finished(peers[2:])
     start = cluster.starts("peer-c")[0]["start_step"]
     assert start >= 5, "the new members started over instead of fetching the swarm's state"
     donated = [e for p in peers[:2] for e in cluster.events[p] if e["event"] == "donated"]
@@ -318,15 +315,13 @@ def test_nodes_outside_the_plan_answer_a_want_even_with_nothing_newer(cluster_of
     peers = ["peer-a", "peer-b", "peer-c", "peer-d", "peer-e"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.adopt(three)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(three)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
     cluster.kill("peer-c")
     survivors = ["peer-a", "peer-b", "peer-d", "peer-e"]
     cluster.adopt(_plan(["peer-a", "peer-b", "peer-d"], 3), peers=survivors)
     serving = ["peer-a", "peer-b", "peer-d"]
-    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in serving), "the end")
+    cluster.wait_finished(serving)
     start = cluster.starts("peer-d")[0]["start_step"]
     assert start in (4, 8)
     assert start < max(cluster.losses("peer-a")), "the members held all the swarm reached"
@@ -340,14 +335,12 @@ def test_after_a_crash_an_all_new_plan_gets_the_newest_whole_step_from_a_survivo
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     first = _plan(peers[:2], 2)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.adopt(first)
-    for trainer in cluster.trainers.values():
-        trainer.start()
+    cluster.start(first)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 6, "6 steps")
     cluster.kill("peer-a")
     survivors = ["peer-b", "peer-c", "peer-d"]
     cluster.adopt(_plan(["peer-c", "peer-d"], 2), peers=survivors)
-    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers[2:]), "the end")
+    cluster.wait_finished(peers[2:])
     start = cluster.starts("peer-c")[0]["start_step"]
     assert start >= 4, "the new members restarted below the checkpoint the survivor held"
     assert start % 4 == 0
