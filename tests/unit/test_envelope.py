@@ -19,25 +19,15 @@ from fusionllm.dht.records import (
     MAX_ADDR_CHARS,
     MAX_ADDRS,
     MAX_PLAN_BYTES,
-    DeviceInfo,
     NodeInfo,
     NodeState,
     PlanProposal,
     RecordError,
 )
-from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from tests.support.identities import Identity, cpu_device
 
 KEY = "fusionllm/demo/nodes"
 EXP = 1_700_000_030.0
-
-
-class Identity:
-    def __init__(self, path) -> None:
-        self.key_pair = load_or_create_identity(path)
-        self.peer_id = peer_id_of(self.key_pair)
-
-    def sign(self, data: bytes) -> bytes:
-        return self.key_pair.private_key.sign(data)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +46,7 @@ def node_info(peer_id: str, **changes) -> NodeInfo:
         "swarm": "demo",
         "addrs": (f"/ip4/10.0.0.1/tcp/4001/p2p/{peer_id}",),
         "dht_addrs": ("/ip4/10.0.0.1/tcp/4002",),
-        "device": DeviceInfo(
-            name="cpu",
-            kind="cpu",
-            memory_bytes=8 << 30,
-            flops=1e11,
-            memory_bandwidth=2e10,
-            op_overhead=1e-5,
-            cpu_cores=4,
-            ram_bytes=8 << 30,
-        ),
+        "device": cpu_device(),
         "uplink": 1e7,
         "downlink": 1e8,
         "links": (),

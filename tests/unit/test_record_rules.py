@@ -16,13 +16,12 @@ from fusionllm.dht.keys import nodes_key, plans_key
 from fusionllm.dht.record_rules import KnownMembers, RecordRules
 from fusionllm.dht.records import (
     MAX_CLOCK_SKEW_S,
-    DeviceInfo,
     NodeInfo,
     NodeState,
     PlanProposal,
     RecordError,
 )
-from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from tests.support.identities import Identity, cpu_device
 
 SWARM = "demo"
 NOW = 1_700_000_000.0
@@ -41,15 +40,6 @@ class Clock:
         return self.now
 
 
-class Identity:
-    def __init__(self, path) -> None:
-        self.key_pair = load_or_create_identity(path)
-        self.peer_id = peer_id_of(self.key_pair)
-
-    def sign(self, data: bytes) -> bytes:
-        return self.key_pair.private_key.sign(data)
-
-
 @pytest.fixture(scope="module")
 def alice(tmp_path_factory) -> Identity:
     return Identity(tmp_path_factory.mktemp("alice") / "key")
@@ -61,16 +51,7 @@ def mallory(tmp_path_factory) -> Identity:
 
 
 def info(peer_id: str, *, at: float = NOW, swarm: str = SWARM) -> NodeInfo:
-    device = DeviceInfo(
-        name="cpu",
-        kind="cpu",
-        memory_bytes=8 << 30,
-        flops=1e11,
-        memory_bandwidth=2e10,
-        op_overhead=1e-5,
-        cpu_cores=4,
-        ram_bytes=8 << 30,
-    )
+    device = cpu_device()
     return NodeInfo(peer_id=peer_id, swarm=swarm, addrs=(), dht_addrs=(), device=device,
                     uplink=1e7, downlink=1e8, links=(), software="test",
                     config_digest="0123456789abcdef", state=NodeState.BACKUP, stage=None,
