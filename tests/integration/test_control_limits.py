@@ -15,14 +15,14 @@ import trio
 from libp2p.peer.id import ID
 
 from fusionllm.common.logs import get_logger
-from fusionllm.node.errors import DeadlineError, ProbeRefusedError
+from fusionllm.node.errors import ProbeRefusedError
 from fusionllm.node.p2p.control_host import (
     PROBE_PROTOCOL,
     ControlConfig,
     ControlHost,
-    GossipMessage,
 )
 from fusionllm.node.p2p.probes import PROBE_HEADER, PROBE_MAGIC
+from tests.integration.test_control_host import drain, wait_until
 
 logger = get_logger(__name__)
 
@@ -43,13 +43,6 @@ def hosts(tmp_path: Path) -> Iterator[Callable[..., ControlHost]]:
             return stack.enter_context(ControlHost(config))
 
         yield start
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {_WAIT_S}s"
-        time.sleep(0.02)
 
 
 async def _hold_a_probe(host: ControlHost, peer: str) -> int:
@@ -98,15 +91,6 @@ def test_all_slots_held_by_distinct_strangers_is_busy_until_one_ends(hosts):
 TOPIC = "fusionllm/limits"
 
 
-def drain(host: ControlHost, quiet_s: float = 1.5) -> list[GossipMessage]:
-    received = []
-    while True:
-        try:
-            received.append(host.recv(timeout=quiet_s))
-        except DeadlineError:
-            return received
-
-
 def test_a_relay_forwards_a_flood_at_its_forward_rate_and_still_delivers_it(hosts):
     # b checks each author at a generous rate, and forwards at most 3 per second per forwarder.
     a = hosts(max_messages_per_peer_per_s=1000.0)
@@ -121,9 +105,9 @@ def test_a_relay_forwards_a_flood_at_its_forward_rate_and_still_delivers_it(host
     started = time.monotonic()
     for i in range(60):
         a.publish(TOPIC, b"flood %d" % i)
-    at_b = drain(b)
+    at_b = drain(b, quiet_s=1.5)
     elapsed = time.monotonic() - started - 1.5  # the flood reached b within this
-    at_c = drain(c)
+    at_c = drain(c, quiet_s=1.5)
     logger.info("flood of 60: b got %d, c got %d, in %.2f s", len(at_b), len(at_c), elapsed)
     # b delivers what it validated (a's send queue may drop some of a burst) ...
     assert len(at_b) >= 30
