@@ -11,62 +11,41 @@
                top-k ratio's bytes)
 - limits.py:   ``FrameLimits``, what a receiver accepts
 - dtypes.py:   the dtypes allowed on the wire
+- wire_sizes.py: frame sizes and the AdaTopK ratio rule, arithmetic only (no torch)
 """
 
-from fusionllm.common.errors import FrameError
-from fusionllm.compression.adaptive import (
-    AdaTopK,
-    AdaTopKConfig,
-    activation_codec,
-    budget_codec,
-    target_ratio,
-    ternary_group_for,
-    ternary_wire_bytes,
-    topk_wire_bytes,
-)
-from fusionllm.compression.codecs import (
-    Codec,
-    Float16Codec,
-    IdentityCodec,
-    TernaryCodec,
-    TopKCodec,
-)
-from fusionllm.compression.feedback import ErrorFeedback
-from fusionllm.compression.frame import (
-    FRAME_VERSION,
-    ParsedFrame,
-    decode_frame,
-    pack_tensor,
-    parse_frame,
-    unpack_tensor,
-)
-from fusionllm.compression.limits import DEFAULT_LIMITS, FrameLimits
-from fusionllm.compression.topk import select_topk, topk_count
+from fusionllm.common.lazy_exports import lazy_exports
 
-__all__ = [
-    "DEFAULT_LIMITS",
-    "FRAME_VERSION",
-    "AdaTopK",
-    "AdaTopKConfig",
-    "Codec",
-    "ErrorFeedback",
-    "Float16Codec",
-    "FrameError",
-    "FrameLimits",
-    "IdentityCodec",
-    "ParsedFrame",
-    "TernaryCodec",
-    "TopKCodec",
-    "activation_codec",
-    "budget_codec",
-    "decode_frame",
-    "pack_tensor",
-    "parse_frame",
-    "select_topk",
-    "target_ratio",
-    "ternary_group_for",
-    "ternary_wire_bytes",
-    "topk_count",
-    "topk_wire_bytes",
-    "unpack_tensor",
-]
+# Names resolve on first use (PEP 562): the control plane prices links with wire_sizes and
+# never pays for torch, which the codecs need.
+_EXPORTS = {
+    "FrameError": "fusionllm.common.errors",
+    "AdaTopK": "fusionllm.compression.adaptive",
+    "AdaTopKConfig": "fusionllm.compression.adaptive",
+    "activation_codec": "fusionllm.compression.adaptive",
+    "budget_codec": "fusionllm.compression.adaptive",
+    "target_ratio": "fusionllm.compression.wire_sizes",
+    "ternary_group_for": "fusionllm.compression.wire_sizes",
+    "ternary_wire_bytes": "fusionllm.compression.wire_sizes",
+    "topk_wire_bytes": "fusionllm.compression.wire_sizes",
+    "topk_count": "fusionllm.compression.wire_sizes",
+    "Codec": "fusionllm.compression.codecs",
+    "Float16Codec": "fusionllm.compression.codecs",
+    "IdentityCodec": "fusionllm.compression.codecs",
+    "TernaryCodec": "fusionllm.compression.codecs",
+    "TopKCodec": "fusionllm.compression.codecs",
+    "ErrorFeedback": "fusionllm.compression.feedback",
+    "FRAME_VERSION": "fusionllm.compression.frame",
+    "ParsedFrame": "fusionllm.compression.frame",
+    "decode_frame": "fusionllm.compression.frame",
+    "pack_tensor": "fusionllm.compression.frame",
+    "parse_frame": "fusionllm.compression.frame",
+    "unpack_tensor": "fusionllm.compression.frame",
+    "DEFAULT_LIMITS": "fusionllm.compression.limits",
+    "FrameLimits": "fusionllm.compression.limits",
+    "select_topk": "fusionllm.compression.topk",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -29,11 +29,16 @@ from fusionllm.compression.dtypes import (
 )
 from fusionllm.compression.limits import FrameLimits
 from fusionllm.compression.topk import (
-    bitmap_bytes,
     bitmap_popcount,
     bitmap_to_mask,
     indices_to_bitmap,
     select_topk,
+)
+from fusionllm.compression.wire_sizes import (
+    _TRITS_PER_BYTE,
+    bitmap_bytes,
+    ternary_bytes,
+    ternary_groups,
     topk_count,
 )
 
@@ -260,7 +265,6 @@ def _mask_from_bitmap(payload: object, numel: int, k: int) -> torch.Tensor:
     return bitmap_to_mask(bitmap, numel)
 
 
-_TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
 _TRIT_WEIGHTS = torch.tensor([3**i for i in range(_TRITS_PER_BYTE)], dtype=torch.int32)
 # Byte -> its five base-3 digits, least significant first: (243, 5) uint8.
 _TRIT_TABLE = (torch.arange(3**_TRITS_PER_BYTE).unsqueeze(1) // _TRIT_WEIGHTS % 3).to(torch.uint8)
@@ -364,15 +368,6 @@ class TernaryCodec(Codec):
         padded[:numel] = symbols
         out = padded.view(groups, group).mul_(scales.unsqueeze(1)).view(-1)[:numel]  # (N,)
         return out.view(target.shape).to(device=target.device, dtype=target.dtype)
-
-
-def ternary_groups(numel: int, group: int) -> int:
-    return -(-numel // group)
-
-
-def ternary_bytes(numel: int) -> int:
-    """Bytes of ``numel`` packed ternary symbols."""
-    return -(-numel // _TRITS_PER_BYTE)
 
 
 def _pack_trits(symbols: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ import math
 import numpy as np
 import torch
 
+from fusionllm.compression.wire_sizes import bitmap_bytes, topk_count  # noqa: F401 (re-exported)
+
 # Below this many elements, or above this fraction kept, plain torch.topk is as fast.
 _SMALL_NUMEL = 1 << 16
 _DENSE_FRACTION = 0.25
@@ -28,15 +30,6 @@ _NUMPY_CHUNK = 1 << 18
 # ATen's parallel grain size (32768), so they too stay on the calling thread.
 _TORCH_CHUNK = 32_000
 _SAMPLE_SEED = 0x5EED
-
-
-def topk_count(numel: int, ratio: float) -> int:
-    """k = ceil(ratio * numel), at least 1 for a non-empty tensor, at most numel."""
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-    if numel == 0:
-        return 0
-    return min(numel, max(1, math.ceil(ratio * numel)))
 
 
 def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -196,7 +189,3 @@ def unpack_bits_torch(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
 def bitmap_popcount(bitmap: torch.Tensor) -> int:
     """Number of set bits of a CPU bitmap."""
     return int(np.bitwise_count(bitmap.numpy()).sum(dtype=np.int64))
-
-
-def bitmap_bytes(numel: int) -> int:
-    return (numel + 7) // 8

@@ -7,16 +7,16 @@
 - models/:    ``gpt2`` (Hugging Face names), ``resnet`` (torchvision names); random init
 """
 
-from fusionllm.dag.graph import GraphCosts, OpNode
-from fusionllm.dag.opgraph import OpGraph
-from fusionllm.dag.trace import TraceFailure, trace
+from fusionllm.common.lazy_exports import lazy_exports
 
-# Planner exports (cost.py, planner.py, simulate.py, swarm.py) go here.
+# Resolved on first use: planning needs graph.py alone, tracing needs torch.
+_EXPORTS = {
+    "GraphCosts": "fusionllm.dag.graph",
+    "OpNode": "fusionllm.dag.graph",
+    "OpGraph": "fusionllm.dag.opgraph",
+    "TraceFailure": "fusionllm.dag.trace",
+    "trace": "fusionllm.dag.trace",
+}
 
-__all__ = [
-    "GraphCosts",
-    "OpGraph",
-    "OpNode",
-    "TraceFailure",
-    "trace",
-]
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.compression.adaptive import target_ratio, topk_wire_bytes
+from fusionllm.compression.wire_sizes import target_ratio, topk_wire_bytes
 from fusionllm.dag.graph import OpNode
 
 BYTES_PER_MBIT = 1e6 / 8

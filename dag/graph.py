@@ -3,7 +3,7 @@
 This file holds the data only (no tracing): trace.py builds it, planning code reads it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,3 +104,30 @@ class GraphCosts:
             running += delta[b]
             crossing.append(running if 0 < b < len(self.nodes) else 0)
         return crossing
+
+
+def costs_to_json(costs: GraphCosts) -> dict:
+    """``costs`` as JSON-ready data: a node that plans takes them from a child that traced."""
+    return {
+        "nodes": [{**asdict(node), "inputs": list(node.inputs)} for node in costs.nodes],
+        "input_bytes": dict(costs.input_bytes),
+        "output_names": list(costs.output_names),
+        "uncuttable": sorted(costs.uncuttable),
+    }
+
+
+def costs_from_json(data: dict) -> GraphCosts:
+    """The inverse of ``costs_to_json``; ValueError or TypeError on anything else."""
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise ValueError("graph costs must be a map with a list of nodes")
+    nodes = []
+    for raw in data["nodes"]:
+        if not isinstance(raw, dict):
+            raise ValueError(f"a graph node must be a map, got {type(raw).__name__}")
+        nodes.append(OpNode(**{**raw, "inputs": tuple(raw.get("inputs", ()))}))
+    return GraphCosts(
+        nodes=tuple(nodes),
+        input_bytes={str(k): int(v) for k, v in dict(data.get("input_bytes", {})).items()},
+        output_names=tuple(str(name) for name in data.get("output_names", ())),
+        uncuttable=frozenset(int(c) for c in data.get("uncuttable", ())),
+    )

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.compression.adaptive import topk_wire_bytes
+from fusionllm.compression.wire_sizes import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.plan_build import _stage_record, _wire, link_plan

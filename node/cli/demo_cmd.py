@@ -4,8 +4,6 @@ import argparse
 import json
 from dataclasses import asdict
 
-import torch
-
 
 def add_parser(commands) -> None:
     demo = commands.add_parser(
@@ -29,6 +27,8 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from fusionllm.node.cli.demo import DemoConfig, feedback_drift, format_reports, run_demo
 
     config = DemoConfig(

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-import torch
-
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.cli import demo_cmd, node_cmd, status_cmd, swarm_cmd, train_cmd
@@ -31,13 +29,19 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _torch_version() -> str:
+    # From the installed distribution: importing torch costs ~200 MiB and a second.
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _cmd_version(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps({"fusionllm": _version(), "torch": torch.__version__}))
+        print(json.dumps({"fusionllm": _version(), "torch": _torch_version()}))
     else:
-        print(
-            f"fusionllm {_version()} (torch {torch.__version__}, python {sys.version.split()[0]})"
-        )
+        print(f"fusionllm {_version()} (torch {_torch_version()}, python {sys.version.split()[0]})")
     return 0
 
 

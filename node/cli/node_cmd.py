@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
 
     node_config = _node_config(args)
-    if args.threads:
+    if args.threads and not args.no_train:  # a node that trains nothing never loads torch
         import torch
 
         torch.set_num_threads(args.threads)

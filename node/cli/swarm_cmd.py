@@ -95,7 +95,7 @@ def _device() -> dict:
     """This machine, measured once (cached) and shared by every node: they are one machine."""
     from dataclasses import asdict
 
-    from fusionllm.node.control.node_config import local_device
+    from fusionllm.node.control.probe import local_device
 
     return asdict(local_device(None))
 

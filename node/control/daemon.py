@@ -23,13 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import STDLIB_VOCAB
-from fusionllm.dag.models import gpt2
-from fusionllm.dag.trace import trace
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError, start_client
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import (
@@ -46,7 +41,8 @@ from fusionllm.node.control.bandwidth import (
 )
 from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
-from fusionllm.node.control.node_config import NodeConfig, local_device, software_version
+from fusionllm.node.control.local_facts import learn_local_facts
+from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -107,11 +103,14 @@ class NodeDaemon:
         cfg, settings = self.config, self.settings
         key_pair = load_or_create_identity(cfg.key_path)
         self.peer_id = peer_id_of(key_pair)
-        self.device = cfg.device or local_device(cfg.device_cache)
-        with torch.device("meta"):  # only shapes are needed: allocate nothing, even for xl
-            model = gpt2(settings.run.model, vocab_size=STDLIB_VOCAB)
-        graph = trace(model, (torch.zeros(1, settings.run.seq_len, dtype=torch.long),))
-        costs, node_ids = graph.costs(), tuple(graph.node_ids)
+        facts = learn_local_facts(
+            settings.run.model,
+            settings.run.seq_len,
+            device_cache=cfg.device_cache,
+            measure_device=cfg.device is None,
+        )
+        self.device = cfg.device or facts.device
+        costs, node_ids = facts.costs, facts.costs.node_ids
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
         self._start_network()
         if self.dht.peer_id != self.peer_id:

@@ -3,13 +3,9 @@
 The swarm-wide part (what every node must share) is ``SwarmSettings``; this is the rest.
 """
 
-import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-
-import psutil
-import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import DeviceInfo
@@ -69,22 +65,3 @@ def software_version() -> str:
         return metadata.version("fusionllm")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def local_device(cache: Path | None) -> DeviceInfo:
-    """This machine's device, measured once and cached (a few seconds on first start)."""
-    from fusionllm.node.control.probe import cached_measurement
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
-    measured = cached_measurement(device, cache)
-    return DeviceInfo(
-        name=measured.device_name[:128],
-        kind=device.type,
-        memory_bytes=measured.memory_bytes,
-        flops=measured.flops,
-        memory_bandwidth=measured.memory_bandwidth,
-        op_overhead=measured.op_overhead,
-        cpu_cores=os.cpu_count() or 1,
-        ram_bytes=psutil.virtual_memory().total,
-    )

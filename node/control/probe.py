@@ -19,6 +19,7 @@ import torch
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dht.records import DeviceInfo
 
 logger = get_logger(__name__)
 
@@ -167,3 +168,20 @@ def cached_measurement(
     except OSError as exc:
         logger.warning("could not write probe cache %s: %s", cache_path, exc)
     return measurement
+
+
+def local_device(cache: Path | None) -> DeviceInfo:
+    """This machine's device, measured once and cached (a few seconds on first start)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
+    measured = cached_measurement(device, cache)
+    return DeviceInfo(
+        name=measured.device_name[:128],
+        kind=device.type,
+        memory_bytes=measured.memory_bytes,
+        flops=measured.flops,
+        memory_bandwidth=measured.memory_bandwidth,
+        op_overhead=measured.op_overhead,
+        cpu_cores=os.cpu_count() or 1,
+        ram_bytes=psutil.virtual_memory().total,
+    )

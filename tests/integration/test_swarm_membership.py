@@ -8,6 +8,7 @@ heartbeat, epochs are 2 s. GPT-2 tiny, at most 3 stages of one replica each: the
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,12 @@ def _agreed(nodes, *, members: int, since: float = 0.0, without: str = ""):
     return latest[0] if len({e["digest"] for e in latest}) == 1 else None
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's shared library mapped (it was imported)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in maps
+
+
 def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -> None:
     swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 3, "no-train": True})
     try:
@@ -50,6 +57,9 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         assert len(agreed["backup"]) == NODES - len(serving)
         assert set(agreed["members"]) == {n.peer_id for n in nodes}
         assert {n.last("epoch")["state"] for n in nodes} == {"serving", "backup"}
+        # A node that trains nothing plans without torch (the facts child traced the model).
+        with_torch = [n.name for n in nodes if _maps_torch(n.process.pid)]
+        assert not with_torch, f"torch loaded in the node process of {with_torch}"
 
         # Crash a serving node: SIGKILL, no goodbye.
         # Any serving node; the bootstrap node only if it serves alone (the DHT outlives it:

@@ -19,7 +19,7 @@ from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
-from fusionllm.node.swarm_node import build_workload, parameter_shapes
+from fusionllm.node.swarm_training import build_workload, parameter_shapes
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 from tests.support.memory_transport import MemoryNetwork
 

@@ -14,7 +14,7 @@ from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.train_config import TrainConfig
-from fusionllm.node.swarm_node import build_workload
+from fusionllm.node.swarm_training import build_workload
 from fusionllm.node.training.assignment import Assignment
 from fusionllm.node.training.board import Copy
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState

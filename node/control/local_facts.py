@@ -1,0 +1,73 @@
+"""What a node learns once at start with torch's help, learned in a short-lived child process.
+
+Planning needs the run's model costs (a torch.fx trace) and this machine's device (a timed
+probe, cached on disk). Doing either in the node's process would load torch (~200 MiB RSS,
+measured) into every node, including those that never serve a stage; the child pays for it
+and exits, and the node keeps a few KiB of plain data.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fusionllm.common.errors import FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.dag.graph import GraphCosts, costs_from_json
+from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.children import JsonChild
+
+logger = get_logger(__name__)
+
+_FIRST_PROBE_S = 600.0  # a cold start imports torch and times the device: seconds, not minutes
+
+
+class FactsError(FusionError):
+    """The child that traces the model and probes the device failed or said something else."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalFacts:
+    device: DeviceInfo | None  # None when the caller knew it already
+    costs: GraphCosts
+
+
+def learn_local_facts(
+    model: str,
+    seq_len: int,
+    *,
+    device_cache: Path | None,
+    measure_device: bool,
+    timeout_s: float = _FIRST_PROBE_S,
+) -> LocalFacts:
+    """Run the facts child (node/control/facts_main.py) and check what it says."""
+    argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]
+    argv += ["--model", model, "--seq-len", str(seq_len)]
+    if device_cache is not None:
+        argv += ["--device-cache", str(device_cache)]
+    if not measure_device:
+        argv.append("--no-device")
+    with JsonChild(argv, name="facts") as child:
+        try:
+            reply = child.next_event(timeout_s)
+        except (TimeoutError, EOFError) as exc:
+            raise FactsError(f"the model/device probe gave no answer: {exc}") from exc
+        child.wait(timeout=timeout_s)
+    return parse_facts(reply, measure_device=measure_device)
+
+
+def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:
+    """The child's one JSON line as LocalFacts; FactsError for an error or a malformed reply."""
+    if not isinstance(reply, dict):
+        raise FactsError(f"the model/device probe said {type(reply).__name__}, not a map")
+    if "error" in reply:
+        raise FactsError(f"the model/device probe failed: {str(reply['error'])[:500]}")
+    try:
+        costs = costs_from_json(reply["costs"])
+        raw_device = reply["device"]
+        device = DeviceInfo(**raw_device) if raw_device is not None else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FactsError(f"the model/device probe's reply is malformed: {exc}") from exc
+    if measure_device and device is None:
+        raise FactsError("the model/device probe measured no device")
+    return LocalFacts(device=device, costs=costs)

@@ -1,0 +1,128 @@
+"""The training half of a node: its tensor transport and its trainer, on the daemon's host.
+
+Imported by ``swarm_node.run_node`` only for a node that trains: this is where torch comes in.
+The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView``).
+"""
+
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+
+from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
+from fusionllm.dag import OpGraph, trace
+from fusionllm.dag.models import gpt2
+from fusionllm.dag.planner import Plan
+from fusionllm.dht.records import TrainingProgress
+from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.p2p.framing import FrameHeader
+from fusionllm.node.p2p.transport import TensorSpec, Transport, TransportConfig
+from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.swarm_node import SwarmNodeConfig
+from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
+
+logger = get_logger(__name__)
+
+# Seeded init draws from torch's global generator and torch.fx patches globals while it
+# traces: two builds in one process (tests run several trainers as threads) must not
+# interleave, or their weights differ or a trace breaks.
+_ONE_BUILD_AT_A_TIME = threading.Lock()
+_NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
+
+
+class DaemonView:
+    """What the trainer may see of the daemon (``training.trainer.SwarmView``)."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self._daemon = daemon
+
+    def adopted(self) -> tuple[str, Plan] | None:
+        adopted = self._daemon.adopted
+        return (adopted.digest, adopted.plan) if adopted is not None else None
+
+    def addrs(self, peer: str) -> list[str]:
+        info = self._daemon.members.get(peer)
+        return list(info.addrs) if info is not None else []
+
+    def is_member(self, peer: str) -> bool:
+        return peer in self._daemon.members
+
+    def publish(self, replica: int | None, step: int, loss: float | None, finished: bool) -> None:
+        if loss is not None and not (math.isfinite(loss) and 0 <= loss <= 1e6):
+            loss = None  # a diverged run still reports its step; the record refuses NaN
+        self._daemon.progress = TrainingProgress(replica, step, loss, finished)
+
+    def run_finished(self) -> bool:
+        return self._daemon.run_finished
+
+    def members(self) -> list[str]:
+        return sorted(self._daemon.members)
+
+    def progress(self) -> int:
+        records = list(self._daemon.members.values())
+        return max((i.training.step for i in records if i.training is not None), default=0)
+
+
+def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
+    """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
+    every node (seconds of CPU: done when a node first serves, not at start)."""
+    config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
+    example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
+    with _ONE_BUILD_AT_A_TIME:
+        model = build_model(config)
+        graph = trace(model, (example,), meta=False)
+    return graph, load_dataset(config)
+
+
+def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
+    """Every canonical parameter's shape, from a model that allocates nothing."""
+    with torch.device("meta"):
+        model = gpt2(run.model, vocab_size=STDLIB_VOCAB)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def start_training(
+    config: SwarmNodeConfig, daemon: NodeDaemon, on_event: Callable[[dict], None]
+) -> tuple[Transport, SwarmTrainer]:
+    """The node's transport (admitting only what the trainer expects) and its started trainer."""
+    trainer: SwarmTrainer | None = None
+
+    def expect(header: FrameHeader) -> TensorSpec:
+        return trainer.expect(header) if trainer is not None else _NEVER
+
+    def admit(peer: str) -> bool:
+        return trainer is not None and trainer.admits(peer)
+
+    transport = Transport(
+        TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
+        expect=expect,
+        admit=admit,
+        host=daemon.host,
+    ).start()
+    try:
+        trainer = _trainer(config, daemon, transport, on_event).start()
+    except BaseException:
+        transport.close()
+        raise
+    return transport, trainer
+
+
+def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -> SwarmTrainer:
+    return SwarmTrainer(
+        TrainerConfig(
+            run=config.run,
+            work_dir=config.work_dir,
+            step_timeout_s=config.step_timeout_s,
+            checkpoint_every=config.node.settings.checkpoint_every,
+            checkpoint_pause_s=config.checkpoint_pause_s,
+        ),
+        peer_id=daemon.peer_id,
+        transport=transport,
+        workload=lambda: build_workload(config.run),
+        shapes=parameter_shapes(config.run),
+        view=DaemonView(daemon),
+        on_event=on_event,
+    )

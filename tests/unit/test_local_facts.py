@@ -1,0 +1,88 @@
+"""The facts child: the node plans from its costs and device without importing torch itself."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from fusionllm.common.run_spec import STDLIB_VOCAB
+from fusionllm.dag import trace
+from fusionllm.dag.graph import costs_from_json, costs_to_json
+from fusionllm.dag.models import gpt2
+from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control.local_facts import FactsError, learn_local_facts, parse_facts
+from tests.support.identities import cpu_device
+
+
+def _costs(seq_len: int):
+    with torch.device("meta"):
+        model = gpt2("tiny", vocab_size=STDLIB_VOCAB)
+    return trace(model, (torch.zeros(1, seq_len, dtype=torch.long),)).costs()
+
+
+def test_costs_survive_json_exactly() -> None:
+    costs = _costs(32)
+    assert len(costs.nodes) > 10  # a real graph, not an empty one
+    again = costs_from_json(json.loads(json.dumps(costs_to_json(costs))))
+    assert again == costs
+    assert again.cut_bytes() == costs.cut_bytes()
+
+
+def test_the_child_traces_what_the_node_used_to_trace(tmp_path) -> None:
+    cache = tmp_path / "device.json"
+    facts = learn_local_facts("tiny", 48, device_cache=cache, measure_device=False)
+    assert facts.device is None
+    assert facts.costs == _costs(48)
+    assert not cache.exists()  # told not to measure: it did not
+
+
+def test_the_child_measures_and_caches_the_device(tmp_path) -> None:
+    cache = tmp_path / "device.json"
+    facts = learn_local_facts("tiny", 16, device_cache=cache, measure_device=True)
+    assert isinstance(facts.device, DeviceInfo)
+    assert facts.device.kind == "cpu" and facts.device.flops > 0
+    assert cache.exists()
+
+
+def test_a_failing_child_is_a_typed_error(tmp_path) -> None:
+    with pytest.raises(FactsError, match="no-such-model|unknown|model"):
+        learn_local_facts("no-such-model", 16, device_cache=None, measure_device=False)
+
+
+@pytest.mark.parametrize(
+    ("reply", "match"),
+    [
+        ([], "not a map"),
+        ({"error": "RuntimeError: boom"}, "boom"),
+        ({"device": None}, "malformed"),
+        ({"device": None, "costs": {"nodes": "x"}}, "malformed"),
+        ({"device": {"name": "x"}, "costs": costs_to_json(_costs(8))}, "malformed"),
+        ({"device": None, "costs": costs_to_json(_costs(8))}, "measured no device"),
+    ],
+)
+def test_malformed_replies_are_refused(reply, match) -> None:
+    with pytest.raises(FactsError, match=match):
+        parse_facts(reply, measure_device=True)
+
+
+def test_a_good_reply_parses() -> None:
+    device = cpu_device()
+    reply = {"device": asdict(device), "costs": costs_to_json(_costs(8))}
+    facts = parse_facts(json.loads(json.dumps(reply)), measure_device=True)
+    assert facts.device == device and facts.costs == _costs(8)
+
+
+def test_planning_imports_no_torch() -> None:
+    # A fresh interpreter: the node's daemon and CLI import the planner, not torch.
+    code = (
+        "import sys\n"
+        "import fusionllm.node.cli.main, fusionllm.node.swarm_node\n"
+        "import fusionllm.node.control.daemon, fusionllm.dag.planner\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
