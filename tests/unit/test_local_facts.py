@@ -43,12 +43,13 @@ def test_the_child_measures_and_caches_the_device(tmp_path) -> None:
     cache = tmp_path / "device.json"
     facts = learn_local_facts("tiny", 16, device_cache=cache, measure_device=True)
     assert isinstance(facts.device, DeviceInfo)
-    assert facts.device.kind == "cpu" and facts.device.flops > 0
+    assert facts.device.kind == "cpu"
+    assert facts.device.flops > 0
     assert cache.exists()
 
 
 def test_a_failing_child_is_a_typed_error(tmp_path) -> None:
-    with pytest.raises(FactsError, match="no-such-model|unknown|model"):
+    with pytest.raises(FactsError, match="no-such-model"):
         learn_local_facts("no-such-model", 16, device_cache=None, measure_device=False)
 
 
@@ -72,7 +73,8 @@ def test_a_good_reply_parses() -> None:
     device = cpu_device()
     reply = {"device": asdict(device), "costs": costs_to_json(_costs(8))}
     facts = parse_facts(json.loads(json.dumps(reply)), measure_device=True)
-    assert facts.device == device and facts.costs == _costs(8)
+    assert facts.device == device
+    assert facts.costs == _costs(8)
 
 
 def test_planning_imports_no_torch() -> None:
