@@ -3,23 +3,30 @@
 Planning needs the run's model costs (a torch.fx trace) and this machine's device (a timed
 probe, cached on disk). Doing either in the node's process would load torch (~200 MiB RSS,
 measured) into every node, including those that never serve a stage; the child pays for it
-and exits, and the node keeps a few KiB of plain data.
+and exits, and the node keeps a few KiB of plain data. The costs are cached on disk beside the
+device measurement, per model, sequence length and versions: a node whose device is known
+(cached by the child, or given) starts with no child at all.
 """
 
+import json
+import re
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
-from fusionllm.dag.graph import GraphCosts, costs_from_json
+from fusionllm.dag.graph import GraphCosts, costs_from_json, costs_to_json
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.children import JsonChild
 
 logger = get_logger(__name__)
 
 _FIRST_PROBE_S = 600.0  # a cold start imports torch and times the device: seconds, not minutes
+_COSTS_FORMAT = 1
 
 
 class FactsError(FusionError):
@@ -39,6 +46,48 @@ def learn_local_facts(
     device_cache: Path | None,
     measure_device: bool,
     timeout_s: float = _FIRST_PROBE_S,
+) -> LocalFacts:
+    """The model's costs (cached) and, if ``measure_device``, this machine's device."""
+    cache_dir = device_cache.parent if device_cache else Path.home() / ".cache" / "fusionllm"
+    costs_path = cache_dir / costs_file_name(model, seq_len)
+    cached = _read_costs(costs_path)
+    if cached is not None and not measure_device:
+        return LocalFacts(device=None, costs=cached)
+    facts = _ask_child(model, seq_len, device_cache, measure_device, timeout_s)
+    if cached is None:
+        try:
+            write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
+        except OSError as exc:
+            logger.warning("could not cache the model's costs in %s: %s", costs_path, exc)
+    return facts
+
+
+def costs_file_name(model: str, seq_len: int) -> str:
+    """One file per model, sequence length, and the versions that could change a trace."""
+    versions = f"fusionllm{_version('fusionllm')}-torch{_version('torch')}"
+    name = f"costs-v{_COSTS_FORMAT}-{model}-{seq_len}-{versions}.json"
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _read_costs(path: Path) -> GraphCosts | None:
+    if not path.exists():
+        return None
+    try:
+        return costs_from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("ignoring an unreadable costs cache %s: %s", path, exc)
+        return None
+
+
+def _ask_child(
+    model: str, seq_len: int, device_cache: Path | None, measure_device: bool, timeout_s: float
 ) -> LocalFacts:
     """Run the facts child (node/control/facts_main.py) and check what it says."""
     argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]

@@ -13,6 +13,7 @@ from fusionllm.dag import trace
 from fusionllm.dag.graph import costs_from_json, costs_to_json
 from fusionllm.dag.models import gpt2
 from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control import local_facts
 from fusionllm.node.control.local_facts import FactsError, learn_local_facts, parse_facts
 from tests.support.identities import cpu_device
 
@@ -88,3 +89,28 @@ def test_planning_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_costs_are_cached_so_a_known_device_needs_no_child(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "device.json"
+    first = learn_local_facts("tiny", 24, device_cache=cache, measure_device=False)
+    costs_file = tmp_path / local_facts.costs_file_name("tiny", 24)
+    assert costs_file.exists()
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("the cached costs should have been used")
+
+    monkeypatch.setattr(local_facts, "_ask_child", no_child)
+    again = learn_local_facts("tiny", 24, device_cache=cache, measure_device=False)
+    assert again.costs == first.costs
+    with pytest.raises(AssertionError, match="cached costs"):  # other lengths are not cached
+        learn_local_facts("tiny", 25, device_cache=cache, measure_device=False)
+
+
+def test_a_damaged_costs_cache_is_ignored_and_rewritten(tmp_path) -> None:
+    cache = tmp_path / "device.json"
+    costs_file = tmp_path / local_facts.costs_file_name("tiny", 20)
+    costs_file.write_text('{"nodes": [{"node_id": "x"}]}')
+    facts = learn_local_facts("tiny", 20, device_cache=cache, measure_device=False)
+    assert facts.costs == _costs(20)
+    assert costs_from_json(json.loads(costs_file.read_text())) == _costs(20)
