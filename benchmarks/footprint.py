@@ -1,6 +1,6 @@
 """Where a node's memory and CPU go: imports, an idle node's processes, a training node's.
 
-    python benchmarks/footprint.py [--idle-s 20] [--steps 120] [--json PATH]
+    python benchmarks/footprint.py [--idle-s 20] [--steps 400] [--model tiny] [--json PATH]
 
 1. imports: RSS and CPU seconds of a fresh interpreter after each import, alone (python,
    py-libp2p, torch, hivemind, and the modules `fusionllm node` loads).
@@ -114,8 +114,8 @@ def stage_needs(model: str, run: dict, ranges: list[list[int]], stage: int) -> d
     }
 
 
-def bench_training(root: Path, steps: int, sample_s: float) -> list[dict]:
-    run = {"steps": steps, "seq-len": 64, "micro-batch-size": 8, "micro-batches": 8}
+def bench_training(root: Path, model: str, steps: int, sample_s: float) -> list[dict]:
+    run = {"model": model, "steps": steps, "seq-len": 64, "micro-batch-size": 8, "micro-batches": 8}
     extra = {**run, "min-stages": 2, "max-stages": 2, "max-replicas": 1, "threads": 1, **CALM}
     root.mkdir()
     swarm = LocalSwarm(root, extra=extra)
@@ -135,7 +135,7 @@ def bench_training(root: Path, steps: int, sample_s: float) -> list[dict]:
             serving = node.last("epoch")["state"] == "serving" and plan is not None
             row = {"node": node.name, "serving": serving, "processes": usage[node.name]}
             if serving:
-                row.update(stage_needs("tiny", run, plan["ranges"], plan["stage"]))
+                row.update(stage_needs(model, run, plan["ranges"], plan["stage"]))
                 row["stage"] = plan["stage"]
             rows.append(row)
         return rows
@@ -155,6 +155,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=20.0, help="idle sample, s (%(default)s)")
     parser.add_argument("--steps", type=int, default=400, help="training run (%(default)s)")
+    parser.add_argument("--model", default="tiny", help="GPT-2 size that trains (%(default)s)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     imports = bench_imports()
@@ -165,8 +166,8 @@ def main() -> int:
         idle = bench_idle(Path(workdir) / "idle", args.idle_s)
         print(f"\nan idle node (--no-train, alone), over {args.idle_s:g} s: RSS, CPU % of a core")
         _print_tree(idle)
-        training = bench_training(Path(workdir) / "train", args.steps, args.idle_s / 2)
-    print("\nthree training nodes (GPT-2 tiny, 2 stages, 8 x 8 x 64 tokens per step)")
+        training = bench_training(Path(workdir) / "train", args.model, args.steps, args.idle_s / 2)
+    print(f"\nthree training nodes (GPT-2 {args.model}, 2 stages, 8 x 8 x 64 tokens per step)")
     for row in training:
         what = f"stage {row['stage']}" if row["serving"] else "backup"
         print(f"  {row['node']} ({what})")
