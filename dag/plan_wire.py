@@ -6,6 +6,7 @@ types, lengths and finiteness, else ``PlanWireError`` (a ConfigError).
 """
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -41,13 +42,12 @@ def plan_from_json(data: bytes) -> Plan:
 def _build(cls: type, wire: Any, where: str) -> Any:
     if not isinstance(wire, dict):
         raise PlanWireError(f"{where} must be an object")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields, hints = _schema(cls)
     if set(wire) != set(fields):
         raise PlanWireError(
             f"{where}: missing {sorted(set(fields) - set(wire))}, "
             f"unexpected {sorted(set(wire) - set(fields))[:5]}"
         )
-    hints = typing.get_type_hints(cls)
     values = {name: _value(hints[name], wire[name], f"{where}.{name}") for name in fields}
     try:
         return cls(**values)
@@ -55,8 +55,14 @@ def _build(cls: type, wire: Any, where: str) -> Any:
         raise PlanWireError(f"{where}: {exc}") from exc
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[frozenset[str], dict[str, Any]]:
+    """A dataclass's field names and resolved hints: resolving them is most of a parse's cost,
+    and every node parses every member's proposal each epoch."""
+    return frozenset(f.name for f in dataclasses.fields(cls)), typing.get_type_hints(cls)
+
+
 def _value(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
     if hint is int:
         if not isinstance(value, int) or isinstance(value, bool) or abs(value) > 1 << 62:
             raise PlanWireError(f"{where} must be an integer")
@@ -75,7 +81,7 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str) or len(value) > _MAX_STR:
             raise PlanWireError(f"{where} must be a string of at most {_MAX_STR} characters")
         return value
-    if origin is tuple:
+    if typing.get_origin(hint) is tuple:
         if not isinstance(value, list) or len(value) > _MAX_ITEMS:
             raise PlanWireError(f"{where} must be a list of at most {_MAX_ITEMS} items")
         (item, ellipsis) = typing.get_args(hint)
