@@ -2,6 +2,7 @@
 one request, never the pipe; a dead worker or a dead reader gets the worker restarted.
 Plus the worker's pure cap on what a get returns and the tagged wire."""
 
+import asyncio
 import io
 import struct
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.wire import MessageError, read_tagged, write_message
-from fusionllm.dht.worker import ReplyLimits, _serve_requests, cap_entries
+from fusionllm.dht.serve import ReplyLimits, cap_entries, serve_requests
 
 FAKE_WORKER = (sys.executable, str(Path(__file__).parents[1] / "support" / "fake_dht_worker.py"))
 LIMIT = 1 << 16
@@ -204,18 +205,19 @@ def test_close_during_a_restart_stops_the_new_worker():
 # ----------------------------------------------------------------------------- the worker's loop
 
 
-class FakeDht:
-    """hivemind.DHT as the worker uses it: 50 entries of 1 KB under any key, long maddrs."""
+class FakeNode:
+    """hivemind's DHTNode as the worker uses it: 50 entries of 1 KB under any key, long
+    maddrs."""
 
-    def get(self, key, latest):
+    async def get(self, key, *, latest):
         entries = {f"s{i}": SimpleNamespace(value=bytes(1000), expiration_time=float(i))
                    for i in range(50)}  # fmt: skip
         return SimpleNamespace(value=entries)
 
-    def get_visible_maddrs(self, latest):
+    async def get_visible_maddrs(self, *, latest):
         return ["/ip4/10.0.0.1/tcp/4001/" + "x" * 100] * 2000  # ~250 KB of addresses
 
-    def store(self, key, value, expiration, subkey):
+    async def store(self, key, value, expiration_time, *, subkey):
         return True
 
 
@@ -226,17 +228,13 @@ def _serve(requests: list[dict], limits: ReplyLimits) -> dict[int, dict]:
     write_message(inbound, {"op": "stop"})
     inbound.seek(0)
     outbound = io.BytesIO()
-    _serve_requests(FakeDht(), inbound, outbound, limits)
-    deadline = time.monotonic() + 10
-    while True:  # handlers run on their own threads: wait for every reply
-        replies, stream = {}, io.BytesIO(outbound.getvalue())
-        while stream.tell() < len(stream.getvalue()):
-            tag, reply = read_tagged(stream)
-            replies[tag] = reply
-        if len(replies) == len(requests):
-            return replies
-        assert time.monotonic() < deadline, replies
-        time.sleep(0.01)
+    asyncio.run(serve_requests(FakeNode(), inbound, outbound, limits))
+    # It returns once every reply is written (requests in flight at "stop" may finish).
+    replies, stream = {}, io.BytesIO(outbound.getvalue())
+    while stream.tell() < len(stream.getvalue()):
+        tag, reply = read_tagged(stream)
+        replies[tag] = reply
+    return replies
 
 
 def test_worker_caps_a_get_and_fails_only_a_reply_too_large():
