@@ -54,9 +54,9 @@ async def start_node(config: dict[str, Any]) -> Any:
         client_mode=bool(config["client_mode"]),
         record_validator=CompositeValidator(validators),
         wait_timeout=float(config["wait_timeout_s"]),
-        # Our gets ask for the latest value and always search the swarm, so refreshing the
-        # local cache in the background before an entry expires only costs traffic.
-        cache_refresh_before_expiry=float(config.get("cache_refresh_before_expiry_s", 5.0)),
+        # Our gets ask for the latest value, so they always search the swarm: refreshing the
+        # local cache in the background before an entry expires only adds traffic.
+        cache_refresh_before_expiry=0,
     )
 
 
