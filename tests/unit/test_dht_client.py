@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
-from fusionllm.dht.wire import MessageError, read_tagged, write_message
 from fusionllm.dht.serve import MAX_CONCURRENT, ReplyLimits, cap_entries, serve_requests
+from fusionllm.dht.wire import MessageError, read_tagged, write_message
 
 FAKE_WORKER = (sys.executable, str(Path(__file__).parents[1] / "support" / "fake_dht_worker.py"))
 LIMIT = 1 << 16
