@@ -264,7 +264,7 @@ def _format_roles(by_role: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
-    # Slower than the tests' timing: 16 nodes are 64 processes on this 2-core machine.
+    # Slower than the tests' timing: 16 nodes are 48 processes on this 2-core machine.
     parser.add_argument("--heartbeat", type=float, default=2.0, help="s (default: %(default)s)")
     parser.add_argument("--ttl", type=float, default=8.0, help="s (default: %(default)s)")
     parser.add_argument("--epoch", type=float, default=4.0, help="s (default: %(default)s)")
