@@ -65,6 +65,7 @@ class WorkerProcess:
         self._pending: dict[int, Future] = {}
         self._tags = itertools.count(1)
         self._stopping = False
+        self._group_killed = False
         self.exited = threading.Event()  # the reader has ended: no reply will come any more
         self.pid = 0
 
@@ -142,8 +143,10 @@ class WorkerProcess:
         process = self._process
         if process is None:
             return
-        with contextlib.suppress(OSError):  # none left: the group is gone
-            os.killpg(self.pid, signal.SIGKILL)
+        if not self._group_killed:  # once, while the group id is surely still ours
+            self._group_killed = True
+            with contextlib.suppress(OSError):  # none left: the group is gone
+                os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
