@@ -1,10 +1,11 @@
 """The control plane on loopback: agreement time, DHT latency, gossip latency/loss, idle cost.
 
-    python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S] [--json P]
+    python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S]
+                                       [--idle-seconds S] [--json P]
 
-For each swarm size N, starts N real ``fusionllm node`` processes (every node is 4 processes:
-the node, its DHT worker, hivemind's DHT process and its Go daemon), bootstrapped from the
-first, and measures:
+For each swarm size N, starts N real ``fusionllm node`` processes (every node is 3 processes:
+the node, its DHT worker, which runs hivemind's DHT node on its own event loop, and the
+worker's child, hivemind's Go daemon p2pd), bootstrapped from the first, and measures:
 
 - agree: seconds from launching nodes 2..N (the first already up) until all N adopted the
   same plan with N members; "after ready" counts from the moment the last node was ready
@@ -14,13 +15,16 @@ first, and measures:
 - gossip: a publisher and a receiver host connected only to swarm nodes (never to each
   other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
   (median, p90) and loss;
-- idle: CPU % and RSS of each node's process tree (node, DHT worker, hivemind's DHT process
-  and its Go daemon) over 10 s after agreement, medians over nodes;
+- idle: over ``--idle-seconds`` after agreement, each node's whole process tree as it is
+  then (found by walking its children, so a process the design did not expect is counted
+  too): processes, CPU % (CPU time over wall time) and RSS, summed per node, medians over
+  nodes; and the same per role (node, dht-worker, p2pd, any other by name) on a line below;
 - replan: SIGKILL a serving node; seconds until every survivor adopted one plan without it
   (the record expiry, the TTL, dominates).
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -141,22 +145,58 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
     }
 
 
-def _idle(nodes, seconds: float = 10.0) -> dict:
-    trees = []
-    for node in nodes:
-        root = psutil.Process(node.process.pid)
-        trees.append([root, *root.children(recursive=True)])
-    for tree in trees:
-        for proc in tree:
-            proc.cpu_percent(None)
+def _role(proc: psutil.Process, root: psutil.Process) -> str:
+    if proc.pid == root.pid:
+        return "node"
+    if "fusionllm.dht.worker" in proc.cmdline():
+        return "dht-worker"
+    return proc.name()  # "p2pd", or something unexpected, named as it is
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def _tree(pid: int) -> list[tuple[str, psutil.Process, float]]:
+    """(role, process, CPU seconds so far) of every process of the node at ``pid``."""
+    root = psutil.Process(pid)
+    tree = []
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # one that just exited is not the node's
+            tree.append((_role(proc, root), proc, _cpu_s(proc)))
+    return tree
+
+
+def _idle(nodes, seconds: float) -> dict:
+    """Per node: its process tree's count, CPU % over ``seconds`` and RSS (see the docstring)."""
+    trees = [_tree(node.process.pid) for node in nodes]
+    started = time.monotonic()
     time.sleep(seconds)
-    cpu, rss = [], []
+    elapsed = time.monotonic() - started
+    per_node: list[dict[str, tuple[float, float]]] = []
     for tree in trees:
-        cpu.append(sum(p.cpu_percent(None) for p in tree if p.is_running()))
-        rss.append(sum(p.memory_info().rss for p in tree if p.is_running()))
+        usage: dict[str, tuple[float, float]] = {}
+        for role, proc, cpu_before in tree:
+            try:
+                cpu, rss = 100 * (_cpu_s(proc) - cpu_before) / elapsed, proc.memory_info().rss
+            except psutil.Error:  # it exited meanwhile: not part of the idle node
+                continue
+            was = usage.get(role, (0.0, 0.0))
+            usage[role] = (was[0] + cpu, was[1] + rss / 2**20)
+        per_node.append(usage)
+    roles = sorted({role for usage in per_node for role in usage})
     return {
-        "idle_cpu_percent": statistics.median(cpu),
-        "idle_rss_mib": statistics.median(rss) / 2**20,
+        "idle_processes": statistics.median(len(tree) for tree in trees),
+        "idle_cpu_percent": statistics.median(sum(c for c, _ in u.values()) for u in per_node),
+        "idle_rss_mib": statistics.median(sum(r for _, r in u.values()) for u in per_node),
+        "idle_by_role": {
+            role: {
+                "cpu_percent": statistics.median(u.get(role, (0.0, 0.0))[0] for u in per_node),
+                "rss_mib": statistics.median(u.get(role, (0.0, 0.0))[1] for u in per_node),
+            }
+            for role in roles
+        },
     }
 
 
@@ -179,7 +219,7 @@ def _replan_after_crash(nodes) -> dict:
     return {"replan_s": max(e["t"] for e in events) - killed_at}
 
 
-def run(sizes: list[int], timing: dict) -> list[dict]:
+def run(sizes: list[int], timing: dict, idle_seconds: float) -> list[dict]:
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -192,14 +232,17 @@ def run(sizes: list[int], timing: dict) -> list[dict]:
                 nodes = list(swarm.nodes)
                 row.update(_dht_latency(nodes[0].dht_addr))
                 row.update(_gossip(nodes, root))
-                row.update(_idle(nodes))
+                row.update(_idle(nodes, idle_seconds))
                 row.update(_replan_after_crash(nodes))
             except AssertionError as exc:  # a swarm too big for this machine: say so, go on
                 row = {"nodes": n, "failed": str(exc)}
             finally:
                 swarm.close()
         rows.append(row)
-        print(_format_row(row) if "failed" not in row else f"{n:>5} {row['failed']}", flush=True)
+        if "failed" in row:
+            print(f"{n:>5} {row['failed']}", flush=True)
+        else:
+            print(_format_row(row), _format_roles(row["idle_by_role"]), sep="\n", flush=True)
     return rows
 
 
@@ -208,20 +251,27 @@ def _format_row(r: dict) -> str:
         f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
         f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
         f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {r['idle_cpu_percent']:>8.1f} "
-        f"{r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
+        f"{r['idle_rss_mib']:>8.0f} {r['idle_processes']:>6.0f} {r['replan_s']:>9.1f}"
     )
+
+
+def _format_roles(by_role: dict) -> str:
+    parts = [f"{role} {v['cpu_percent']:.2f}% {v['rss_mib']:.0f} MiB" for role, v in
+             by_role.items()]  # fmt: skip
+    return "      idle per node, by process: " + " | ".join(parts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
-    # Slower than the tests' timing: 16 nodes are 64 processes on this 2-core machine.
+    # Slower than the tests' timing: 16 nodes are 48 processes on this 2-core machine.
     parser.add_argument("--heartbeat", type=float, default=2.0, help="s (default: %(default)s)")
     parser.add_argument("--ttl", type=float, default=8.0, help="s (default: %(default)s)")
     parser.add_argument("--epoch", type=float, default=4.0, help="s (default: %(default)s)")
     parser.add_argument(
         "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
     )
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="s (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     timing = {
@@ -236,10 +286,10 @@ def main() -> int:
         f"epoch {args.epoch} s, probes every {args.probe_interval} s)\n"
         f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
         f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8} "
-        f"{'replan s':>9}",
+        f"{'procs':>6} {'replan s':>9}",
         flush=True,
     )
-    rows = run(args.sizes, timing)
+    rows = run(args.sizes, timing, args.idle_seconds)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -11,9 +11,12 @@ nothing a node imports pulls it in, except validator.py and worker.py (worker-si
 - keys.py:      ``nodes_key``, ``plans_key``, ``check_swarm_name``
 - client.py:    ``DhtClient``, ``DhtConfig``, ``DhtError``: the node's handle on its worker
                 (bounded replies, restarts a dead worker)
-- process.py:   ``WorkerProcess``: one worker process, its pipe and reply reader
+- process.py:   ``WorkerProcess``: one worker process (in its own process group), its pipe
+                and reply reader
 - directory.py: ``SwarmDirectory``: announce / members / propose / proposals, re-verified
-- worker.py:    the worker process (``python -m fusionllm.dht.worker``), hivemind inside
+- worker.py:    the worker process (``python -m fusionllm.dht.worker``): hivemind's DHTNode on
+                its own event loop, and hivemind's Go daemon (p2pd) as its one child
+- serve.py:     the worker's end of the pipe: requests to the DHT node, capped replies
 - validator.py: ``SwarmRecordValidator``, hivemind's record validator for one swarm
 - wire.py:      length-prefixed, tagged msgpack on the node <-> worker pipe
 """

@@ -3,22 +3,27 @@
 A reader thread matches replies to futures by the tag on the wire (dht/wire.py). A reply the
 reader refuses (over ``max_reply_bytes``, or not a msgpack map) fails that one request with
 ``DhtError`` and the reader goes on; only a pipe that ends or loses its framing stops it, and
-then ``on_exit`` tells the owner (DhtClient restarts the worker). hivemind runs the DHT in a
-child of the worker and its Go daemon in a grandchild: they are noted at start and killed with
-the worker, since a worker that dies by SIGKILL cannot take them down itself.
+then ``on_exit`` tells the owner (DhtClient restarts the worker).
+
+The worker runs in a process group of its own, which its child, hivemind's Go daemon (p2pd),
+joins: killing the group kills both, even after the worker died by SIGKILL (which cannot
+take p2pd down itself). The group outlives the worker while p2pd runs, so its id cannot be
+reused meanwhile. Its own group also keeps a terminal's Ctrl-C away from the worker and
+p2pd: the node stops them in order.
 """
 
 import contextlib
 import itertools
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
-
-import psutil
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -56,18 +61,18 @@ class WorkerProcess:
         self._on_exit = on_exit
         self._command = command or (sys.executable, "-m", "fusionllm.dht.worker")
         self._process: subprocess.Popen | None = None
-        self._tree: list[psutil.Process] = []
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._tags = itertools.count(1)
         self._stopping = False
+        self._group_killed = False
         self.exited = threading.Event()  # the reader has ended: no reply will come any more
         self.pid = 0
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn, send the config, wait for the hello; DhtError (and the worker gone) if not ok."""
         self._process = subprocess.Popen(
-            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
         )
         self.pid = self._process.pid
         started: Future = Future()
@@ -89,8 +94,6 @@ class WorkerProcess:
             self.kill()
             error = hello.get("error") if isinstance(hello, dict) else repr(hello)
             raise DhtError(f"the DHT worker failed to start: {error}")
-        with contextlib.suppress(psutil.Error):
-            self._tree = psutil.Process(self.pid).children(recursive=True)
         threading.Thread(target=self._read_replies, name="dht-replies", daemon=True).start()
         threading.Thread(target=self._watch, name="dht-watch", daemon=True).start()
         return hello
@@ -140,15 +143,16 @@ class WorkerProcess:
         process = self._process
         if process is None:
             return
-        for proc in self._tree:
-            with contextlib.suppress(psutil.Error):
-                if proc.is_running():  # also checks the pid was not reused
-                    proc.kill()
+        if not self._group_killed:  # once, while the group id is surely still ours
+            self._group_killed = True
+            with contextlib.suppress(OSError):  # none left: the group is gone
+                os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=_KILL_WAIT_S)
-        psutil.wait_procs(self._tree, timeout=_KILL_WAIT_S)
+        if not _wait_group_gone(self.pid, _KILL_WAIT_S):
+            logger.warning("the DHT worker's processes (group %d) outlived SIGKILL", self.pid)
         for stream in (process.stdin, process.stdout):
             with contextlib.suppress(OSError, ValueError):
                 stream.close()
@@ -210,3 +214,19 @@ class WorkerProcess:
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    """Whether process group ``pgid`` is empty within ``timeout`` (its killed members are
+    reaped by init, not by us)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a member we may not signal: not ours to wait for
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

@@ -12,12 +12,21 @@ return to our gets, and one refused entry drops the whole answer, honest proposa
 proposal lives at most ``max_ttl_s``, so a member we knew while it could have written one is
 still a member for as long as its proposals can be served to us.
 
+hivemind hands the validator the same record many times: once per peer that returns it to a
+get (every replica answers a get for the latest value) and once more as it arrives to be
+stored. Opening an envelope (parse, Ed25519 check) is a pure function of its bytes, so the
+rules remember the envelopes they opened by a digest of those bytes (``OpenedEnvelopes``)
+and open each only once; every other check (expiry, key, swarm, skew, membership) runs
+again each time, against the clock of that moment.
+
 Pure and hivemind-free so unit tests can run it (hivemind and py-libp2p cannot share a
 process): the caller decodes the DHT's subkey and value and says how a key name maps to the
 DHT's key id.
 """
 
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +37,43 @@ from fusionllm.dht.records import MAX_CLOCK_SKEW_S, NodeInfo, RecordError
 
 # Distinct keys remembered at once; beyond it the soonest to expire are forgotten first.
 MAX_KNOWN_MEMBERS = 16384
+# Opened envelopes remembered at once (least recently used forgotten first): a few heartbeats
+# of every member's node record and the current epochs' proposals.
+MAX_OPENED_ENVELOPES = 2048
+
+
+class OpenedEnvelopes:
+    """``open_envelope``, remembered: the same bytes are verified and parsed once.
+
+    Only envelopes that opened are remembered (a refused one is checked again each time, so
+    junk cannot fill this); the key is a SHA-256 of the bytes, so two envelopes share an
+    entry only if they are the same bytes.
+    """
+
+    def __init__(self, limit: int = MAX_OPENED_ENVELOPES) -> None:
+        if limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.opened = 0  # envelopes verified and parsed (cache misses that opened)
+        self._by_digest: OrderedDict[bytes, OpenedRecord] = OrderedDict()
+
+    def open(self, data: object) -> OpenedRecord:
+        if not isinstance(data, bytes):
+            return open_envelope(data)  # refuses it, or a type we do not remember
+        digest = hashlib.sha256(data).digest()
+        found = self._by_digest.get(digest)
+        if found is not None:
+            self._by_digest.move_to_end(digest)
+            return found
+        opened = open_envelope(data)
+        self.opened += 1
+        self._by_digest[digest] = opened
+        if len(self._by_digest) > self.limit:
+            self._by_digest.popitem(last=False)
+        return opened
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
 
 
 @dataclass
@@ -77,13 +123,14 @@ class RecordRules:
         self._nodes_key = nodes_key(swarm)
         self._nodes_key_id = key_id(self._nodes_key)
         self.members = KnownMembers()
+        self.envelopes = OpenedEnvelopes()
 
     def check(
         self, key_id: bytes, subkey: object, value: object, expiration: float
     ) -> OpenedRecord:
         """The opened record if the DHT may keep it; RecordError says why not."""
         now = self._clock()
-        opened = open_envelope(value)
+        opened = self.envelopes.open(value)
         if opened.subkey != subkey:
             raise RecordError("record stored under a subkey it was not signed for")
         if opened.expiration != expiration:

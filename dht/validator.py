@@ -1,7 +1,8 @@
 """hivemind's record validator for a swarm: the rules of record_rules.py, inside the DHT.
 
-Runs inside hivemind's DHT process on every store a peer asks of us and on every record a
-peer returns to our gets; anything ``RecordRules`` refuses is refused here (and counted).
+Runs in the DHT worker, on its DHTNode's event loop, on every store a peer asks of us and on
+every record a peer returns to our gets; anything ``RecordRules`` refuses is refused here
+(and counted).
 Imports hivemind: only the DHT worker process may import this module (hivemind and py-libp2p
 cannot share a process), so the rules live apart and are unit-tested there.
 """

@@ -4,97 +4,94 @@
 
 hivemind and py-libp2p both register a protobuf file named crypto.proto with the same
 symbols, and protobuf refuses the second in one process; so the node (py-libp2p) never
-imports hivemind and talks to this process instead, one request at a time. The worker exits
-when its stdin closes, so a node that dies (even by SIGKILL) takes its DHT down with it.
+imports hivemind and talks to this process instead (dht/serve.py is this end of the pipe).
+
+The worker runs hivemind's ``DHTNode`` on its own event loop, not ``hivemind.DHT`` (which
+forks one more process to run the same ``DHTNode`` behind an mp pipe): a node's DHT is this
+process and hivemind's Go daemon (p2pd), its child. The worker exits when its stdin closes,
+so a node that dies (even by SIGKILL) takes its DHT down with it; on the way out it stops
+p2pd, and kills any child still left (a daemon whose start was cut short). A worker killed by
+SIGKILL cannot do that: its client kills its process group (dht/process.py).
 """
 
+import asyncio
 import contextlib
 import os
 import sys
-import threading
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import msgpack
+import psutil
 
 from fusionllm.common.logs import configure_logging, get_logger
-from fusionllm.dht.wire import (
-    MAX_MESSAGE_BYTES,
-    MessageError,
-    PipeClosedError,
-    read_message,
-    read_tagged,
-    write_message,
-)
+from fusionllm.dht.serve import ReplyLimits, serve_requests
+from fusionllm.dht.wire import MAX_MESSAGE_BYTES, read_message, write_message
 
 logger = get_logger(__name__)
 
-_MAX_CONCURRENT = 8
-# The reply map around a get's items ("ok", "items", "dropped") and msgpack's array header.
-_REPLY_OVERHEAD_BYTES = 1024
+_SHUTDOWN_S = 10.0
+_CHILD_EXIT_S = 3.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReplyLimits:
-    """What one reply may carry; the client refuses a reply over ``max_reply_bytes``."""
+async def start_node(config: dict[str, Any]) -> Any:
+    """hivemind's DHTNode with this worker's config, its p2pd started, peers joined."""
+    # Here, not at the top: the node's processes import serve.py and this module's
+    # neighbours, and must never import hivemind (see the module docstring).
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.validation import CompositeValidator
 
-    max_entries: int
-    max_reply_bytes: int
+    from fusionllm.dht.validator import SwarmRecordValidator
 
-    def __post_init__(self) -> None:
-        if self.max_entries < 1 or self.max_reply_bytes <= _REPLY_OVERHEAD_BYTES:
-            raise ValueError(f"bad reply limits: {self}")
-
-
-def cap_entries(entries: list[list[Any]], limits: ReplyLimits) -> tuple[list[list[Any]], int]:
-    """The freshest [subkey, value, expiration] entries that fit ``limits``; and how many not.
-
-    Freshest first, since a key's live records are the recently refreshed ones; an entry too
-    big to fit is skipped, so one huge value cannot hide the small ones after it.
-    """
-
-    def expiration(entry: list[Any]) -> float:
-        value = entry[2]
-        return float(value) if isinstance(value, int | float) else float("-inf")
-
-    budget = limits.max_reply_bytes - _REPLY_OVERHEAD_BYTES
-    kept: list[list[Any]] = []
-    for entry in sorted(entries, key=expiration, reverse=True):
-        if len(kept) == limits.max_entries:
-            break
-        try:
-            size = len(msgpack.packb(entry, use_bin_type=True))
-        except (TypeError, ValueError, OverflowError):
-            continue  # hivemind handed us something msgpack cannot carry
-        if size <= budget:
-            kept.append(entry)
-            budget -= size
-    return kept, len(entries) - len(kept)
-
-
-def _serve(dht: Any, message: dict[str, Any], limits: ReplyLimits) -> dict[str, Any]:
-    op = message.get("op")
-    if op == "store":
-        ok = dht.store(
-            message["key"],
-            message["value"],
-            float(message["expiration"]),
-            subkey=message["subkey"],
+    validators = []
+    if config.get("validate_records", True):
+        validators.append(
+            SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]))
         )
-        return {"stored": bool(ok)}
-    if op == "get":
-        found = dht.get(message["key"], latest=bool(message.get("latest", True)))
-        entries = []
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                entries.append([subkey, item.value, item.expiration_time])
-        items, dropped = cap_entries(entries, limits)
-        if dropped:
-            logger.info("get %r: kept %d entries, dropped %d", message["key"], len(items), dropped)
-        return {"items": items, "dropped": dropped}
-    if op == "maddrs":
-        return {"maddrs": [str(m) for m in dht.get_visible_maddrs(latest=True)]}
-    raise ValueError(f"unknown op {op!r}")
+    return await DHTNode.create(
+        initial_peers=config["initial_peers"] or None,
+        host_maddrs=[config["listen"]],
+        identity_path=config["identity_path"],
+        check_if_identity_free=False,
+        client_mode=bool(config["client_mode"]),
+        record_validator=CompositeValidator(validators),
+        wait_timeout=float(config["wait_timeout_s"]),
+        # Our gets ask for the latest value, so they always search the swarm: refreshing the
+        # local cache in the background before an entry expires only adds traffic.
+        cache_refresh_before_expiry=0,
+    )
+
+
+async def run(config: dict[str, Any], channel_in: BinaryIO, channel_out: BinaryIO) -> None:
+    """Start the node, say hello (or why not), serve until stdin closes, stop the node."""
+    try:
+        node = await start_node(config)
+    except Exception as exc:
+        logger.debug("the DHT node did not start", exc_info=True)
+        write_message(channel_out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    try:
+        maddrs = [str(m) for m in await node.get_visible_maddrs()]
+        write_message(channel_out, {"ok": True, "peer_id": node.peer_id.to_base58(),
+                                    "maddrs": maddrs})  # fmt: skip
+        limits = ReplyLimits(
+            max_entries=int(config.get("max_entries_per_key", 1024)),
+            max_reply_bytes=int(config.get("max_reply_bytes", MAX_MESSAGE_BYTES)),
+        )
+        await serve_requests(node, channel_in, channel_out, limits)
+    finally:
+        try:
+            await asyncio.wait_for(node.shutdown(), _SHUTDOWN_S)  # stops p2pd, waits for it
+        except Exception:
+            logger.warning("the DHT node did not shut down cleanly", exc_info=True)
+
+
+def kill_children() -> list[int]:
+    """Kill whatever this process started that is still running; their pids."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=_CHILD_EXIT_S)
+    return [child.pid for child in children]
 
 
 def main() -> None:
@@ -105,83 +102,18 @@ def main() -> None:
     channel_in = sys.stdin.buffer
     config = read_message(channel_in)
     configure_logging(config.get("log_level", "WARNING"))
-    import hivemind
-
-    from fusionllm.dht.validator import SwarmRecordValidator
+    # p2pd (Go) inherits this environment. It carries only small DHT RPCs: one scheduler
+    # thread serves them, and measured ~20% less idle CPU in a 4-node swarm than one per core.
+    os.environ.setdefault("GOMAXPROCS", "1")
+    import uvloop  # hivemind's own choice of loop for its DHT (and one of its dependencies)
 
     try:
-        dht = hivemind.DHT(
-            initial_peers=config["initial_peers"] or None,
-            host_maddrs=[config["listen"]],
-            identity_path=config["identity_path"],
-            check_if_identity_free=False,
-            client_mode=bool(config["client_mode"]),
-            record_validators=[
-                SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]))
-            ]
-            if config.get("validate_records", True)
-            else [],
-            wait_timeout=float(config["wait_timeout_s"]),
-            start=True,
-        )
-    except Exception as exc:
-        write_message(channel_out, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        return
-    try:
-        maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        write_message(channel_out, {"ok": True, "peer_id": dht.peer_id.to_base58(),
-                                    "maddrs": maddrs})  # fmt: skip
-        limits = ReplyLimits(
-            max_entries=int(config.get("max_entries_per_key", 1024)),
-            max_reply_bytes=int(config.get("max_reply_bytes", MAX_MESSAGE_BYTES)),
-        )
-        _serve_requests(dht, channel_in, channel_out, limits)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(run(config, channel_in, channel_out))
     finally:
-        dht.shutdown()
-
-
-def _serve_requests(
-    dht: Any, channel_in: BinaryIO, channel_out: BinaryIO, limits: ReplyLimits
-) -> None:
-    """Answer requests until stdin closes or a "stop" arrives."""
-    write_lock = threading.Lock()
-    slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
-
-    def reply(tag: int, answer: dict[str, Any]) -> None:
-        with write_lock, contextlib.suppress(OSError, ValueError):
-            try:
-                write_message(channel_out, answer, tag=tag, max_bytes=limits.max_reply_bytes)
-            except MessageError as exc:  # fails this request, not the pipe
-                error = {"ok": False, "error": f"reply too large: {exc}"}
-                write_message(channel_out, error, tag=tag)
-
-    def handle(tag: int, message: dict[str, Any]) -> None:
-        try:
-            answer = {"ok": True, **_serve(dht, message, limits)}
-        except Exception as exc:
-            logger.debug("DHT request failed", exc_info=True)
-            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            slots.release()
-        reply(tag, answer)
-
-    # Requests run concurrently (hivemind's DHT handle is thread-safe): a heartbeat
-    # store must not wait behind a get that is waiting on a dead peer.
-    while True:
-        try:
-            tag, message = read_tagged(channel_in)
-        except PipeClosedError:
-            return
-        except MessageError as exc:
-            reply(exc.tag, {"ok": False, "error": str(exc)})
-            continue
-        if not isinstance(message, dict):
-            reply(tag, {"ok": False, "error": "request is not a map"})
-            continue
-        if message.get("op") == "stop":
-            return
-        slots.acquire()
-        threading.Thread(target=handle, args=(tag, message), daemon=True).start()
+        left = kill_children()
+        if left:
+            logger.warning("killed %d processes the DHT node left running: %s", len(left), left)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""The real DHT worker (hivemind inside): a get is capped to the configured entries, and a
-client whose worker is killed restarts it and serves requests again, same peer id."""
+"""The real DHT worker (hivemind inside): one process and hivemind's Go daemon (p2pd), no
+more; a get is capped to the configured entries; a client whose worker is killed restarts it
+and serves requests again, same peer id, and no p2pd of the killed worker is left; a worker
+whose stdin closes stops its p2pd; and a p2pd whose worker dies with no client left to clean
+up exits by itself."""
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
+from fusionllm.dht.wire import read_message, write_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -18,6 +25,32 @@ def _wait(condition, deadline_s: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"{what} not within {deadline_s}s"
         time.sleep(0.1)
+
+
+def _gone(procs: list[psutil.Process], deadline_s: float = 10.0) -> bool:
+    """All exited within the deadline (init reaps them: they are not our children)."""
+    deadline = time.monotonic() + deadline_s
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _bare_worker(tmp_path) -> tuple[subprocess.Popen, psutil.Process]:
+    """A worker with no DhtClient (nobody to kill its process group): it and its p2pd."""
+    config = DhtConfig(swarm="bare", identity_path=tmp_path / "key", validate_records=False)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "fusionllm.dht.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    write_message(worker.stdin, config.worker_config())
+    assert read_message(worker.stdout)["ok"] is True
+    [p2pd] = psutil.Process(worker.pid).children(recursive=True)
+    assert p2pd.name() == "p2pd"
+    return worker, p2pd
 
 
 def _serves(client: DhtClient) -> bool:
@@ -44,7 +77,8 @@ def test_worker_caps_entries_and_comes_back_after_it_is_killed(tmp_path):
         assert sorted(subkey for subkey, _value, _expiration in items) == ["s3", "s4", "s5"]
 
         worker = psutil.Process(client.worker_pid)
-        tree = worker.children(recursive=True)  # hivemind's DHT process and its Go daemon
+        tree = worker.children(recursive=True)
+        assert [proc.name() for proc in tree] == ["p2pd"]  # no forked DHT process
         peer_id = client.peer_id
         os.kill(worker.pid, signal.SIGKILL)
         _wait(lambda: client.restarts == 1, 60, "restart")
@@ -52,6 +86,34 @@ def test_worker_caps_entries_and_comes_back_after_it_is_killed(tmp_path):
         assert client.peer_id == peer_id
         assert client.worker_pid not in (0, worker.pid)
         # What the killed worker had started went down with it (killed by the client).
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        assert alive == []
+        assert _gone(tree)
+        new_tree = psutil.Process(client.worker_pid).children(recursive=True)
+        assert [proc.name() for proc in new_tree] == ["p2pd"]
     assert client.worker_pid == 0
+
+
+def test_worker_whose_stdin_closes_exits_and_stops_its_p2pd(tmp_path):
+    worker, p2pd = _bare_worker(tmp_path)
+    try:
+        worker.stdin.close()  # its node died
+        assert worker.wait(timeout=30) == 0
+        assert _gone([p2pd])
+    finally:
+        worker.kill()
+        worker.wait()
+        worker.stdout.close()
+
+
+def test_p2pd_exits_by_itself_when_its_worker_is_killed_and_nobody_cleans_up(tmp_path):
+    # The node and its worker both killed at once (the OOM killer): p2pd loses its control
+    # connection, and its next log line, on the dead worker's pipe, ends it (SIGPIPE).
+    worker, p2pd = _bare_worker(tmp_path)
+    try:
+        worker.kill()
+        worker.wait()
+        assert _gone([p2pd], deadline_s=20)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p2pd.kill()  # only if the test failed: never leave it running
+        worker.stdin.close()
+        worker.stdout.close()

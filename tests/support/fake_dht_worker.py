@@ -6,12 +6,14 @@ Speaks dht/wire.py like dht/worker.py. A store is acknowledged; "maddrs" names t
 pid (so a test sees a restart); a get misbehaves as its key says: "huge:N" (a reply of N
 bytes, past the client's limit), "garbage" (a body that is not msgpack), "scalar" (a body
 that is not a map), "die" (exits at once), "unframe" (a length prefix past what a reader may
-skip: the pipe loses its framing while the process lives on), "many:N" (N small entries);
-any other key has one entry.
+skip: the pipe loses its framing while the process lives on), "many:N" (N small entries),
+"child" (starts a process that outlives the worker, as hivemind's p2pd may: its pid is the
+entry's value); any other key has one entry.
 """
 
 import os
 import struct
+import subprocess
 import sys
 import time
 
@@ -30,6 +32,12 @@ def _get(out, tag: int, key: str) -> None:
     elif key == "unframe":
         out.write(struct.pack(">IQ", 0xFFFFFFFF, tag))
         time.sleep(120)  # alive, but its pipe is useless: the client must kill it
+    elif key == "child":
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        write_message(out, {"ok": True, "items": [["child", child.pid, 1.0]]}, tag=tag)
     elif key.startswith("many:"):
         items = [[f"s{i}", b"v", float(i)] for i in range(int(key[5:]))]
         write_message(out, {"ok": True, "items": items}, tag=tag)

@@ -2,6 +2,7 @@
 one request, never the pipe; a dead worker or a dead reader gets the worker restarted.
 Plus the worker's pure cap on what a get returns and the tagged wire."""
 
+import asyncio
 import io
 import struct
 import sys
@@ -14,8 +15,8 @@ import psutil
 import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
+from fusionllm.dht.serve import MAX_CONCURRENT, ReplyLimits, cap_entries, serve_requests
 from fusionllm.dht.wire import MessageError, read_tagged, write_message
-from fusionllm.dht.worker import ReplyLimits, _serve_requests, cap_entries
 
 FAKE_WORKER = (sys.executable, str(Path(__file__).parents[1] / "support" / "fake_dht_worker.py"))
 LIMIT = 1 << 16
@@ -95,6 +96,41 @@ def test_reader_that_loses_framing_gets_the_worker_killed_and_restarted():
         assert client.get("back") == [("s", b"back", 1.0)]
         # The old worker was alive (sleeping) with a useless pipe: the restart killed it.
         assert not old.is_running() or old.status() == psutil.STATUS_ZOMBIE
+
+
+def _child_of_the_worker(client: DhtClient) -> psutil.Process:
+    [(_subkey, pid, _expiration)] = client.get("child")
+    child = psutil.Process(pid)
+    assert child.ppid() == _worker_pid(client)
+    return child
+
+
+def _gone(proc: psutil.Process, deadline_s: float = 10.0) -> bool:
+    """Exited (its killer's init reaps it: it is not our child)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_killed_worker_takes_what_it_started_down_before_the_restart():
+    # A worker killed by SIGKILL cannot stop its children (the real one: hivemind's p2pd).
+    with _client() as client:
+        worker = psutil.Process(_worker_pid(client))
+        child = _child_of_the_worker(client)
+        worker.kill()
+        _wait_for_restart(client, 1)
+        assert _gone(child)
+        assert client.get("back") == [("s", b"back", 1.0)]
+
+
+def test_closed_client_leaves_nothing_its_worker_started():
+    with _client() as client:
+        child = _child_of_the_worker(client)
+    # The fake worker exits on "stop" without stopping its child, as a stuck one would.
+    assert _gone(child)
 
 
 def test_requests_while_restarting_fail_fast():
@@ -204,39 +240,53 @@ def test_close_during_a_restart_stops_the_new_worker():
 # ----------------------------------------------------------------------------- the worker's loop
 
 
-class FakeDht:
-    """hivemind.DHT as the worker uses it: 50 entries of 1 KB under any key, long maddrs."""
+class FakeNode:
+    """hivemind's DHTNode as the worker uses it: 50 entries of 1 KB under any key, long
+    maddrs."""
 
-    def get(self, key, latest):
+    async def get(self, key, *, latest):
         entries = {f"s{i}": SimpleNamespace(value=bytes(1000), expiration_time=float(i))
                    for i in range(50)}  # fmt: skip
         return SimpleNamespace(value=entries)
 
-    def get_visible_maddrs(self, latest):
+    async def get_visible_maddrs(self, *, latest):
         return ["/ip4/10.0.0.1/tcp/4001/" + "x" * 100] * 2000  # ~250 KB of addresses
 
-    def store(self, key, value, expiration, subkey):
+    async def store(self, key, value, expiration_time, *, subkey):
         return True
 
 
-def _serve(requests: list[dict], limits: ReplyLimits) -> dict[int, dict]:
+class SlowNode(FakeNode):
+    """Gets that take a while; counts how many run at once."""
+
+    def __init__(self) -> None:
+        self.running = self.most = 0
+
+    async def get(self, key, *, latest):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(0.1)
+        self.running -= 1
+        return await super().get(key, latest=latest)
+
+
+def _serve(
+    requests: list[dict], limits: ReplyLimits, node=None, *, stop: bool = True
+) -> dict[int, dict]:
     inbound = io.BytesIO()
     for tag, request in enumerate(requests, start=1):
         write_message(inbound, request, tag=tag)
-    write_message(inbound, {"op": "stop"})
+    if stop:
+        write_message(inbound, {"op": "stop"})
     inbound.seek(0)
     outbound = io.BytesIO()
-    _serve_requests(FakeDht(), inbound, outbound, limits)
-    deadline = time.monotonic() + 10
-    while True:  # handlers run on their own threads: wait for every reply
-        replies, stream = {}, io.BytesIO(outbound.getvalue())
-        while stream.tell() < len(stream.getvalue()):
-            tag, reply = read_tagged(stream)
-            replies[tag] = reply
-        if len(replies) == len(requests):
-            return replies
-        assert time.monotonic() < deadline, replies
-        time.sleep(0.01)
+    asyncio.run(serve_requests(node or FakeNode(), inbound, outbound, limits))
+    # It returns once every reply is written (requests in flight at "stop" may finish).
+    replies, stream = {}, io.BytesIO(outbound.getvalue())
+    while stream.tell() < len(stream.getvalue()):
+        tag, reply = read_tagged(stream)
+        replies[tag] = reply
+    return replies
 
 
 def test_worker_caps_a_get_and_fails_only_a_reply_too_large():
@@ -255,3 +305,13 @@ def test_worker_caps_a_get_and_fails_only_a_reply_too_large():
     assert "reply too large" in maddrs["error"]
     assert store == {"ok": True, "stored": True}
     assert nonsense["ok"] is False
+
+
+def test_worker_runs_requests_concurrently_up_to_its_cap_and_ends_with_its_stdin():
+    node, limits = SlowNode(), ReplyLimits(max_entries=1, max_reply_bytes=1 << 20)
+    gets = [{"op": "get", "key": f"k{i}"} for i in range(3 * MAX_CONCURRENT)]
+    store = {"op": "store", "key": "k", "subkey": "s", "value": b"v", "expiration": 1.0}
+    replies = _serve([*gets, store], limits, node, stop=False)  # stdin just ends
+    assert len(replies) == len(gets) + 1
+    assert all(reply["ok"] for reply in replies.values())
+    assert node.most == MAX_CONCURRENT  # concurrent, and never more than the cap

@@ -13,7 +13,7 @@ import pytest
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.envelope import seal
 from fusionllm.dht.keys import nodes_key, plans_key
-from fusionllm.dht.record_rules import KnownMembers, RecordRules
+from fusionllm.dht.record_rules import KnownMembers, OpenedEnvelopes, RecordRules
 from fusionllm.dht.records import (
     MAX_CLOCK_SKEW_S,
     NodeInfo,
@@ -132,6 +132,56 @@ def test_another_swarms_record_is_refused(alice):
                  expiration=NOW + 10, sign=alice.sign)  # fmt: skip
     with pytest.raises(RecordError, match="for swarm 'elsewhere'"):
         r.check(key_id(key), alice.peer_id, value, NOW + 10)
+
+
+# ----------------------------------------------------------------------------- opened envelopes
+
+
+def sealed_node(who: Identity, *, exp: float = NOW + 10, sign=None) -> bytes:
+    return seal(info(who.peer_id), key=nodes_key(SWARM), subkey=who.peer_id, expiration=exp,
+                sign=sign or who.sign)  # fmt: skip
+
+
+def test_the_same_envelope_is_opened_once_and_checked_every_time(alice, mallory):
+    clock = Clock()
+    r = rules(clock)
+    value, nodes_id = sealed_node(alice), key_id(nodes_key(SWARM))
+    for _ in range(5):  # as hivemind hands it over: from every replica that has it
+        assert r.check(nodes_id, alice.peer_id, value, NOW + 10).record.peer_id == alice.peer_id
+    assert r.envelopes.opened == 1
+    # What depends on where it is stored, and on the clock, is checked again each time.
+    with pytest.raises(RecordError, match="subkey it was not signed for"):
+        r.check(nodes_id, mallory.peer_id, value, NOW + 10)
+    with pytest.raises(RecordError, match="wrong key"):
+        r.check(key_id(plans_key(SWARM, 1)), alice.peer_id, value, NOW + 10)
+    clock.now = NOW + 10 - TTL - 1.0
+    with pytest.raises(RecordError, match="expires more than"):
+        r.check(nodes_id, alice.peer_id, value, NOW + 10)
+    assert r.envelopes.opened == 1
+
+
+def test_refused_envelopes_are_not_remembered(alice, mallory):
+    r = rules(Clock())
+    forged, nodes_id = sealed_node(alice, sign=mallory.sign), key_id(nodes_key(SWARM))
+    for _ in range(3):
+        with pytest.raises(RecordError, match="signature"):
+            r.check(nodes_id, alice.peer_id, forged, NOW + 10)
+    assert len(r.envelopes) == 0
+    assert r.envelopes.opened == 0
+
+
+def test_opened_envelopes_are_bounded_least_recently_used_first(alice):
+    envelopes = OpenedEnvelopes(limit=2)
+    a, b, c = (sealed_node(alice, exp=NOW + i) for i in (1, 2, 3))
+    for value in (a, b, a, c):  # b is the least recently used when c arrives
+        envelopes.open(value)
+    assert (len(envelopes), envelopes.opened) == (2, 3)
+    assert envelopes.open(a).expiration == NOW + 1
+    assert envelopes.opened == 3  # a was still there
+    assert envelopes.open(b).expiration == NOW + 2
+    assert envelopes.opened == 4  # b was forgotten, so opened again
+    with pytest.raises(ConfigError):
+        OpenedEnvelopes(limit=0)
 
 
 # ----------------------------------------------------------------------------- plan keys
