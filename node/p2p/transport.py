@@ -351,18 +351,22 @@ class Transport:
             reused = out.stream is not None
             if out.stream is None:
                 await self._open_outbound(peer, out)
+            # The head rides in the first chunk: a frame of up to ~64 KiB is one yamux frame,
+            # one Noise message and one send, not two of each (and one read for the peer).
+            view = memoryview(body)
+            first_len = max(_WRITE_CHUNK_BYTES - len(head), 0)
+            first = head + view[:first_len]
             try:
-                await self._write_or_drop(out, head)
+                await self._write_or_drop(out, first)
             except NETWORK_ERRORS:
                 if not reused:
                     raise
                 # The peer ended the stream we kept (e.g. it refused our last frame) before our
-                # watcher noticed; none of this frame went out, so one fresh stream is safe.
+                # watcher noticed; the stream is reset, so the whole frame goes on a fresh one.
                 logger.debug("stream to %s was dead; opening a new one", peer, exc_info=True)
                 await self._open_outbound(peer, out)
-                await self._write_or_drop(out, head)
-            view = memoryview(body)
-            for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+                await self._write_or_drop(out, first)
+            for start in range(first_len, len(view), _WRITE_CHUNK_BYTES):
                 await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
 
     async def _open_outbound(self, peer: str, out: _Outbound) -> None:

@@ -229,7 +229,9 @@ class FakeNetStream:
         if slow and self.every_s:
             await trio.sleep(self.every_s)
         await trio.lowlevel.checkpoint()
-        chunk = self.data[self.pos : self.pos + min(n, self.chunk if slow else n)]
+        # The fast part arrives at once, the slow part never with it (a read returns what came).
+        end = self.pos + min(n, self.chunk) if slow else min(self.pos + n, self.slow_from)
+        chunk = self.data[self.pos : end]
         self.pos += len(chunk)
         return chunk
 
@@ -296,10 +298,11 @@ def test_a_failing_admission_hook_refuses(tmp_path):
 def test_a_body_longer_than_any_frame_of_the_expected_tensor_is_never_read(tmp_path):
     side = _inbound(tmp_path)
     head = encode_head(HEADER, 200 << 20)  # 200 MiB announced for a 16-element tensor
-    stream = FakeNetStream("member", head + bytes(1 << 16))
+    stream = FakeNetStream("member", head + bytes(1 << 20))
     run(side.make().handle_stream, stream)
     assert stream.was_reset
-    assert stream.pos == len(head)
+    # Only the head's one read-ahead (a constant, not the peer's 200 MiB) was taken.
+    assert stream.pos == inbound_module._READ_AHEAD_BYTES
     assert side.refusals.snapshot() == {inbound_module.BODY_TOO_LONG: 1}
     assert side.counters.snapshot()["member"].errors == {"FrameError": 1}
 
