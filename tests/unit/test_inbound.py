@@ -461,3 +461,40 @@ def test_the_host_bounds_connections_in_total_and_per_peer():
     assert config.max_connections == MAX_CONNECTIONS
     assert config.max_connections_per_peer == MAX_CONNECTIONS_PER_PEER
     assert config.high_watermark <= MAX_CONNECTIONS
+
+
+class _CountingStream(FakeNetStream):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    async def read(self, n: int) -> bytes:
+        self.asked.append(n)
+        return await super().read(n)
+
+
+def test_back_to_back_frames_come_from_one_read_ahead_in_order(tmp_path):
+    """A frame's prefix, header and body were three stream reads (three yamux window updates
+    in py-libp2p); small frames now cost one read between them, and keep their order."""
+    side = _inbound(tmp_path, inbox_size=8, max_in_flight=8)
+    values = [1.0, 2.0, 3.0, 4.0]
+    stream = _CountingStream("member", b"".join(_frame(torch.full((16,), v)) for v in values))
+    run(side.make().handle_stream, stream)
+    got = [side.inbox.get_nowait()[0].tensor[0].item() for _ in values]
+    assert got == values
+    assert stream.asked == [inbound_module._READ_AHEAD_BYTES] * 2  # the frames, then EOF
+    assert side.counters.snapshot()["member"].errors == {}
+
+
+def test_the_read_ahead_is_a_constant_never_the_length_a_peer_announces(tmp_path):
+    async def main():
+        big = encode_head(HEADER, 1 << 30) + bytes(1 << 20)
+        reader = inbound_module._StreamReader(_CountingStream("member", big))
+        first = await reader.read(7)
+        assert len(first) == 7
+        assert reader.buffered == inbound_module._READ_AHEAD_BYTES - 7
+        rest = await reader.read(1 << 30)  # served from what is held, never more than that
+        assert len(rest) == inbound_module._READ_AHEAD_BYTES - 7
+        assert reader.buffered == 0
+
+    run(main)
