@@ -8,7 +8,8 @@ encryption/muxing in the trio thread then only share the GIL, never an event loo
 node's ``PeerHost`` it attaches ``TENSOR_PROTOCOL`` to it and starts nothing of its own
 (closing it detaches and leaves the host running); given none, it makes and owns a host.
 
-Per peer there is one outbound stream (frames are written whole, one at a time) and at most
+Per peer there is one outbound stream (frames are written whole, one at a time, in the order
+``send_async`` was called: one writer task per peer drains a FIFO) and at most
 ``max_streams_per_peer`` inbound ones. Backpressure both ways: a caller blocks in ``send``
 once ``max_in_flight`` frames to a peer are unfinished, and a reader stops reading a peer's
 stream once ``max_in_flight`` of its frames wait in the inbox (the window then fills and the
