@@ -151,7 +151,7 @@ def parse_prefix(prefix: bytes | bytearray, *, max_body_bytes: int) -> tuple[int
 class Reader(Protocol):
     """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream."""
 
-    async def read(self, n: int) -> bytes | memoryview: ...
+    async def read(self, n: int) -> bytes: ...
 
 
 async def read_exactly(

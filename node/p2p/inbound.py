@@ -43,9 +43,6 @@ from fusionllm.node.p2p.transport_types import (
 
 logger = get_logger(__name__)
 
-# What a short read asks the stream for (see _StreamReader): one yamux frame's worth.
-_READ_AHEAD_BYTES = 64 << 10
-
 # A stream keeps its largest body buffer up to this size for the next frame.
 _MAX_SCRATCH_BYTES = 128 << 20
 
@@ -66,36 +63,18 @@ BODY_TOO_LONG = "body_longer_than_expected"
 
 
 class _StreamReader:
-    """A py-libp2p stream as a framing.Reader: EOF is b"", a reset is a TransportError.
-
-    A short read (a prefix, a header) asks the stream for up to ``_READ_AHEAD_BYTES`` and
-    keeps the rest for the next reads: py-libp2p's yamux answers every read with a
-    WINDOW_UPDATE (one more encrypted message both ways), so a frame's prefix, header and
-    first body bytes cost one read, not three. At most that many bytes wait here, read
-    before the frame they belong to is checked: a constant per stream, not a peer's say.
-    """
+    """A py-libp2p stream as a framing.Reader: EOF is b"", a reset is a TransportError."""
 
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
-        self._ahead = memoryview(b"")
 
-    @property
-    def buffered(self) -> int:
-        return len(self._ahead)
-
-    async def read(self, n: int) -> bytes | memoryview:
-        if not self._ahead:
-            try:
-                data = await self._stream.read(max(n, _READ_AHEAD_BYTES))
-            except StreamEOF:
-                return b""
-            except StreamReset as exc:
-                raise TransportError("stream reset by peer") from exc
-            if len(data) <= n:
-                return data
-            self._ahead = memoryview(data)
-        chunk, self._ahead = self._ahead[:n], self._ahead[n:]
-        return chunk
+    async def read(self, n: int) -> bytes:
+        try:
+            return await self._stream.read(n)
+        except StreamEOF:
+            return b""
+        except StreamReset as exc:
+            raise TransportError("stream reset by peer") from exc
 
 
 class Inbound:

@@ -8,8 +8,7 @@ encryption/muxing in the trio thread then only share the GIL, never an event loo
 node's ``PeerHost`` it attaches ``TENSOR_PROTOCOL`` to it and starts nothing of its own
 (closing it detaches and leaves the host running); given none, it makes and owns a host.
 
-Per peer there is one outbound stream (frames are written whole, one at a time, in the order
-``send_async`` was called: one writer task per peer drains a FIFO) and at most
+Per peer there is one outbound stream (frames are written whole, one at a time) and at most
 ``max_streams_per_peer`` inbound ones. Backpressure both ways: a caller blocks in ``send``
 once ``max_in_flight`` frames to a peer are unfinished, and a reader stops reading a peer's
 stream once ``max_in_flight`` of its frames wait in the inbox (the window then fills and the
@@ -22,7 +21,6 @@ dropped (its counters stay readable among the last ``_GONE_PEERS_KEPT`` gone pee
 import contextlib
 import queue
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -84,13 +82,8 @@ _GONE_PEERS_KEPT = 64
 
 @dataclass
 class _Outbound:
-    """One peer's outbound side: its stream and the frames waiting for it, in send order."""
-
+    lock: trio.Lock = field(default_factory=trio.Lock)
     stream: INetStream | None = None
-    # (future, head, body, deadline): one writer task drains it, so frames go out in the
-    # order send_async was called (trio runs newly spawned tasks in no promised order).
-    queue: deque[tuple[Future, bytes, bytes, float]] = field(default_factory=deque)
-    writing: bool = False
 
 
 class Transport:
@@ -316,38 +309,22 @@ class Transport:
         try:
             if self._nursery is None:
                 raise RuntimeError("transport stopping")
-            out = self._outbound.setdefault(peer, _Outbound())
-            out.queue.append((future, head, body, trio.current_time() + timeout))
-            if not out.writing:
-                out.writing = True
-                self._nursery.start_soon(self._drain, peer, out)
+            self._nursery.start_soon(self._send_task, future, peer, head, body, timeout)
         except RuntimeError:
             if future.set_running_or_notify_cancel():
                 future.set_exception(TransportClosedError("transport closed"))
 
-    async def _drain(self, peer: str, out: _Outbound) -> None:
-        """Write the peer's queued frames one after another, until none is left."""
-        try:
-            while out.queue:
-                future, head, body, deadline = out.queue.popleft()
-                if future.set_running_or_notify_cancel():
-                    await self._send_one(future, peer, out, head, body, deadline)
-        finally:
-            out.writing = False
-            for future, *_ in out.queue:  # only left when the transport is closing
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(TransportClosedError("transport closed"))
-            out.queue.clear()
-
-    async def _send_one(
-        self, future: Future, peer: str, out: _Outbound, head: bytes, body: bytes, deadline: float
+    async def _send_task(
+        self, future: Future, peer: str, head: bytes, body: bytes, timeout: float
     ) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         error: BaseException | None = None
         try:
-            with trio.fail_at(deadline):
-                await self._write_frame(peer, out, head, body)
+            with trio.fail_after(timeout):
+                await self._write_frame(peer, head, body)
         except trio.TooSlowError:
-            error = DeadlineError(f"sending {len(body)} bytes to {peer} ran past its deadline")
+            error = DeadlineError(f"sending {len(body)} bytes to {peer} took over {timeout}s")
         except FusionError as exc:
             error = exc
         except NETWORK_ERRORS as exc:
@@ -368,28 +345,25 @@ class Transport:
         else:
             future.set_exception(error)
 
-    async def _write_frame(self, peer: str, out: _Outbound, head: bytes, body: bytes) -> None:
-        # One writer per peer (_drain): nothing else writes to out.stream meanwhile.
-        reused = out.stream is not None
-        if out.stream is None:
-            await self._open_outbound(peer, out)
-        # The head rides in the first chunk: a frame of up to ~64 KiB is one yamux frame,
-        # one Noise message and one send, not two of each (and one read for the peer).
-        view = memoryview(body)
-        first_len = max(_WRITE_CHUNK_BYTES - len(head), 0)
-        first = head + view[:first_len]
-        try:
-            await self._write_or_drop(out, first)
-        except NETWORK_ERRORS:
-            if not reused:
-                raise
-            # The peer ended the stream we kept (e.g. it refused our last frame) before our
-            # watcher noticed; the stream is reset, so the whole frame goes on a fresh one.
-            logger.debug("stream to %s was dead; opening a new one", peer, exc_info=True)
-            await self._open_outbound(peer, out)
-            await self._write_or_drop(out, first)
-        for start in range(first_len, len(view), _WRITE_CHUNK_BYTES):
-            await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
+    async def _write_frame(self, peer: str, head: bytes, body: bytes) -> None:
+        out = self._outbound.setdefault(peer, _Outbound())
+        async with out.lock:
+            reused = out.stream is not None
+            if out.stream is None:
+                await self._open_outbound(peer, out)
+            try:
+                await self._write_or_drop(out, head)
+            except NETWORK_ERRORS:
+                if not reused:
+                    raise
+                # The peer ended the stream we kept (e.g. it refused our last frame) before our
+                # watcher noticed; none of this frame went out, so one fresh stream is safe.
+                logger.debug("stream to %s was dead; opening a new one", peer, exc_info=True)
+                await self._open_outbound(peer, out)
+                await self._write_or_drop(out, head)
+            view = memoryview(body)
+            for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+                await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
 
     async def _open_outbound(self, peer: str, out: _Outbound) -> None:
         assert self._nursery is not None
@@ -420,13 +394,13 @@ class Transport:
         if out.stream is stream:
             out.stream = None
         await reset_quietly(stream)
-        if out.stream is None and not out.writing and self._outbound.get(peer) is out:
+        if out.stream is None and not out.lock.locked() and self._outbound.get(peer) is out:
             del self._outbound[peer]  # the next send opens a new stream anyway
 
     def _forget(self, peer: str) -> None:
         """The peer has no connection left: drop what we keep for it (trio thread)."""
         out = self._outbound.get(peer)
-        if out is not None and out.stream is None and not out.writing:
+        if out is not None and out.stream is None and not out.lock.locked():
             del self._outbound[peer]
         if self._inbound is not None:
             self._inbound.forget(peer)

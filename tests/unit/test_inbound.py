@@ -229,9 +229,7 @@ class FakeNetStream:
         if slow and self.every_s:
             await trio.sleep(self.every_s)
         await trio.lowlevel.checkpoint()
-        # The fast part arrives at once, the slow part never with it (a read returns what came).
-        end = self.pos + min(n, self.chunk) if slow else min(self.pos + n, self.slow_from)
-        chunk = self.data[self.pos : end]
+        chunk = self.data[self.pos : self.pos + min(n, self.chunk if slow else n)]
         self.pos += len(chunk)
         return chunk
 
@@ -298,11 +296,10 @@ def test_a_failing_admission_hook_refuses(tmp_path):
 def test_a_body_longer_than_any_frame_of_the_expected_tensor_is_never_read(tmp_path):
     side = _inbound(tmp_path)
     head = encode_head(HEADER, 200 << 20)  # 200 MiB announced for a 16-element tensor
-    stream = FakeNetStream("member", head + bytes(1 << 20))
+    stream = FakeNetStream("member", head + bytes(1 << 16))
     run(side.make().handle_stream, stream)
     assert stream.was_reset
-    # Only the head's one read-ahead (a constant, not the peer's 200 MiB) was taken.
-    assert stream.pos == inbound_module._READ_AHEAD_BYTES
+    assert stream.pos == len(head)
     assert side.refusals.snapshot() == {inbound_module.BODY_TOO_LONG: 1}
     assert side.counters.snapshot()["member"].errors == {"FrameError": 1}
 
@@ -461,40 +458,3 @@ def test_the_host_bounds_connections_in_total_and_per_peer():
     assert config.max_connections == MAX_CONNECTIONS
     assert config.max_connections_per_peer == MAX_CONNECTIONS_PER_PEER
     assert config.high_watermark <= MAX_CONNECTIONS
-
-
-class _CountingStream(FakeNetStream):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.asked: list[int] = []
-
-    async def read(self, n: int) -> bytes:
-        self.asked.append(n)
-        return await super().read(n)
-
-
-def test_back_to_back_frames_come_from_one_read_ahead_in_order(tmp_path):
-    """A frame's prefix, header and body were three stream reads (three yamux window updates
-    in py-libp2p); small frames now cost one read between them, and keep their order."""
-    side = _inbound(tmp_path, inbox_size=8, max_in_flight=8)
-    values = [1.0, 2.0, 3.0, 4.0]
-    stream = _CountingStream("member", b"".join(_frame(torch.full((16,), v)) for v in values))
-    run(side.make().handle_stream, stream)
-    got = [side.inbox.get_nowait()[0].tensor[0].item() for _ in values]
-    assert got == values
-    assert stream.asked == [inbound_module._READ_AHEAD_BYTES] * 2  # the frames, then EOF
-    assert side.counters.snapshot()["member"].errors == {}
-
-
-def test_the_read_ahead_is_a_constant_never_the_length_a_peer_announces(tmp_path):
-    async def main():
-        big = encode_head(HEADER, 1 << 30) + bytes(1 << 20)
-        reader = inbound_module._StreamReader(_CountingStream("member", big))
-        first = await reader.read(7)
-        assert len(first) == 7
-        assert reader.buffered == inbound_module._READ_AHEAD_BYTES - 7
-        rest = await reader.read(1 << 30)  # served from what is held, never more than that
-        assert len(rest) == inbound_module._READ_AHEAD_BYTES - 7
-        assert reader.buffered == 0
-
-    run(main)
