@@ -61,6 +61,11 @@ TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
 
 SUMMARY_LEN = 4
 
+# Forwards a stage runs ahead of plain 1F1B (schedule.one_f_one_b's slack): a frame's fixed
+# cost (~1-3 ms here) would otherwise stall every steady-state backward for a round trip to the
+# next stage; one more micro-batch in flight hides it. Measured (2 stages, GPT-2 tiny, 2 cores):
+# see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
+_WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
 
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: refuses the frame
@@ -265,7 +270,12 @@ class PipelineRunner:
         loss_sum, loss_count = 0.0, 0
         s = self.role.stage
         order = replica_schedule(
-            s, len(self.replicas), self.config.micro_batches, self.replicas[s], self.role.replica
+            s,
+            len(self.replicas),
+            self.config.micro_batches,
+            self.replicas[s],
+            self.role.replica,
+            slack=_WARMUP_SLACK,
         )
         for kind, mb in order:
             if kind == "F":

@@ -14,18 +14,27 @@ from fusionllm.common.errors import ConfigError
 Op = tuple[str, int]  # ("F", micro-batch) or ("B", micro-batch)
 
 
-def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Op]:
+def one_f_one_b(stage: int, stages: int, micro_batches: int, *, slack: int = 0) -> list[Op]:
     """Warm-up forwards, then one forward and one backward in turn, then the last backwards.
 
-    Stage s keeps at most ``stages - s`` micro-batches in flight, so activation memory is
-    bounded by the pipeline depth, not by the number of micro-batches.
+    Stage s keeps at most ``stages - s`` micro-batches in flight (``slack`` more on every
+    stage but the last), so activation memory is bounded by the pipeline depth, not by the
+    number of micro-batches. ``slack`` lets a stage's forwards run ahead of the gradients
+    coming back, hiding each link's latency; any warm-up that never grows from one stage to
+    the next is deadlock-free (stage s reaches B(k) after F(k + warm-up of s), which covers
+    the forwards stage s + 1 needs before its own B(k)).
     """
     if not 0 <= stage < stages:
         raise ConfigError(f"stage must be in [0, {stages}), got {stage}")
     if micro_batches < 1:
         raise ConfigError("a schedule needs at least one micro-batch")
     ids = list(range(micro_batches))
-    warmup = min(stages - stage - 1, len(ids))
+    if slack < 0:
+        raise ConfigError(f"slack must be >= 0, got {slack}")
+    # The last stage has no downstream to wait for; every other stage may run ``slack`` more
+    # forwards ahead, so its warm-up still shrinks stage by stage (no deadlock, see module doc).
+    depth = stages - stage - 1 + (slack if stage < stages - 1 else 0)
+    warmup = min(depth, len(ids))
     order: list[Op] = [("F", i) for i in ids[:warmup]]
     for k in range(len(ids) - warmup):
         order.append(("F", ids[warmup + k]))
@@ -44,11 +53,11 @@ def replica_micro_batches(micro_batches: int, replicas: int, replica: int) -> li
 
 
 def replica_schedule(
-    stage: int, stages: int, micro_batches: int, replicas: int, replica: int
+    stage: int, stages: int, micro_batches: int, replicas: int, replica: int, *, slack: int = 0
 ) -> list[Op]:
     """One replica's order: the stage's 1F1B order, keeping its own micro-batches."""
     mine = set(replica_micro_batches(micro_batches, replicas, replica))
-    return [op for op in one_f_one_b(stage, stages, micro_batches) if op[1] in mine]
+    return [op for op in one_f_one_b(stage, stages, micro_batches, slack=slack) if op[1] in mine]
 
 
 def owner(micro_batch: int, replicas: int) -> int:
