@@ -98,6 +98,25 @@ def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
     }
 
 
+def _targets(rows: list[dict]) -> dict:
+    """The issue's three ratios: 2 stages vs one process, bubble vs 1F1B ideal, 4 vs 2."""
+    by_stages = {row["stages"]: row for row in rows if row["name"] != "local"}
+    local = rows[0]["tokens_per_s"]
+    out: dict = {"lines": [""]}
+    two, four = by_stages.get(2), by_stages.get(4)
+    if two is not None:
+        out["speedup_2"] = two["tokens_per_s"] / local
+        out["bubble_over_ideal_2"] = two["bubble"] / two["ideal_bubble"]
+        out["lines"] += [
+            f"2 stages / one process: {out['speedup_2']:.2f}x (target >= 1.4x)",
+            f"2 stages bubble / 1F1B ideal: {out['bubble_over_ideal_2']:.2f}x (target <= 1.5x)",
+        ]
+    if two is not None and four is not None:
+        out["four_over_two"] = four["tokens_per_s"] / two["tokens_per_s"]
+        out["lines"].append(f"4 stages / 2 stages: {out['four_over_two']:.2f}x (target >= 1.0x)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
@@ -128,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['tokens_per_s']:9.0f} "
             f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} {row['final_loss']:6.3f}"
         )
+    targets = _targets(rows)
+    for line in targets["lines"]:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"config": vars(args), "rows": rows, "targets": targets}, f, indent=2)
     return 0
 
 
