@@ -20,7 +20,7 @@ from fusionllm.node.control.bandwidth import (
     LinkSample,
     choose_probe_targets,
 )
-from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
 
 logger = get_logger(__name__)
@@ -86,9 +86,9 @@ class LinkMonitor:
     def gossip_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                message = self.control.recv(timeout=0.5)
-            except DeadlineError:
-                continue
+                # Blocks until a message comes: an idle node does not poll. Closing the control
+                # host (NodeDaemon.close) ends the wait.
+                message = self.control.recv(timeout=None)
             except TransportClosedError:
                 return
             try:

@@ -3,6 +3,7 @@
 The swarm-wide part (what every node must share) is ``SwarmSettings``; this is the rest.
 """
 
+import functools
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -64,6 +65,7 @@ class NodeConfig:
         return self.control_config().host_config()
 
 
+@functools.cache  # read on every heartbeat; importlib.metadata scans sys.path each time
 def software_version() -> str:
     try:
         return metadata.version("fusionllm")
