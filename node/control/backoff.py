@@ -8,9 +8,10 @@ the same; it re-proposes that plan instead, and plans afresh only
 - when the members changed (a node joined, left or was suspected gone: the plan may no longer
   run, or a better one may exist),
 - when it follows nothing or its plan fails the audit (epochs.py decides that), or
-- when the gap has passed: 1 epoch after a change, doubling each time a fresh plan turns out
-  the same as the one before, up to ``max_gap`` epochs (measurements drift slowly; a plan
-  they make better is found at most ``max_gap`` epochs late).
+- when the gap has passed: 1 epoch after a change, doubling each time planning afresh changed
+  nothing the node proposes (the same plan, or one within the switch margin of the plan it
+  follows), up to ``max_gap`` epochs (measurements drift slowly; a plan they make better is
+  found at most ``max_gap`` epochs late).
 
 ``ReplanBackoff.due`` and ``ReplanBackoff.planned`` are pure bookkeeping over epoch numbers:
 no clock, no threads, deterministic (tests/unit/test_backoff.py).
@@ -42,16 +43,23 @@ class ReplanBackoff:
         self._members: frozenset[str] = frozenset()  # ... and its members
         self._digest: str | None = None  # ... and what it came to
 
-    def due(self, epoch: int, members: frozenset[str], *, incumbent_ok: bool) -> bool:
-        """Whether to plan afresh in ``epoch`` for ``members``; ``incumbent_ok``: the plan we
-        follow still runs on these members and its figures hold."""
-        if not incumbent_ok or self._planned_at is None or members != self._members:
-            return True
-        return epoch - self._planned_at >= self.gap
+    def due(self, epoch: int, members: frozenset[str], *, incumbent_ok: bool) -> str | None:
+        """Why to plan afresh in ``epoch`` for ``members`` (None: no need); ``incumbent_ok``:
+        the plan we follow still runs on these members and its figures hold."""
+        if self._planned_at is None:
+            return "first plan"
+        if not incumbent_ok:
+            return "the plan we follow fails its audit"
+        if members != self._members:
+            return "members changed"
+        if epoch - self._planned_at >= self.gap:
+            return f"{self.gap} epochs since the last plan"
+        return None
 
     def planned(self, epoch: int, members: frozenset[str], digest: str | None) -> None:
-        """Note a fresh plan (``digest``; None: no feasible plan). The gap doubles only when
-        the same members gave the same plan again; anything else starts over at 1."""
+        """Note a fresh planning round: ``digest`` of what it made us propose (None: no feasible
+        plan). The gap doubles only when the same members led to the same proposal again;
+        anything else starts over at 1."""
         same = members == self._members and digest is not None and digest == self._digest
         self.gap = min(2 * self.gap, self.config.max_gap) if same else 1
         self._planned_at, self._members, self._digest = epoch, members, digest

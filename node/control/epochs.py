@@ -210,10 +210,12 @@ class PlanAgreement:
         self._converge(epoch, members, swarm)
         incumbent = self._incumbent(epoch, members, swarm)
         ids = frozenset(members)
-        if incumbent is not None and not self.backoff.due(epoch, ids, incumbent_ok=True):
+        why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
+        if why is None:
             # A stable swarm: the plan we follow, again, without planning (backoff.py).
             self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
             return
+        logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
             fresh = self._plan(swarm)
         except InfeasiblePlanError as exc:
@@ -227,11 +229,13 @@ class PlanAgreement:
             )
             return
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
-        self.backoff.planned(epoch, ids, _layout(fresh))
         if incumbent is not None and keep_incumbent(
             incumbent.estimate, estimate, self.settings.switch_margin
         ):
             plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
+        # Stable means: planning again changed nothing we propose (a fresh plan within the
+        # switch margin of the one we follow is as good as no plan at all).
+        self.backoff.planned(epoch, ids, hashlib.sha256(plan_bytes).hexdigest())
         self._publish(epoch, plan_bytes, estimate)
 
     def _publish(self, epoch: int, plan_bytes: bytes, estimate: float) -> None:
@@ -397,11 +401,3 @@ class PlanAgreement:
             state=str(self.state),
             **fields,
         )
-
-
-def _layout(plan: Plan) -> str:
-    """What a plan does, without its figures: which peers run which nodes, and the codecs. Two
-    fresh plans with the same layout mean the measurements moved nothing that matters."""
-    stages = [(s.start, s.stop, s.peers) for s in plan.stages]
-    links = [(k.src_peer, k.dst_peer, k.forward_codec, k.backward_codec) for k in plan.links]
-    return hashlib.sha256(repr((stages, links)).encode()).hexdigest()
