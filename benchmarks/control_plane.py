@@ -1,6 +1,7 @@
 """The control plane on loopback: agreement time, DHT latency, gossip latency/loss, idle cost.
 
-    python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S] [--json P]
+    python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S]
+        [--settle S] [--json P]
 
 For each swarm size N, starts N real ``fusionllm node`` processes (every node is 4 processes:
 the node, its DHT worker, hivemind's DHT process and its Go daemon), bootstrapped from the
@@ -13,9 +14,11 @@ first, and measures:
   (the pipe to the worker included, as a node sees it);
 - gossip: a publisher and a receiver host connected only to swarm nodes (never to each
   other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
-  (median, p90) and loss;
-- idle: CPU % and RSS of each node's process tree (node, DHT worker, hivemind's DHT process
-  and its Go daemon) over 10 s after agreement, medians over nodes;
+  (median, p90) and loss; "rate/full": messages the nodes' own checks dropped so far (per-author
+  rate limit / a full inbox), summed over nodes;
+- idle: after ``--settle`` s (a stable swarm backs off), CPU % and RSS of each node's process
+  tree (node, DHT worker, hivemind's DHT process and its Go daemon) over 10 s, the main
+  process's CPU % alone, and the processes per node, medians over nodes;
 - replan: SIGKILL a serving node; seconds until every survivor adopted one plan without it
   (the record expiry, the TTL, dominates).
 """
@@ -135,13 +138,28 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
             host.close()
     got = sorted(latencies[t] for t in sent if t in latencies)
     return {
+        **_gossip_drops(nodes),
         "gossip_median_ms": statistics.median(got) * 1e3 if got else float("nan"),
         "gossip_p90_ms": got[int(0.9 * (len(got) - 1))] * 1e3 if got else float("nan"),
         "gossip_loss": 1.0 - len(got) / len(sent),
     }
 
 
-def _idle(nodes, seconds: float = 10.0) -> dict:
+def _gossip_drops(nodes) -> dict:
+    """What the swarm's nodes refused or lost of gossip so far (their last epoch's counters):
+    where a lost message died, if it died in a node's checks."""
+    totals = dict.fromkeys(("dropped_rate", "dropped_inbox_full", "dropped_invalid"), 0)
+    for node in nodes:
+        counters = (node.last("epoch") or {}).get("counters", {})
+        for name in totals:
+            totals[name] += counters.get(f"gossip_{name}", 0)
+    return {f"gossip_{name}": count for name, count in totals.items()}
+
+
+def _idle(nodes, seconds: float = 10.0, settle_s: float = 0.0) -> dict:
+    """CPU and RSS of every node's process tree, and of its main process alone, over
+    ``seconds`` after ``settle_s`` (a stable swarm backs off: node/control/backoff.py)."""
+    time.sleep(settle_s)
     trees = []
     for node in nodes:
         root = psutil.Process(node.process.pid)
@@ -150,13 +168,19 @@ def _idle(nodes, seconds: float = 10.0) -> dict:
         for proc in tree:
             proc.cpu_percent(None)
     time.sleep(seconds)
-    cpu, rss = [], []
+    cpu, main_cpu, rss, procs = [], [], [], []
     for tree in trees:
-        cpu.append(sum(p.cpu_percent(None) for p in tree if p.is_running()))
-        rss.append(sum(p.memory_info().rss for p in tree if p.is_running()))
+        alive = [p for p in tree if p.is_running()]
+        per_process = [p.cpu_percent(None) for p in alive]
+        cpu.append(sum(per_process))
+        main_cpu.append(per_process[0] if alive and alive[0] is tree[0] else float("nan"))
+        rss.append(sum(p.memory_info().rss for p in alive))
+        procs.append(len(alive))
     return {
         "idle_cpu_percent": statistics.median(cpu),
+        "idle_main_cpu_percent": statistics.median(main_cpu),
         "idle_rss_mib": statistics.median(rss) / 2**20,
+        "processes": statistics.median(procs),
     }
 
 
@@ -179,7 +203,7 @@ def _replan_after_crash(nodes) -> dict:
     return {"replan_s": max(e["t"] for e in events) - killed_at}
 
 
-def run(sizes: list[int], timing: dict) -> list[dict]:
+def run(sizes: list[int], timing: dict, *, settle_s: float = 0.0) -> list[dict]:
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -192,7 +216,7 @@ def run(sizes: list[int], timing: dict) -> list[dict]:
                 nodes = list(swarm.nodes)
                 row.update(_dht_latency(nodes[0].dht_addr))
                 row.update(_gossip(nodes, root))
-                row.update(_idle(nodes))
+                row.update(_idle(nodes, settle_s=settle_s))
                 row.update(_replan_after_crash(nodes))
             except AssertionError as exc:  # a swarm too big for this machine: say so, go on
                 row = {"nodes": n, "failed": str(exc)}
@@ -204,11 +228,13 @@ def run(sizes: list[int], timing: dict) -> list[dict]:
 
 
 def _format_row(r: dict) -> str:
+    drops = f"{r['gossip_dropped_rate']}/{r['gossip_dropped_inbox_full']}"
     return (
         f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
         f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
-        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {r['idle_cpu_percent']:>8.1f} "
-        f"{r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
+        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {drops:>9} "
+        f"{r['idle_cpu_percent']:>9.1f} {r['idle_main_cpu_percent']:>8.2f} "
+        f"{r['processes']:>6.0f} {r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
     )
 
 
@@ -221,6 +247,12 @@ def main() -> int:
     parser.add_argument("--epoch", type=float, default=4.0, help="s (default: %(default)s)")
     parser.add_argument(
         "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        help="s to wait before measuring idle cost, so the nodes back off (default: %(default)s)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
@@ -235,11 +267,11 @@ def main() -> int:
         f"control plane on loopback (heartbeat {args.heartbeat} s, TTL {args.ttl} s, "
         f"epoch {args.epoch} s, probes every {args.probe_interval} s)\n"
         f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
-        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8} "
-        f"{'replan s':>9}",
+        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'rate/full':>9} {'idle CPU%':>9} "
+        f"{'main CPU%':>8} {'procs':>6} {'RSS MiB':>8} {'replan s':>9}",
         flush=True,
     )
-    rows = run(args.sizes, timing)
+    rows = run(args.sizes, timing, settle_s=args.settle)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
