@@ -14,9 +14,11 @@ the same; it re-proposes that plan instead, and plans afresh only
   found at most ``max_gap`` epochs late).
 
 ``ReplanBackoff.due`` and ``ReplanBackoff.planned`` are pure bookkeeping over epoch numbers:
-no clock, no threads, deterministic (tests/unit/test_backoff.py).
+no clock, no threads, deterministic (tests/unit/test_backoff.py). ``ProbeBackoff`` does the
+same for the probe rounds (links.py).
 """
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
@@ -63,3 +65,31 @@ class ReplanBackoff:
         same = members == self._members and digest is not None and digest == self._digest
         self.gap = min(2 * self.gap, self.config.max_gap) if same else 1
         self._planned_at, self._members, self._digest = epoch, members, digest
+
+
+class ProbeBackoff:
+    """How long the probe thread waits between rounds, as a factor of ``probe_interval_s``:
+    doubling each round the swarm looks the same as the round before (the members and our plan
+    neighbours), up to ``max_factor``; back to 1 as soon as either changes. Failure detection
+    does not hang on probes (records expire, see swarm_settings.py), so slower probing of a
+    stable swarm only ages the link figures, and ``max_factor_for`` keeps them fresh."""
+
+    def __init__(self, max_factor: int) -> None:
+        if isinstance(max_factor, bool) or not isinstance(max_factor, int) or max_factor < 1:
+            raise ConfigError(f"max_factor must be an int >= 1, got {max_factor!r}")
+        self.max_factor = max_factor
+        self.factor = 1
+        self._state: Hashable = None
+
+    def next_factor(self, state: Hashable) -> int:
+        """The factor for the wait after this round, whose view of the swarm is ``state``."""
+        same = state == self._state
+        self.factor = min(2 * self.factor, self.max_factor) if same else 1
+        self._state = state
+        return self.factor
+
+
+def max_factor_for(probe_interval_s: float, max_age_s: float, *, limit: int = 4) -> int:
+    """The largest probe backoff that still refreshes a link twice within the BandwidthBook's
+    ``max_age_s`` (rounds jitter up to 1.2x), at most ``limit``."""
+    return max(1, min(limit, int(max_age_s / (2 * 1.2 * probe_interval_s))))

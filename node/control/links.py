@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo, RecordError
+from fusionllm.node.control.backoff import ProbeBackoff, max_factor_for
 from fusionllm.node.control.bandwidth import (
     BandwidthBook,
     BandwidthReport,
@@ -77,6 +78,7 @@ class LinkMonitor:
         self._rng = random.Random()
         self._lock = threading.Lock()
         self._probes_failed = 0
+        self._backoff = ProbeBackoff(max_factor_for(probe_interval_s, book.max_age_s))
 
     @property
     def probes_failed(self) -> int:
@@ -108,7 +110,10 @@ class LinkMonitor:
             if report.links:
                 with contextlib.suppress(FusionError, ValueError):
                     self.control.publish(self.topic, report.to_bytes())
-            if self._stop.wait(self.probe_interval_s * self._rng.uniform(0.8, 1.2)):
+            # A swarm that looks as it did last round is probed less often (backoff.py).
+            view = (frozenset(members), tuple(sorted(self._neighbours())))
+            factor = self._backoff.next_factor(view)
+            if self._stop.wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2)):
                 return
 
     def _probe_round(self, members: dict[str, NodeInfo]) -> None:

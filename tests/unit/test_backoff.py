@@ -3,7 +3,12 @@
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff
+from fusionllm.node.control.backoff import (
+    BackoffConfig,
+    ProbeBackoff,
+    ReplanBackoff,
+    max_factor_for,
+)
 
 ABC = frozenset("abc")
 
@@ -59,3 +64,27 @@ def test_the_first_epoch_always_plans():
 def test_config_refuses_bad_gaps(bad):
     with pytest.raises(ConfigError, match="max_gap"):
         BackoffConfig(max_gap=bad)
+
+
+def test_probe_rounds_slow_down_while_the_swarm_looks_the_same_and_reset_on_change():
+    backoff = ProbeBackoff(max_factor=4)
+    stable = (ABC, ("b",))
+    assert [backoff.next_factor(stable) for _ in range(5)] == [1, 2, 4, 4, 4]
+    assert backoff.next_factor((ABC | {"d"}, ("b",))) == 1  # a member joined
+    assert backoff.next_factor((ABC | {"d"}, ("b",))) == 2
+    assert backoff.next_factor((ABC | {"d"}, ("c",))) == 1  # the plan gave us new neighbours
+
+
+@pytest.mark.parametrize(
+    ("interval", "max_age", "factor"),
+    [(10.0, 60.0, 2), (8.0, 60.0, 3), (2.0, 60.0, 4), (60.0, 60.0, 1), (5.0, 15.0, 1)],
+)
+def test_probe_backoff_keeps_links_fresher_than_the_book_forgets_them(interval, max_age, factor):
+    assert max_factor_for(interval, max_age) == factor
+    assert 2 * 1.2 * interval * factor <= max_age or factor == 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_probe_backoff_refuses_bad_factors(bad):
+    with pytest.raises(ConfigError, match="max_factor"):
+        ProbeBackoff(max_factor=bad)
