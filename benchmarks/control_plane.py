@@ -14,8 +14,9 @@ first, and measures:
   (the pipe to the worker included, as a node sees it);
 - gossip: a publisher and a receiver host connected only to swarm nodes (never to each
   other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
-  (median, p90) and loss; "rate/full": messages the nodes' own checks dropped so far (per-author
-  rate limit / a full inbox), summed over nodes;
+  (median, p90) and loss (the publisher joins as a member first: nodes forward only members'
+  gossip); "rate/full/inv": messages the nodes' own checks dropped so far (per-author rate
+  limit / a full inbox / refused, e.g. not a member), summed over nodes;
 - idle: after ``--settle`` s (a stable swarm backs off), CPU % and RSS of each node's process
   tree (node, DHT worker, hivemind's DHT process and its Go daemon) over 10 s, the main
   process's CPU % alone, and the processes per node, medians over nodes;
@@ -24,6 +25,8 @@ first, and measures:
 """
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,12 +37,15 @@ from pathlib import Path
 
 import psutil
 
+from fusionllm.common.errors import FusionError
 from fusionllm.dht.client import DhtClient, DhtConfig
-from fusionllm.dht.records import LinkReport
+from fusionllm.dht.directory import SwarmDirectory
+from fusionllm.dht.records import LinkReport, NodeState
 from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.errors import DeadlineError
 from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
 from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
+from fusionllm.node.p2p.identity import load_or_create_identity
 
 SWARM = "default"
 
@@ -98,6 +104,8 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
     publisher, receiver = hosts
     latencies: dict[float, float] = {}
     stop = threading.Event()
+    # Nodes forward gossip only from members (links.gossip_validator): the publisher joins.
+    member = _Member(publisher, root / "pub.key", nodes, stop)
 
     def receive() -> None:
         while not stop.is_set():
@@ -119,6 +127,8 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
         for node in nodes[half:] or nodes[:1]:
             receiver.connect(node.last("ready")["addrs"][0])
         wait_for(lambda: publisher.mesh_peers(topic) and receiver.mesh_peers(topic), 30, "meshes")
+        member.start()
+        wait_for(member.known_to_all, 60, "the publisher to be a member everywhere")
         thread = threading.Thread(target=receive, daemon=True)
         thread.start()
         sent = []
@@ -134,6 +144,8 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
         stop.set()
         thread.join(timeout=5)
     finally:
+        stop.set()
+        member.close()
         for host in hosts:
             host.close()
     got = sorted(latencies[t] for t in sent if t in latencies)
@@ -143,6 +155,54 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
         "gossip_p90_ms": got[int(0.9 * (len(got) - 1))] * 1e3 if got else float("nan"),
         "gossip_loss": 1.0 - len(got) / len(sent),
     }
+
+
+class _Member:
+    """The gossip publisher as a swarm member: a record on the DHT like a node's (the swarm's
+    settings, copied from the first node's record), refreshed every second, with a device far
+    too slow to be planned (it waits in the backup pool)."""
+
+    def __init__(self, host: ControlHost, key_path: Path, nodes, stop: threading.Event) -> None:
+        self.host, self.nodes, self.stop = host, nodes, stop
+        self.key = load_or_create_identity(key_path)
+        self.client: DhtClient | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = DhtConfig(swarm=SWARM, initial_peers=(self.nodes[0].dht_addr,), client_mode=True)
+        self.client = DhtClient(config).start()
+        directory = SwarmDirectory(
+            self.client, swarm=SWARM, peer_id=self.host.peer_id, sign=self.key.private_key.sign
+        )
+        template = wait_for(
+            lambda: directory.members().get(self.nodes[0].peer_id), 30, "the first node's record"
+        )
+        device = dataclasses.replace(template.device, flops=template.device.flops / 1000)
+
+        def beat() -> None:
+            while True:
+                info = dataclasses.replace(
+                    template, peer_id=self.host.peer_id, addrs=tuple(self.host.listen_addrs[:1]),
+                    device=device, links=(), state=NodeState.BACKUP, stage=None, adopted=None,
+                    time=time.time(), training=None,
+                )  # fmt: skip
+                with contextlib.suppress(FusionError):
+                    directory.announce(info, ttl_s=5.0)
+                if self.stop.wait(1.0):
+                    return
+
+        self.thread = threading.Thread(target=beat, daemon=True)
+        self.thread.start()
+
+    def known_to_all(self) -> bool:
+        pid = self.host.peer_id
+        return all(pid in (n.last("epoch") or {}).get("members", ()) for n in self.nodes)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        if self.client is not None:
+            self.client.close()
 
 
 def _gossip_drops(nodes) -> dict:
@@ -228,11 +288,13 @@ def run(sizes: list[int], timing: dict, *, settle_s: float = 0.0) -> list[dict]:
 
 
 def _format_row(r: dict) -> str:
-    drops = f"{r['gossip_dropped_rate']}/{r['gossip_dropped_inbox_full']}"
+    drops = (
+        f"{r['gossip_dropped_rate']}/{r['gossip_dropped_inbox_full']}/{r['gossip_dropped_invalid']}"
+    )
     return (
         f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
         f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
-        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {drops:>9} "
+        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {drops:>13} "
         f"{r['idle_cpu_percent']:>9.1f} {r['idle_main_cpu_percent']:>8.2f} "
         f"{r['processes']:>6.0f} {r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
     )
@@ -267,7 +329,7 @@ def main() -> int:
         f"control plane on loopback (heartbeat {args.heartbeat} s, TTL {args.ttl} s, "
         f"epoch {args.epoch} s, probes every {args.probe_interval} s)\n"
         f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
-        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'rate/full':>9} {'idle CPU%':>9} "
+        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'rate/full/inv':>13} {'idle CPU%':>9} "
         f"{'main CPU%':>8} {'procs':>6} {'RSS MiB':>8} {'replan s':>9}",
         flush=True,
     )
