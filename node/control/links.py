@@ -104,8 +104,11 @@ class LinkMonitor:
     def probe_loop(self) -> None:
         while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self._members() else 0):
             members = self._members()
-            self.connect(members)
-            self._probe_round(members)
+            try:
+                self.connect(members)
+                self._probe_round(members)
+            except TransportClosedError:
+                return  # the daemon closes the control host on its way out
             report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
             if report.links:
                 with contextlib.suppress(FusionError, ValueError):
