@@ -1,7 +1,7 @@
 """The control plane on loopback: agreement time, DHT latency, gossip latency/loss, idle cost.
 
     python benchmarks/control_plane.py [--sizes 4 8 16] [--heartbeat S --ttl S --epoch S]
-                                       [--idle-seconds S] [--json P]
+                                       [--idle-seconds S] [--settle S] [--json P]
 
 For each swarm size N, starts N real ``fusionllm node`` processes (every node is 3 processes:
 the node, its DHT worker, which runs hivemind's DHT node on its own event loop, and the
@@ -14,17 +14,21 @@ worker's child, hivemind's Go daemon p2pd), bootstrapped from the first, and mea
   (the pipe to the worker included, as a node sees it);
 - gossip: a publisher and a receiver host connected only to swarm nodes (never to each
   other), 40 signed bandwidth reports at 4/s on the swarm's topic: delivery latency
-  (median, p90) and loss;
-- idle: over ``--idle-seconds`` after agreement, each node's whole process tree as it is
-  then (found by walking its children, so a process the design did not expect is counted
-  too): processes, CPU % (CPU time over wall time) and RSS, summed per node, medians over
-  nodes; and the same per role (node, dht-worker, p2pd, any other by name) on a line below;
+  (median, p90) and loss (the publisher joins as a member first: nodes forward only members'
+  gossip); "rate/full/inv": messages the nodes' own checks dropped so far (per-author rate
+  limit / a full inbox / refused, e.g. not a member), summed over nodes;
+- idle: after ``--settle`` s (a stable swarm backs off: node/control/backoff.py), over
+  ``--idle-seconds``, each node's whole process tree as it is then (found by walking its
+  children, so a process the design did not expect is counted too): processes, CPU % (CPU
+  time over wall time) and RSS, summed per node, medians over nodes; and the same per role
+  (node, dht-worker, p2pd, any other by name) on a line below;
 - replan: SIGKILL a serving node; seconds until every survivor adopted one plan without it
   (the record expiry, the TTL, dominates).
 """
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,12 +39,15 @@ from pathlib import Path
 
 import psutil
 
+from fusionllm.common.errors import FusionError
 from fusionllm.dht.client import DhtClient, DhtConfig
-from fusionllm.dht.records import LinkReport
+from fusionllm.dht.directory import SwarmDirectory
+from fusionllm.dht.records import LinkReport, NodeState
 from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.errors import DeadlineError
 from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
 from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
+from fusionllm.node.p2p.identity import load_or_create_identity
 
 SWARM = "default"
 
@@ -99,6 +106,8 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
     publisher, receiver = hosts
     latencies: dict[float, float] = {}
     stop = threading.Event()
+    # Nodes forward gossip only from members (links.gossip_validator): the publisher joins.
+    member = _Member(publisher, root / "pub.key", nodes, stop)
 
     def receive() -> None:
         while not stop.is_set():
@@ -120,6 +129,8 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
         for node in nodes[half:] or nodes[:1]:
             receiver.connect(node.last("ready")["addrs"][0])
         wait_for(lambda: publisher.mesh_peers(topic) and receiver.mesh_peers(topic), 30, "meshes")
+        member.start()
+        wait_for(member.known_to_all, 60, "the publisher to be a member everywhere")
         thread = threading.Thread(target=receive, daemon=True)
         thread.start()
         sent = []
@@ -135,14 +146,76 @@ def _gossip(nodes, root: Path, messages: int = 40, rate: float = 4.0) -> dict:
         stop.set()
         thread.join(timeout=5)
     finally:
+        stop.set()
+        member.close()
         for host in hosts:
             host.close()
     got = sorted(latencies[t] for t in sent if t in latencies)
     return {
+        **_gossip_drops(nodes),
         "gossip_median_ms": statistics.median(got) * 1e3 if got else float("nan"),
         "gossip_p90_ms": got[int(0.9 * (len(got) - 1))] * 1e3 if got else float("nan"),
         "gossip_loss": 1.0 - len(got) / len(sent),
     }
+
+
+class _Member:
+    """The gossip publisher as a swarm member: a record on the DHT like a node's (the swarm's
+    settings, copied from the first node's record), refreshed every second, with a device far
+    too slow to be planned (it waits in the backup pool)."""
+
+    def __init__(self, host: ControlHost, key_path: Path, nodes, stop: threading.Event) -> None:
+        self.host, self.nodes, self.stop = host, nodes, stop
+        self.key = load_or_create_identity(key_path)
+        self.client: DhtClient | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = DhtConfig(swarm=SWARM, initial_peers=(self.nodes[0].dht_addr,), client_mode=True)
+        self.client = DhtClient(config).start()
+        directory = SwarmDirectory(
+            self.client, swarm=SWARM, peer_id=self.host.peer_id, sign=self.key.private_key.sign
+        )
+        template = wait_for(
+            lambda: directory.members().get(self.nodes[0].peer_id), 30, "the first node's record"
+        )
+        device = dataclasses.replace(template.device, flops=template.device.flops / 1000)
+
+        def beat() -> None:
+            while True:
+                info = dataclasses.replace(
+                    template, peer_id=self.host.peer_id, addrs=tuple(self.host.listen_addrs[:1]),
+                    device=device, links=(), state=NodeState.BACKUP, stage=None, adopted=None,
+                    time=time.time(), training=None,
+                )  # fmt: skip
+                with contextlib.suppress(FusionError):
+                    directory.announce(info, ttl_s=5.0)
+                if self.stop.wait(1.0):
+                    return
+
+        self.thread = threading.Thread(target=beat, daemon=True)
+        self.thread.start()
+
+    def known_to_all(self) -> bool:
+        pid = self.host.peer_id
+        return all(pid in (n.last("epoch") or {}).get("members", ()) for n in self.nodes)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        if self.client is not None:
+            self.client.close()
+
+
+def _gossip_drops(nodes) -> dict:
+    """What the swarm's nodes refused or lost of gossip so far (their last epoch's counters):
+    where a lost message died, if it died in a node's checks."""
+    totals = dict.fromkeys(("dropped_rate", "dropped_inbox_full", "dropped_invalid"), 0)
+    for node in nodes:
+        counters = (node.last("epoch") or {}).get("counters", {})
+        for name in totals:
+            totals[name] += counters.get(f"gossip_{name}", 0)
+    return {f"gossip_{name}": count for name, count in totals.items()}
 
 
 def _role(proc: psutil.Process, root: psutil.Process) -> str:
@@ -168,8 +241,10 @@ def _tree(pid: int) -> list[tuple[str, psutil.Process, float]]:
     return tree
 
 
-def _idle(nodes, seconds: float) -> dict:
-    """Per node: its process tree's count, CPU % over ``seconds`` and RSS (see the docstring)."""
+def _idle(nodes, seconds: float, settle_s: float = 0.0) -> dict:
+    """Per node: its process tree's count, CPU % over ``seconds`` after ``settle_s`` (a stable
+    swarm backs off) and RSS (see the docstring)."""
+    time.sleep(settle_s)
     trees = [_tree(node.process.pid) for node in nodes]
     started = time.monotonic()
     time.sleep(seconds)
@@ -219,7 +294,7 @@ def _replan_after_crash(nodes) -> dict:
     return {"replan_s": max(e["t"] for e in events) - killed_at}
 
 
-def run(sizes: list[int], timing: dict, idle_seconds: float) -> list[dict]:
+def run(sizes: list[int], timing: dict, idle_seconds: float, settle_s: float) -> list[dict]:
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -232,7 +307,7 @@ def run(sizes: list[int], timing: dict, idle_seconds: float) -> list[dict]:
                 nodes = list(swarm.nodes)
                 row.update(_dht_latency(nodes[0].dht_addr))
                 row.update(_gossip(nodes, root))
-                row.update(_idle(nodes, idle_seconds))
+                row.update(_idle(nodes, idle_seconds, settle_s))
                 row.update(_replan_after_crash(nodes))
             except AssertionError as exc:  # a swarm too big for this machine: say so, go on
                 row = {"nodes": n, "failed": str(exc)}
@@ -247,11 +322,15 @@ def run(sizes: list[int], timing: dict, idle_seconds: float) -> list[dict]:
 
 
 def _format_row(r: dict) -> str:
+    drops = (
+        f"{r['gossip_dropped_rate']}/{r['gossip_dropped_inbox_full']}/{r['gossip_dropped_invalid']}"
+    )
     return (
         f"{r['nodes']:>5} {r['agree_s']:>8.1f} {r['agree_after_ready_s']:>12.1f} "
         f"{r['store_ms']:>9.1f} {r['get_ms']:>7.1f} {r['gossip_median_ms']:>10.1f} "
-        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {r['idle_cpu_percent']:>8.1f} "
-        f"{r['idle_rss_mib']:>8.0f} {r['idle_processes']:>6.0f} {r['replan_s']:>9.1f}"
+        f"{r['gossip_p90_ms']:>7.1f} {r['gossip_loss']:>6.0%} {drops:>13} "
+        f"{r['idle_cpu_percent']:>9.1f} {r['idle_by_role']['node']['cpu_percent']:>8.2f} "
+        f"{r['idle_processes']:>6.0f} {r['idle_rss_mib']:>8.0f} {r['replan_s']:>9.1f}"
     )
 
 
@@ -272,6 +351,12 @@ def main() -> int:
         "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
     )
     parser.add_argument("--idle-seconds", type=float, default=30.0, help="s (default: %(default)s)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        help="s to wait before measuring idle cost, so the nodes back off (default: %(default)s)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     timing = {
@@ -285,11 +370,11 @@ def main() -> int:
         f"control plane on loopback (heartbeat {args.heartbeat} s, TTL {args.ttl} s, "
         f"epoch {args.epoch} s, probes every {args.probe_interval} s)\n"
         f"{'nodes':>5} {'agree s':>8} {'after ready':>12} {'store ms':>9} {'get ms':>7} "
-        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'idle CPU%':>8} {'RSS MiB':>8} "
-        f"{'procs':>6} {'replan s':>9}",
+        f"{'gossip ms':>10} {'p90 ms':>7} {'loss':>6} {'rate/full/inv':>13} {'idle CPU%':>9} "
+        f"{'main CPU%':>8} {'procs':>6} {'RSS MiB':>8} {'replan s':>9}",
         flush=True,
     )
-    rows = run(args.sizes, timing, args.idle_seconds)
+    rows = run(args.sizes, timing, args.idle_seconds, args.settle)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -223,10 +223,10 @@ class NodeDaemon:
 
     def close(self) -> None:
         self._stop.set()
+        if self.control is not None:
+            self.control.close()  # first: it wakes the gossip thread, blocked in recv()
         for thread in self._threads:
             thread.join(timeout=10)
-        if self.control is not None:
-            self.control.close()
         # After the control plane detached; whatever else is attached to it ends with it.
         host = self.host
         if host is not None:

@@ -40,6 +40,7 @@ from fusionllm.node.control.agreement import (
     keep_incumbent,
 )
 from fusionllm.node.control.audit import AuditLimits
+from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.swarm_settings import SwarmSettings
@@ -82,6 +83,7 @@ class PlanAgreement:
         emit: Callable[..., None] = lambda event, **fields: None,
         clock: Callable[[], float] = time.time,
         limits: AuditLimits | None = None,
+        backoff: BackoffConfig | None = None,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -89,6 +91,7 @@ class PlanAgreement:
         self.directory, self.book = directory, book
         self._own_info, self._emit, self.clock = own_info, emit, clock
         self.limits = limits or AuditLimits()
+        self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
         self.adopted: Candidate | None = None
@@ -205,9 +208,18 @@ class PlanAgreement:
         members = self.snapshot()
         swarm = self._swarm(members)
         self._converge(epoch, members, swarm)
+        incumbent = self._incumbent(epoch, members, swarm)
+        ids = frozenset(members)
+        why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
+        if why is None:
+            # A stable swarm: the plan we follow, again, without planning (backoff.py).
+            self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+            return
+        logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
             fresh = self._plan(swarm)
         except InfeasiblePlanError as exc:
+            self.backoff.planned(epoch, ids, None)
             self.counters["plans_failed"] += 1
             # Said once per reason: a node waiting for peers would repeat it every epoch.
             level = logging.DEBUG if str(exc) == self._last_plan_failure else logging.WARNING
@@ -217,11 +229,16 @@ class PlanAgreement:
             )
             return
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
-        incumbent = self._incumbent(epoch, members, swarm)
         if incumbent is not None and keep_incumbent(
             incumbent.estimate, estimate, self.settings.switch_margin
         ):
             plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
+        # Stable means: planning again changed nothing we propose (a fresh plan within the
+        # switch margin of the one we follow is as good as no plan at all).
+        self.backoff.planned(epoch, ids, hashlib.sha256(plan_bytes).hexdigest())
+        self._publish(epoch, plan_bytes, estimate)
+
+    def _publish(self, epoch: int, plan_bytes: bytes, estimate: float) -> None:
         proposal = PlanProposal(
             swarm=self.settings.swarm,
             epoch=epoch,

@@ -14,13 +14,14 @@ from collections.abc import Callable
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo, RecordError
+from fusionllm.node.control.backoff import ProbeBackoff, max_factor_for
 from fusionllm.node.control.bandwidth import (
     BandwidthBook,
     BandwidthReport,
     LinkSample,
     choose_probe_targets,
 )
-from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
 
 logger = get_logger(__name__)
@@ -77,6 +78,7 @@ class LinkMonitor:
         self._rng = random.Random()
         self._lock = threading.Lock()
         self._probes_failed = 0
+        self._backoff = ProbeBackoff(max_factor_for(probe_interval_s, book.max_age_s))
 
     @property
     def probes_failed(self) -> int:
@@ -86,9 +88,9 @@ class LinkMonitor:
     def gossip_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                message = self.control.recv(timeout=0.5)
-            except DeadlineError:
-                continue
+                # Blocks until a message comes: an idle node does not poll. Closing the control
+                # host (NodeDaemon.close) ends the wait.
+                message = self.control.recv(timeout=None)
             except TransportClosedError:
                 return
             try:
@@ -102,13 +104,19 @@ class LinkMonitor:
     def probe_loop(self) -> None:
         while not self._stop.wait(self._rng.uniform(0.2, 1.0) if not self._members() else 0):
             members = self._members()
-            self.connect(members)
-            self._probe_round(members)
+            try:
+                self.connect(members)
+                self._probe_round(members)
+            except TransportClosedError:
+                return  # the daemon closes the control host on its way out
             report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
             if report.links:
                 with contextlib.suppress(FusionError, ValueError):
                     self.control.publish(self.topic, report.to_bytes())
-            if self._stop.wait(self.probe_interval_s * self._rng.uniform(0.8, 1.2)):
+            # A swarm that looks as it did last round is probed less often (backoff.py).
+            view = (frozenset(members), tuple(sorted(self._neighbours())))
+            factor = self._backoff.next_factor(view)
+            if self._stop.wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2)):
                 return
 
     def _probe_round(self, members: dict[str, NodeInfo]) -> None:

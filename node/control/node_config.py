@@ -3,6 +3,7 @@
 The swarm-wide part (what every node must share) is ``SwarmSettings``; this is the rest.
 """
 
+import functools
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -60,6 +61,7 @@ class NodeConfig:
         return self.control_config().host_config()
 
 
+@functools.cache  # read on every heartbeat; importlib.metadata scans sys.path each time
 def software_version() -> str:
     try:
         return metadata.version("fusionllm")

@@ -405,3 +405,43 @@ def test_a_followed_plan_survives_a_drifting_view_a_new_one_does_not():
     newcomer.heartbeat()
     newcomer.agreement.adopt(e + 1)
     assert newcomer.agreement.adopted.digest == followed.digest
+
+
+# ----------------------------------------------------------------------------- idle backoff
+
+
+def count_plans(node: Node) -> list[int]:
+    """Wrap the node's planner: the list grows by one per fresh plan."""
+    calls: list[int] = []
+    plan = node.agreement._plan
+
+    def counted(swarm):
+        calls.append(len(swarm.peers))
+        return plan(swarm)
+
+    node.agreement._plan = counted
+    return calls
+
+
+def test_a_stable_swarm_re_proposes_its_plan_and_plans_afresh_less_often():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    calls = count_plans(nodes[0])
+    e = epoch_at(T0, 2.0)
+    for k in range(20):
+        clock.now = T0 + 2.0 * k + 0.1
+        epoch_round(nodes, e + k)
+    assert len(calls) == 5  # in epochs 0, 1, 3, 7, 15 (gaps 1, 2, 4, 8; 23 is not due)
+    digests = {p.digest for k in range(20) for p in directory.plans[e + k].values()}
+    assert len(digests) == 1  # the same plan every epoch, planned or not
+    assert [ev["epoch"] for ev in nodes[0].events] == [e + k for k in range(20)]
+    # A newcomer: the next epoch plans afresh, and the plan takes it in.
+    clock.now = T0 + 40.1
+    directory.records["fast"] = dataclasses.replace(
+        record("fast", at=clock.now),
+        device=dataclasses.replace(record("fast").device, flops=1e13, memory_bandwidth=1e12),
+    )
+    nodes[0].agreement.propose(e + 20)
+    assert calls[-1] == 3
+    fresh = plan_from_json(directory.plans[e + 20]["peer0"].plan)
+    assert "fast" in {p for s in fresh.stages for p in s.peers}
