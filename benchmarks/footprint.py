@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import psutil
+from control_plane import _cpu_s, _tree  # a sibling script, found through sys.path[0]
 
+from fusionllm.dag.graph import GraphCosts
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.local_swarm import CALM, LocalSwarm, wait_for
 
@@ -59,32 +61,15 @@ def bench_imports(repeats: int = 3) -> dict[str, dict[str, float]]:
     return rows
 
 
-def _role(process: psutil.Process) -> str:
-    cmd = " ".join(process.cmdline())
-    for needle, role in (
-        ("fusionllm.node.cli.main", "node"),
-        ("fusionllm.dht.worker", "DHT worker"),
-        ("p2pd", "p2pd (hivemind's Go daemon)"),
-        ("torch_shm_manager", "torch_shm_manager"),
-        ("facts_main", "facts child"),
-    ):
-        if needle in cmd:
-            return role
-    return cmd[:60]
-
-
 def tree_usage(pid: int, seconds: float) -> list[dict]:
-    """Each process of ``pid``'s tree: role, RSS MiB, CPU % of one core over ``seconds``."""
-    root = psutil.Process(pid)
-    tree = [root, *root.children(recursive=True)]
-    before = {p.pid: p.cpu_times() for p in tree}
+    """Each process of ``pid``'s tree (control_plane's roles): RSS MiB, CPU % over ``seconds``."""
+    tree = _tree(pid)
     time.sleep(seconds)
     rows = []
-    for p in tree:
+    for role, process, cpu_before in tree:
         try:
-            now, then = p.cpu_times(), before[p.pid]
-            cpu = (now.user + now.system - then.user - then.system) / seconds * 100
-            rows.append({"role": _role(p), "rss_mib": p.memory_info().rss / _MIB, "cpu_pct": cpu})
+            cpu = (_cpu_s(process) - cpu_before) / seconds * 100
+            rows.append({"role": role, "rss_mib": process.memory_info().rss / _MIB, "cpu_pct": cpu})
         except psutil.NoSuchProcess:
             continue
     return rows
@@ -101,9 +86,8 @@ def bench_idle(root: Path, idle_s: float) -> list[dict]:
         swarm.close()
 
 
-def stage_needs(model: str, run: dict, ranges: list[list[int]], stage: int) -> dict[str, float]:
+def stage_needs(costs: GraphCosts, run: dict, ranges: list[list[int]], stage: int) -> dict:
     """MiB a stage holds by the model's costs: parameters x4, activations in flight."""
-    costs = learn_local_facts(model, run["seq-len"], device_cache=None, measure_device=False).costs
     start, stop = ranges[stage]
     nodes = costs.nodes[start:stop]
     in_flight = min(run["micro-batches"], len(ranges) - stage)
@@ -129,13 +113,14 @@ def bench_training(root: Path, model: str, steps: int, sample_s: float) -> list[
 
         wait_for(steady, 300, "25 trained steps")
         usage = {n.name: tree_usage(n.process.pid, sample_s) for n in nodes}
+        costs = learn_local_facts(model, run["seq-len"], device_cache=None, measure_device=False)
         rows = []
         for node in nodes:
             plan = node.last("train_plan")
             serving = node.last("epoch")["state"] == "serving" and plan is not None
             row = {"node": node.name, "serving": serving, "processes": usage[node.name]}
             if serving:
-                row.update(stage_needs(model, run, plan["ranges"], plan["stage"]))
+                row.update(stage_needs(costs.costs, run, plan["ranges"], plan["stage"]))
                 row["stage"] = plan["stage"]
             rows.append(row)
         return rows

@@ -15,10 +15,6 @@ _BITMAP_BYTES_PER_ELEMENT = 1 / 8
 # A top-k ratio is always below 1.0, which means "dense": keeping (nearly) every element in
 # fp16 + bitmap still costs about half of fp32's bytes, so it can fit where dense cannot.
 _MAX_TOPK_RATIO = 0.99
-# Above this ratio an activation stays top-k: on Gaussian data top-k leaves less error than the
-# ternary code's ~19% of the energy once it keeps about a third of the entries (a quarter keeps
-# a margin), and its bytes then buy several bits per element, more than ternary's 1.6.
-_TERNARY_MAX_RATIO = 0.25
 
 
 def topk_wire_bytes(numel: int, ratio: float) -> int:
