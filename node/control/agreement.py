@@ -60,6 +60,7 @@ class Candidate:
     proposal: PlanProposal
     plan: Plan
     audit: Audit = field(default_factory=Audit)
+    retimed_estimate: float = 0.0  # its step time in our view of the swarm (0: not retimed)
 
     @property
     def digest(self) -> str:
@@ -68,6 +69,12 @@ class Candidate:
     @property
     def estimate(self) -> float:
         return self.proposal.estimate
+
+    @property
+    def score(self) -> float:
+        """Its step time as it would run now: what it claims, or what our own figures give if
+        that is slower (a followed plan is re-proposed with the figures it was made with)."""
+        return max(self.estimate, self.retimed_estimate)
 
     def believable(self, limits: AuditLimits) -> bool:
         """Whether no figure is understated beyond ``limits`` of our own (the bar for a plan
@@ -124,7 +131,12 @@ def check_proposal(proposal: PlanProposal, view: EpochView) -> Candidate:
         retimed = view.retimer.retime(plan)
     except PlanCheckError as exc:
         raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
-    return Candidate(proposal, plan, audit(plan, retimed, view.config, view.limits))
+    return Candidate(
+        proposal,
+        plan,
+        audit(plan, retimed, view.config, view.limits),
+        retimed_estimate=retimed.plan.estimated_step_time,
+    )
 
 
 def check_plan(

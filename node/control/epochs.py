@@ -38,6 +38,7 @@ from fusionllm.node.control.agreement import (
     epoch_start,
     fresh_members,
     keep_incumbent,
+    serving_peers,
 )
 from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff
@@ -99,7 +100,7 @@ class PlanAgreement:
         self.state = NodeState.JOINING
         self.run_finished = False  # some member's record says the run reached its end
         self.outvoted = Outvoted()
-        self._last_plan: tuple[bytes, Plan] | None = None
+        self._plans: dict[bytes, Plan] = {}  # the last few plans by their inputs
         self._last_plan_failure = ""
         self.counters = {
             "invalid_proposals": 0,
@@ -209,7 +210,7 @@ class PlanAgreement:
         swarm = self._swarm(members)
         self._converge(epoch, members, swarm)
         incumbent = self._incumbent(epoch, members, swarm)
-        ids = frozenset(members)
+        ids = (frozenset(members), swarm.measured_pairs())
         why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
         if why is None:
             # A stable swarm: the plan we follow, again, without planning (backoff.py).
@@ -229,10 +230,12 @@ class PlanAgreement:
             )
             return
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
-        if incumbent is not None and keep_incumbent(
-            incumbent.estimate, estimate, self.settings.switch_margin
-        ):
-            plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
+        if incumbent is not None:
+            bar = self._bar(incumbent, fresh, members)
+            logger.debug("epoch %d: fresh plan %.4gs on %d peers, the one we follow %.4gs",
+                         epoch, estimate, len(serving_peers(fresh)), bar)  # fmt: skip
+            if keep_incumbent(bar, estimate, self.settings.switch_margin):
+                plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).
         self.backoff.planned(epoch, ids, hashlib.sha256(plan_bytes).hexdigest())
@@ -273,6 +276,21 @@ class PlanAgreement:
             return None
         return candidate
 
+    def _bar(self, incumbent: Candidate, fresh: Plan, members: Mapping[str, NodeInfo]) -> float:
+        """The step time a fresh plan must beat (by the switch margin) to replace the one we
+        follow. Among the same serving peers, the incumbent's own claim: probes of links busy
+        with training read slower than when the plan was made, and must not flip codecs and
+        splits back and forth. A plan that seats other peers (a newcomer) is measured against
+        the best those same peers could do on today's figures: the claim, made on an idle
+        swarm maybe, would keep every newcomer out."""
+        seated = serving_peers(incumbent.plan)
+        if serving_peers(fresh) == seated:
+            return incumbent.estimate
+        try:
+            return self._plan(self._swarm({p: members[p] for p in seated})).estimated_step_time
+        except (InfeasiblePlanError, KeyError):
+            return incumbent.score  # its peers cannot plan alone now: compare as it runs
+
     def _plan(self, swarm: Swarm) -> Plan:
         """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
         see the same inputs, and planning is the costliest part of an epoch."""
@@ -280,10 +298,12 @@ class PlanAgreement:
             repr([(p.peer_id, p.device, p.uplink, p.downlink, p.rtt) for p in swarm.peers]).encode()
             + b"".join(a.tobytes() for a in (swarm.src, swarm.dst, swarm.bandwidth, swarm.rtt))
         ).digest()
-        if self._last_plan is not None and self._last_plan[0] == key:
-            return self._last_plan[1]
+        if key in self._plans:
+            return self._plans[key]
         fresh = plan(self.costs, swarm, self.plan_config)
-        self._last_plan = (key, fresh)
+        if len(self._plans) >= 4:  # the whole swarm, and the incumbent's peers (_bar)
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = fresh
         return fresh
 
     # ------------------------------------------------------------------ adopt

@@ -47,6 +47,8 @@ def gossip_validator(
 
 
 class LinkMonitor:
+    MEMBER_CHECK_S = 1.0  # how soon a probe round notices a member change while it waits
+
     def __init__(
         self,
         *,
@@ -116,8 +118,20 @@ class LinkMonitor:
             # A swarm that looks as it did last round is probed less often (backoff.py).
             view = (frozenset(members), tuple(sorted(self._neighbours())))
             factor = self._backoff.next_factor(view)
-            if self._stop.wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2)):
+            if self._wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2), view[0]):
                 return
+
+    def _wait(self, seconds: float, members: frozenset[str]) -> bool:
+        """Sleep ``seconds`` unless the members change first (a newcomer can be planned in only
+        once its links are measured, so it must not wait out a backed-off round); True when
+        the node stops."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(left, self.MEMBER_CHECK_S)):
+                return True
+            if frozenset(self._members()) != members:
+                return False
+        return self._stop.is_set()
 
     def _probe_round(self, members: dict[str, NodeInfo]) -> None:
         priority = self._neighbours()

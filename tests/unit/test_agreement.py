@@ -450,6 +450,17 @@ def test_choose_ties_by_lowest_digest(pipeline):
     assert choose([slow_low, *cands]).estimate == 0.5
 
 
+def test_a_candidates_score_is_its_claim_or_our_slower_figure(pipeline):
+    """A followed plan is re-proposed with the claim it was made with (0.5 s on idle links):
+    its score is what it takes in our view now (0.9 s); a claim above our figure stands."""
+    stale = dataclasses.replace(candidate(0.5, b"followed", pipeline), retimed_estimate=0.9)
+    assert stale.score == 0.9
+    modest = dataclasses.replace(candidate(0.8, b"modest", pipeline), retimed_estimate=0.6)
+    assert modest.score == 0.8
+    # Ranking stays by claims: every node ranks the same proposals the same way.
+    assert choose([stale, modest]).digest == stale.digest
+
+
 def test_choose_nothing():
     assert choose([]) is None
     assert choose(iter(())) is None

@@ -97,6 +97,7 @@ class Node:
         self.events: list[dict] = []
         self.memory = kw.pop("memory", 8 * GIB)
         self.bandwidth = kw.pop("bandwidth", 1e8)  # what its record says of its access link
+        self.device = kw.pop("device", None)  # None: record()'s CPU
         self.agreement = PlanAgreement(
             settings=kw.pop("settings", SETTINGS),
             costs=GRAPH,
@@ -114,7 +115,8 @@ class Node:
         adopted = (a.adopted_epoch, a.adopted.digest) if a.adopted is not None else None
         return record(self.peer, at=self.clock(), memory=self.memory, adopted=adopted,
                       uplink=self.bandwidth, downlink=self.bandwidth,
-                      config_digest=a.settings.digest())  # fmt: skip
+                      config_digest=a.settings.digest(),
+                      **({"device": self.device} if self.device else {}))  # fmt: skip
 
     def heartbeat(self) -> None:
         self.directory.records[self.peer] = self.info()
@@ -407,6 +409,33 @@ def test_a_followed_plan_survives_a_drifting_view_a_new_one_does_not():
     assert newcomer.agreement.adopted.digest == followed.digest
 
 
+def test_a_newcomer_is_placed_when_it_beats_the_incumbents_peers_on_todays_figures():
+    """The plan was made on idle links; training slows the probes 8x; a newcomer 1.5x faster
+    than the rest joins. Its plan (3.17 s) is slower than the incumbent's old claim (3.03 s)
+    but beats what the incumbent's own peers can do on today's figures (3.98 s) by more than
+    the margin: the swarm seats it (claims alone kept it out for good)."""
+    clock = FakeClock(T0 + 0.1)
+    settings = dataclasses.replace(SETTINGS, min_stages=2)
+    directory, nodes = swarm_of(2, clock, bandwidth=1e7, settings=settings)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    claim = nodes[0].agreement.adopted.estimate
+    faster = dataclasses.replace(record("fast").device, flops=1.5e11, memory_bandwidth=1.5e10)
+    fast = Node("fast", directory, clock, bandwidth=1e7 / 8, settings=settings, device=faster)
+    for node in nodes:
+        node.bandwidth = 1e7 / 8
+    swarm = [*nodes, fast]
+    for node in swarm:
+        node.heartbeat()
+    clock.now = T0 + 2.1
+    epoch_round(swarm, e + 1)
+    adopted = {node.agreement.adopted.digest for node in swarm}
+    assert len(adopted) == 1
+    seated = {p for s in nodes[0].agreement.adopted.plan.stages for p in s.peers}
+    assert "fast" in seated
+    assert nodes[0].agreement.adopted.estimate > claim  # not better than the stale claim
+
+
 # ----------------------------------------------------------------------------- idle backoff
 
 
@@ -441,7 +470,9 @@ def test_a_stable_swarm_re_proposes_its_plan_and_plans_afresh_less_often():
         record("fast", at=clock.now),
         device=dataclasses.replace(record("fast").device, flops=1e13, memory_bandwidth=1e12),
     )
+    before = len(calls)
     nodes[0].agreement.propose(e + 20)
-    assert calls[-1] == 3
+    # The whole swarm, then the incumbent's two peers alone: the bar the newcomer's plan beats.
+    assert calls[before:] == [3, 2]
     fresh = plan_from_json(directory.plans[e + 20]["peer0"].plan)
     assert "fast" in {p for s in fresh.stages for p in s.peers}
