@@ -210,7 +210,7 @@ class PlanAgreement:
         swarm = self._swarm(members)
         self._converge(epoch, members, swarm)
         incumbent = self._incumbent(epoch, members, swarm)
-        ids = (frozenset(members), swarm.measured_pairs())
+        ids = frozenset(members)
         why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
         if why is None:
             # A stable swarm: the plan we follow, again, without planning (backoff.py).

@@ -47,6 +47,10 @@ _READY_RESEND_S = 2.0
 _DONOR_WAIT_S = 5.0
 MAX_ROUNDS = 2
 _WATCH_S = 0.5
+# A plan whose first step is still blocked this long after the swarm adopted another one was
+# skipped by a member that started late (it went straight to the newer plan): no vote at a
+# step boundary can end it, so the step is abandoned. Members that did start it abandon it too.
+_SUPERSEDED_S = 5.0
 LEAVE_VOTE = -1.0  # a summary vote: this member leaves after this step
 
 
@@ -85,6 +89,7 @@ class SessionHooks:
     params_of: ParamsOf
     is_member: Callable[[str], bool]
     vote: Callable[[], float]
+    followed: Callable[[], str | None]  # the digest of the plan our control plane follows now
     next_plan: Callable[[float], Assignment | None]  # the plan a vote names, as we'd serve it
     checkpoint_every: int  # 0: never
     emit: Callable[[dict], None]
@@ -133,6 +138,7 @@ class PlanSession:
         self.inbox = Inbox(self.runner.mailbox.put)
         self.parting = Parting(self)
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
+        self._stepped = threading.Event()  # a step of this plan completed here
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -301,6 +307,7 @@ class PlanSession:
             except (PipelineError, FusionError) as exc:
                 return self._failed(step, exc)
             on_step(report)
+            self._stepped.set()
             held = self._held(step + 1)
             self.vault.set_live(held)
             self.parting.checkpoint(held)
@@ -337,14 +344,25 @@ class PlanSession:
         return Ending(Outcome.FAILED, held, str(exc))
 
     def _watch_members(self, done: threading.Event) -> None:
-        """Fail a step blocked on a peer the control plane no longer counts as a member."""
+        """Fail a step blocked on a peer the control plane no longer counts as a member, or
+        the first step of a plan the swarm replaced before every member started it."""
         # Only peers our control plane has seen: a newcomer may not know every member yet.
         watched = [p for p in self.assignment.others().values() if self.hooks.is_member(p)]
+        superseded_at: float | None = None
         while not done.wait(_WATCH_S):
             gone = [p for p in watched if not self.hooks.is_member(p)]
             if gone:
                 logger.info("member %s is gone: abandoning the step", gone[0][:16])
                 self.runner.abort(PipelineError(f"member {gone[0]} left the swarm"))
+                return
+            if self._stepped.is_set() or self.hooks.followed() == self.assignment.digest:
+                superseded_at = None
+                continue
+            superseded_at = superseded_at or time.monotonic()
+            if time.monotonic() - superseded_at >= _SUPERSEDED_S:
+                logger.info("the swarm follows another plan and this one never completed a "
+                            "step: abandoning it")  # fmt: skip
+                self.runner.abort(PipelineError("plan replaced before its first step"))
                 return
 
     def _held(self, next_step: int) -> Held:

@@ -310,6 +310,7 @@ class SwarmTrainer:
             params_of=self.params_of,
             is_member=self.view.is_member,
             vote=self._vote,
+            followed=self._followed,
             next_plan=self._next_plan,
             checkpoint_every=self.config.checkpoint_every,
             emit=self._emit,
@@ -317,6 +318,10 @@ class SwarmTrainer:
             donors=self.view.members,
             connect=self.connect,
         )
+
+    def _followed(self) -> str | None:
+        current = self.view.adopted()
+        return current[0] if current is not None else None
 
     def _reached(self) -> int:
         """The newest step the swarm reached, as far as we know: records lag a heartbeat

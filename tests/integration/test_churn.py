@@ -42,6 +42,12 @@ BASE = {
 }
 
 
+def _quiet_for(nodes, seconds: float) -> bool:
+    """Whether some node started a plan, and none in the last ``seconds``."""
+    started = [e["t"] for n in nodes for e in n.snapshot() if e["event"] == "train_plan"]
+    return bool(started) and time.time() - max(started) >= seconds
+
+
 def _reference(steps: int) -> list[float]:
     run = RunSpec(seq_len=64, micro_batch_size=2, micro_batches=4, steps=steps, lr=3e-3)
     return train_local(TrainConfig.for_run(run, cuts=(), replicas=(1,))).losses
@@ -58,9 +64,12 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
         wait_for(lambda: first.last("ready"), 60, "the first node")
         nodes = [first, *(swarm.start(n, bootstrap=first.dht_addr) for n in "bcd")]
         wait_for(lambda: _last_step(nodes) >= 12, 240, "12 trained steps")
+        # The first epochs refine the plan as links get measured. A leave that meets a switch
+        # ends in "switch" (the switch hands its stage over): wait for a settled plan.
+        wait_for(lambda: _quiet_for(nodes, 3 * 2.0), 120, "a settled plan")
 
         # A polite leave: the leaver finishes its step and hands its stage over.
-        leaver = _serving(nodes)[0]
+        leaver = wait_for(lambda: _serving(nodes), 60, "a serving node")[0]
         left_at = time.time()
         leaver.kill(signal.SIGTERM)
         assert leaver.process.returncode == 0, swarm.logs()
@@ -72,7 +81,7 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
         assert max(_rollbacks(alive, left_at)) == 0, "a polite leave cost steps"
 
         # A crash at a random step: back to the last checkpoint, and no further.
-        victim = _serving(alive)[0]
+        victim = wait_for(lambda: _serving(alive), 60, "a serving node")[0]
         crashed_at = time.time()
         victim.kill(signal.SIGKILL)
         survivors = [n for n in alive if n is not victim]
