@@ -133,13 +133,6 @@ class Swarm:
     def index(self, peer_id: str) -> int:
         return self._index[peer_id]
 
-    def measured_pairs(self) -> frozenset[tuple[str, str]]:
-        """Which links were measured (src, dst peer ids), whatever their figures: what a
-        planner can place next to each other changes with this set, not with drift."""
-        ids = self.peer_ids
-        pairs = zip(self.src.tolist(), self.dst.tolist(), strict=True)
-        return frozenset((ids[i], ids[j]) for i, j in pairs)
-
     def link(self, i: int, j: int) -> LinkProfile:
         """The link i -> j (peer indices): measured if it was, estimated otherwise."""
         bw, rtt = self.link_arrays(np.array([i]), np.array([j]))

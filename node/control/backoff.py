@@ -6,8 +6,7 @@ which still passes its audit gains nothing from re-planning every epoch while th
 the same; it re-proposes that plan instead, and plans afresh only
 
 - when the members changed (a node joined, left or was suspected gone: the plan may no longer
-  run, or a better one may exist), or the set of measured links did (a newcomer can be placed
-  only once its links are measured, which is an epoch or more after it joins),
+  run, or a better one may exist),
 - when it follows nothing or its plan fails the audit (epochs.py decides that), or
 - when the gap has passed: 1 epoch after a change, doubling each time planning afresh changed
   nothing the node proposes (the same plan, or one within the switch margin of the plan it
@@ -43,30 +42,29 @@ class ReplanBackoff:
         self.config = config or BackoffConfig()
         self.gap = 1
         self._planned_at: int | None = None  # epoch of the last fresh plan
-        self._view: Hashable = None  # ... its members and measured links
+        self._members: frozenset[str] = frozenset()  # ... and its members
         self._digest: str | None = None  # ... and what it came to
 
-    def due(self, epoch: int, view: Hashable, *, incumbent_ok: bool) -> str | None:
-        """Why to plan afresh in ``epoch`` for ``view`` (the members and which links between
-        them are measured; None: no need); ``incumbent_ok``: the plan we follow still runs on
-        these members and its figures hold."""
+    def due(self, epoch: int, members: frozenset[str], *, incumbent_ok: bool) -> str | None:
+        """Why to plan afresh in ``epoch`` for ``members`` (None: no need); ``incumbent_ok``:
+        the plan we follow still runs on these members and its figures hold."""
         if self._planned_at is None:
             return "first plan"
         if not incumbent_ok:
             return "the plan we follow fails its audit"
-        if view != self._view:
-            return "members or measured links changed"
+        if members != self._members:
+            return "members changed"
         if epoch - self._planned_at >= self.gap:
             return f"{self.gap} epochs since the last plan"
         return None
 
-    def planned(self, epoch: int, view: Hashable, digest: str | None) -> None:
+    def planned(self, epoch: int, members: frozenset[str], digest: str | None) -> None:
         """Note a fresh planning round: ``digest`` of what it made us propose (None: no feasible
-        plan). The gap doubles only when the same view led to the same proposal again;
+        plan). The gap doubles only when the same members led to the same proposal again;
         anything else starts over at 1."""
-        same = view == self._view and digest is not None and digest == self._digest
+        same = members == self._members and digest is not None and digest == self._digest
         self.gap = min(2 * self.gap, self.config.max_gap) if same else 1
-        self._planned_at, self._view, self._digest = epoch, view, digest
+        self._planned_at, self._members, self._digest = epoch, members, digest
 
 
 class ProbeBackoff:

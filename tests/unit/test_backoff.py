@@ -88,14 +88,3 @@ def test_probe_backoff_keeps_links_fresher_than_the_book_forgets_them(interval, 
 def test_probe_backoff_refuses_bad_factors(bad):
     with pytest.raises(ConfigError, match="max_factor"):
         ProbeBackoff(max_factor=bad)
-
-
-def test_a_newly_measured_link_plans_afresh_as_a_member_change_does():
-    """A newcomer can be seated only once its links are measured, an epoch or more after its
-    record shows: that change must not wait out the gap either."""
-    backoff = ReplanBackoff(BackoffConfig(max_gap=8))
-    before = (ABC, frozenset({("a", "b")}))
-    fresh_epochs(backoff, range(0, 40), members=before)
-    assert not backoff.due(40, before, incumbent_ok=True)
-    after = (ABC, frozenset({("a", "b"), ("a", "c")}))
-    assert backoff.due(40, after, incumbent_ok=True) == "members or measured links changed"

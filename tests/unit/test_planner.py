@@ -170,16 +170,3 @@ def test_baselines_build_valid_plans() -> None:
         assert len(result.stages) == 6
         assert all(link.forward_codec == "dense" for link in result.links)
         assert result.estimated_step_time > 0
-
-
-def test_measured_pairs_name_the_links_not_their_figures() -> None:
-    peers = [peer("b"), peer("a"), peer("c")]
-    fast, slow = (
-        LinkProfile(bandwidth=mbps(1000), rtt=0.001),
-        LinkProfile(bandwidth=mbps(10), rtt=0.05),
-    )
-    measured = Swarm.from_links(peers, {("a", "b"): fast, ("c", "a"): fast})
-    assert measured.measured_pairs() == {("a", "b"), ("c", "a")}
-    drifted = Swarm.from_links(peers, {("a", "b"): slow, ("c", "a"): fast})
-    assert drifted.measured_pairs() == measured.measured_pairs()
-    assert Swarm.from_links(peers).measured_pairs() == frozenset()
