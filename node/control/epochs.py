@@ -288,7 +288,7 @@ class PlanAgreement:
             return incumbent.estimate
         try:
             return self._plan(self._swarm({p: members[p] for p in seated})).estimated_step_time
-        except (InfeasiblePlanError, KeyError):
+        except InfeasiblePlanError:
             return incumbent.score  # its peers cannot plan alone now: compare as it runs
 
     def _plan(self, swarm: Swarm) -> Plan:

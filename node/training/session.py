@@ -138,7 +138,6 @@ class PlanSession:
         self.inbox = Inbox(self.runner.mailbox.put)
         self.parting = Parting(self)
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
-        self._stepped = threading.Event()  # a step of this plan completed here
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -307,7 +306,6 @@ class PlanSession:
             except (PipelineError, FusionError) as exc:
                 return self._failed(step, exc)
             on_step(report)
-            self._stepped.set()
             held = self._held(step + 1)
             self.vault.set_live(held)
             self.parting.checkpoint(held)
@@ -355,7 +353,8 @@ class PlanSession:
                 logger.info("member %s is gone: abandoning the step", gone[0][:16])
                 self.runner.abort(PipelineError(f"member {gone[0]} left the swarm"))
                 return
-            if self._stepped.is_set() or self.hooks.followed() == self.assignment.digest:
+            stepped = self.runner.completed_steps is not None  # this plan applied a step here
+            if stepped or self.hooks.followed() == self.assignment.digest:
                 superseded_at = None
                 continue
             superseded_at = superseded_at or time.monotonic()

@@ -13,6 +13,7 @@ from fusionllm.node.training.session import PlanSession
 class Runner:
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.completed_steps: int | None = None
 
     def abort(self, exc: Exception) -> None:
         self.aborted.append(str(exc))
@@ -27,9 +28,8 @@ def watched(followed: str, members=("b",), stepped: bool = False):
         is_member=lambda peer: peer in state["members"], followed=lambda: state["followed"]
     )
     session.runner = Runner()
-    session._stepped = threading.Event()
     if stepped:
-        session._stepped.set()
+        session.runner.completed_steps = 1
     done = threading.Event()
     thread = threading.Thread(target=session._watch_members, args=(done,), daemon=True)
     thread.start()
