@@ -89,6 +89,7 @@ def test_all_slots_held_by_distinct_strangers_is_busy_until_one_ends(hosts):
 
 
 TOPIC = "fusionllm/limits"
+_PUBLISH_GAP_S = 0.01
 
 
 def test_a_relay_forwards_a_flood_at_its_forward_rate_and_still_delivers_it(hosts):
@@ -105,12 +106,16 @@ def test_a_relay_forwards_a_flood_at_its_forward_rate_and_still_delivers_it(host
     started = time.monotonic()
     for i in range(60):
         a.publish(TOPIC, b"flood %d" % i)
+        # Paced so a's own outbound queue to b (py-libp2p keeps 32 RPCs, then drops) is not
+        # what limits the flood: on a loaded box an unpaced burst of 60 reached b as 28.
+        time.sleep(_PUBLISH_GAP_S)
     at_b = drain(b, quiet_s=1.5)
     elapsed = time.monotonic() - started - 1.5  # the flood reached b within this
     at_c = drain(c, quiet_s=1.5)
     logger.info("flood of 60: b got %d, c got %d, in %.2f s", len(at_b), len(at_c), elapsed)
-    # b delivers what it validated (a's send queue may drop some of a burst) ...
-    assert len(at_b) >= 30
+    # b delivers what it validated (a's send queue drops only if a's sender stalls for
+    # a third of a second) ...
+    assert len(at_b) >= 45
     assert b.stats().messages_accepted == len(at_b)
     # ... and forwards at most 3 in any second of the flood (sliding 1 s window).
     assert 1 <= len(at_c) <= 3 * (math.ceil(elapsed) + 1)
