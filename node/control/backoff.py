@@ -42,12 +42,13 @@ class ReplanBackoff:
         self.config = config or BackoffConfig()
         self.gap = 1
         self._planned_at: int | None = None  # epoch of the last fresh plan
-        self._members: frozenset[str] = frozenset()  # ... and its members
+        self._members: frozenset[Hashable] = frozenset()  # ... and its members
         self._digest: str | None = None  # ... and what it came to
 
-    def due(self, epoch: int, members: frozenset[str], *, incumbent_ok: bool) -> str | None:
+    def due(self, epoch: int, members: frozenset[Hashable], *, incumbent_ok: bool) -> str | None:
         """Why to plan afresh in ``epoch`` for ``members`` (None: no need); ``incumbent_ok``:
-        the plan we follow still runs on these members and its figures hold."""
+        the plan we follow still runs on these members and its figures hold. ``members`` is
+        whatever identifies the swarm the plan is for (epochs.py adds which are measured)."""
         if self._planned_at is None:
             return "first plan"
         if not incumbent_ok:
@@ -58,7 +59,7 @@ class ReplanBackoff:
             return f"{self.gap} epochs since the last plan"
         return None
 
-    def planned(self, epoch: int, members: frozenset[str], digest: str | None) -> None:
+    def planned(self, epoch: int, members: frozenset[Hashable], digest: str | None) -> None:
         """Note a fresh planning round: ``digest`` of what it made us propose (None: no feasible
         plan). The gap doubles only when the same members led to the same proposal again;
         anything else starts over at 1."""

@@ -210,7 +210,11 @@ class PlanAgreement:
         swarm = self._swarm(members)
         self._converge(epoch, members, swarm)
         incumbent = self._incumbent(epoch, members, swarm)
-        ids = frozenset(members)
+        # A newcomer is priced on default (slow) figures until its links are measured: that
+        # moment, not only its arrival, is worth planning afresh for, or a faster newcomer
+        # waits out the doubled gap (up to max_gap epochs) before it is seated.
+        measured = self.book.linked(members, now=self.clock())
+        ids = frozenset((peer, peer in measured) for peer in members)
         why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
         if why is None:
             # A stable swarm: the plan we follow, again, without planning (backoff.py).

@@ -48,6 +48,10 @@ def gossip_validator(
 
 class LinkMonitor:
     MEMBER_CHECK_S = 1.0  # how soon a probe round notices a member change while it waits
+    # A link's figure is the best of our last this-many probes of it (bandwidth.py): one slow
+    # probe on a busy CPU no longer prices the link; a link that really slowed shows once its
+    # fast samples leave the window, after this many rounds or the book's max age.
+    PROBE_WINDOW = 8
 
     def __init__(
         self,
@@ -158,8 +162,13 @@ class LinkMonitor:
                     self._probes_failed += 1
                 logger.debug("probe of %s failed: %s", peer[:16], exc)
                 continue
+            logger.debug(
+                "probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes in %.3g ms",
+                peer[:16], result.bandwidth / 1e6, result.rtt * 1e3, result.bytes,
+                result.seconds * 1e3,
+            )  # fmt: skip
             sample = LinkSample(result.bandwidth, result.rtt, time.time())
-            self.book.record(self.peer_id, peer, sample, now=time.time())
+            self.book.record(self.peer_id, peer, sample, now=time.time(), window=self.PROBE_WINDOW)
 
     def connect(self, members: dict[str, NodeInfo]) -> None:
         connected = set(self.control.connected_peers())

@@ -217,6 +217,35 @@ def test_newest_sample_wins():
     assert book.last_measured("a", NOW) == {"b": NOW - 5}
 
 
+def test_a_window_keeps_the_best_recent_figures():
+    """Our own probes: a slow probe on a busy CPU does not price the link; the link's figure
+    is its fastest recent bandwidth and lowest recent RTT, dated by the newest sample."""
+    book = BandwidthBook(max_age_s=60.0)
+    assert book.record("a", "b", sample(NOW - 3, 8e6, rtt=0.004), now=NOW, window=3)
+    assert book.record("a", "b", sample(NOW - 2, 1e6, rtt=0.001), now=NOW, window=3)
+    assert book.record("a", "b", sample(NOW - 1, 2e6, rtt=0.009), now=NOW, window=3)
+    assert book.towards("b", NOW, sources=EVERYONE) == [8e6]
+    (link_ab,) = [v for v in book.link_table([member("a"), member("b")], now=NOW) if v.src == "a"]
+    assert (link_ab.bandwidth, link_ab.rtt, link_ab.age) == (8e6, 0.001, pytest.approx(1.0))
+    # A fourth sample pushes the first (the fast one) out: a link that slowed shows.
+    assert book.record("a", "b", sample(NOW, 3e6, rtt=0.009), now=NOW, window=3)
+    assert book.towards("b", NOW, sources=EVERYONE) == [3e6]
+    # Samples also leave by age, one by one.
+    assert book.towards("b", NOW + 59.5, sources=EVERYONE) == [3e6]
+    book.record("a", "c", sample(NOW + 30, 5e6), now=NOW + 30, window=3)
+    assert book.towards("b", NOW + 60.5, sources=EVERYONE) == []
+
+
+def test_window_one_replaces_and_a_bad_window_is_refused():
+    """A member's gossip is its own filtered figure: it replaces what we had of that link."""
+    book = BandwidthBook(max_age_s=60.0)
+    book.record("a", "b", sample(NOW - 2, 8e6), now=NOW, window=4)
+    book.record("a", "b", sample(NOW - 1, 1e6), now=NOW)
+    assert book.towards("b", NOW, sources=EVERYONE) == [1e6]
+    with pytest.raises(ValueError, match="window"):
+        book.record("a", "b", sample(NOW), now=NOW, window=0)
+
+
 def test_directions_are_separate():
     book = BandwidthBook(max_age_s=60.0)
     assert book.record("a", "b", sample(NOW, 1e6), now=NOW)

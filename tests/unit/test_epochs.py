@@ -18,7 +18,7 @@ from fusionllm.dht.records import (
     TrainingProgress,
 )
 from fusionllm.node.control.agreement import epoch_at
-from fusionllm.node.control.bandwidth import BandwidthBook
+from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.epochs import PlanAgreement, next_step
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
@@ -476,3 +476,26 @@ def test_a_stable_swarm_re_proposes_its_plan_and_plans_afresh_less_often():
     assert calls[before:] == [3, 2]
     fresh = plan_from_json(directory.plans[e + 20]["peer0"].plan)
     assert "fast" in {p for s in fresh.stages for p in s.peers}
+
+
+def test_a_newcomers_first_measured_link_is_planned_for_at_once():
+    """A newcomer is priced on default figures until its links are measured. The epoch its
+    first link is, the node plans afresh, not after the doubled gap of a stable swarm."""
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    for node in nodes:  # the incumbents' link is measured from the start
+        node.agreement.book.record("peer0", "peer1", LinkSample(1e8, 1e-3, T0), now=T0 + 0.1)
+    calls = count_plans(nodes[0])
+    e = epoch_at(T0, 2.0)
+    directory.records["new"] = record("new", at=T0)
+    for k in range(6):  # the newcomer arrives: planned for, then the gap grows (1, 2, 4)
+        clock.now = T0 + 2.0 * k + 0.1
+        directory.records["new"] = record("new", at=clock.now)
+        epoch_round(nodes, e + k)
+    assert len(calls) == 3  # epochs 0, 1, 3 (and 5 is not due)
+    book = nodes[0].agreement.book
+    clock.now = T0 + 12.1
+    directory.records["new"] = record("new", at=clock.now)
+    book.record("peer0", "new", LinkSample(1e8, 1e-3, clock.now), now=clock.now)
+    nodes[0].agreement.propose(e + 6)
+    assert len(calls) == 4, "the newcomer's first measured link was not planned for"

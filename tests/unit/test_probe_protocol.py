@@ -19,6 +19,7 @@ from fusionllm.node.p2p.probes import (
     PROBE_MAGIC,
     ProbeServer,
     payload_hasher,
+    probe_bandwidth,
     probe_over,
 )
 
@@ -239,3 +240,14 @@ def test_bad_header_is_a_probe_error(header):
 
     trio.run(main)
     assert count == {"probe_errors": 1}
+
+
+def test_probe_bandwidth_is_net_of_the_acks_round_trip_and_at_most_twice_the_raw_figure():
+    # 1 MB in 10 ms with a 2 ms round trip: 8 ms of transfer.
+    assert probe_bandwidth(1_000_000, 0.010, 0.002) == pytest.approx(125e6)
+    # The same link probed with a quarter of the bytes reads the same, not 2/3 of it.
+    assert probe_bandwidth(250_000, 0.004, 0.002) == pytest.approx(125e6)
+    # Almost all round trip (a ping slower than the whole probe, on a busy host): capped.
+    assert probe_bandwidth(16_000, 0.001, 0.0009) == pytest.approx(32e6)
+    assert probe_bandwidth(16_000, 0.001, 0.005) == pytest.approx(32e6)
+    assert probe_bandwidth(16_000, 0.001, 0.0) == pytest.approx(16e6)
