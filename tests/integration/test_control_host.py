@@ -36,7 +36,7 @@ from fusionllm.node.p2p.control_host import (
     GossipMessage,
 )
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.p2p.probes import PING_BYTES, PROBE_HEADER, PROBE_MAGIC
+from fusionllm.node.p2p.probes import PING_BYTES, PROBE_HEADER, PROBE_MAGIC, probe_bandwidth
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -248,7 +248,10 @@ def test_probe_measures_bandwidth_and_rtt(hosts):
     assert result.bytes == 1 << 20
     assert 0 < result.bandwidth < math.inf
     assert 0 < result.rtt < 1.0
-    assert result.bandwidth == pytest.approx(result.bytes / result.seconds)
+    assert result.bandwidth == pytest.approx(
+        probe_bandwidth(result.bytes, result.seconds, result.rtt)
+    )
+    assert result.bytes / result.seconds < result.bandwidth <= 2 * result.bytes / result.seconds
     small = a.probe(b.peer_id, nbytes=1000)
     assert small.bytes == 1000
     with pytest.raises(ValueError, match="nbytes"):
