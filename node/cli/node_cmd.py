@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import json
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -162,40 +163,52 @@ def _node_config(args: argparse.Namespace):
 
 
 def _printer(args: argparse.Namespace, swarm: str):
-    every = 10
+    """What the node prints of its events. The control plane and the trainer emit from their
+    own threads: each event goes out as one write under a lock, or two threads' ``print``
+    calls interleave their text and newlines and a reader of ``--events`` loses both lines
+    (a CI run lost one step's loss that way)."""
+    lock = threading.Lock()
 
     def on_event(event: dict) -> None:
-        kind = event["event"]
-        if args.events:
-            print(json.dumps(event), flush=True)
-        elif kind == "ready":
-            print(f"node {event['peer_id']} joined swarm {swarm}", flush=True)
-            print(f"  others can bootstrap from: {' '.join(event['dht_addrs'])}", flush=True)
-        elif kind == "epoch" and event["changed"]:
-            print(
-                f"epoch {event['epoch']}: plan {event['digest'][:12]} with "
-                f"{len(event['stages'])} stages, {len(event['backup'])} in backup, "
-                f"{len(event['members'])} members; this node: {event['state']}",
-                flush=True,
-            )
-        elif kind == "train_plan":
-            print(
-                f"training plan {event['digest'][:12]} from step {event['start_step']}: "
-                f"this node serves stage {event['stage']} replica {event['replica']}",
-                flush=True,
-            )
-        elif kind == "step" and event["step"] % every == 0:
-            print(
-                f"step {event['step']:>5}  loss {event['loss']:.4f}  "
-                f"{event['tokens_per_s']:,.0f} tokens/s",
-                flush=True,
-            )
-        elif kind == "plan_end" and event["outcome"] in ("failed", "parted"):
-            print(f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}")
-        elif kind in ("saved", "finished"):
-            print(f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}")
+        text = json.dumps(event) if args.events else _describe(event, swarm)
+        if text is None:
+            return
+        with lock:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
 
     return on_event
+
+
+def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
+    """The human line(s) for an event, or None for one not shown without ``--events``."""
+    kind = event["event"]
+    if kind == "ready":
+        return (
+            f"node {event['peer_id']} joined swarm {swarm}\n"
+            f"  others can bootstrap from: {' '.join(event['dht_addrs'])}"
+        )
+    if kind == "epoch" and event["changed"]:
+        return (
+            f"epoch {event['epoch']}: plan {event['digest'][:12]} with "
+            f"{len(event['stages'])} stages, {len(event['backup'])} in backup, "
+            f"{len(event['members'])} members; this node: {event['state']}"
+        )
+    if kind == "train_plan":
+        return (
+            f"training plan {event['digest'][:12]} from step {event['start_step']}: "
+            f"this node serves stage {event['stage']} replica {event['replica']}"
+        )
+    if kind == "step" and event["step"] % every == 0:
+        return (
+            f"step {event['step']:>5}  loss {event['loss']:.4f}  "
+            f"{event['tokens_per_s']:,.0f} tokens/s"
+        )
+    if kind == "plan_end" and event["outcome"] in ("failed", "parted"):
+        return f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}"
+    if kind in ("saved", "finished"):
+        return f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
