@@ -140,7 +140,7 @@ class BandwidthBook:
             kept = self._links.get((src, dst), ())
             if kept and kept[-1].measured_at >= sample.measured_at:
                 return False
-            self._links[(src, dst)] = (*kept[len(kept) - window + 1 :], sample)
+            self._links[(src, dst)] = (*kept, sample)[-window:]
         return True
 
     def record_report(
