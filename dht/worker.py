@@ -76,12 +76,32 @@ async def run(config: dict[str, Any], channel_in: BinaryIO, channel_out: BinaryI
             max_entries=int(config.get("max_entries_per_key", 1024)),
             max_reply_bytes=int(config.get("max_reply_bytes", MAX_MESSAGE_BYTES)),
         )
-        await serve_requests(node, channel_in, channel_out, limits)
+        beam = int(config.get("search_beam", 8))
+        await serve_requests(NarrowSearch(node, beam), channel_in, channel_out, limits)
     finally:
         try:
             await asyncio.wait_for(node.shutdown(), _SHUTDOWN_S)  # stops p2pd, waits for it
         except Exception:
             logger.warning("the DHT node did not shut down cleanly", exc_info=True)
+
+
+class NarrowSearch:
+    """hivemind's DHTNode, each store and get searching ``beam_size`` nodes (see
+    DhtConfig.search_beam); both are documented arguments of DHTNode's searches."""
+
+    def __init__(self, node: Any, beam_size: int) -> None:
+        self._node, self._beam_size = node, beam_size
+
+    async def store(self, key: Any, value: Any, expiration_time: float, *, subkey: Any) -> bool:
+        return await self._node.store(
+            key, value, expiration_time, subkey=subkey, beam_size=self._beam_size
+        )
+
+    async def get(self, key: Any, *, latest: bool) -> Any:
+        return await self._node.get(key, latest=latest, beam_size=self._beam_size)
+
+    async def get_visible_maddrs(self, *, latest: bool) -> list[Any]:
+        return await self._node.get_visible_maddrs(latest=latest)
 
 
 def kill_children() -> list[int]:

@@ -117,3 +117,31 @@ def test_p2pd_exits_by_itself_when_its_worker_is_killed_and_nobody_cleans_up(tmp
             p2pd.kill()  # only if the test failed: never leave it running
         worker.stdin.close()
         worker.stdout.close()
+
+
+def test_narrow_searches_still_find_every_nodes_record():
+    """With the narrowest search (5 nodes, as many as hold each record) in a DHT of 8, every
+    node's record under one key, stored by that node, is found by every node's get, and a
+    newer record of a node replaces its older one everywhere."""
+    clients: list[DhtClient] = []
+    try:
+        first = DhtClient(DhtConfig(swarm="beam", validate_records=False, search_beam=5))
+        clients.append(first.start())
+        for _ in range(7):
+            config = DhtConfig(
+                swarm="beam",
+                initial_peers=(clients[0].maddrs[0],),
+                validate_records=False,
+                search_beam=5,
+            )
+            clients.append(DhtClient(config).start())
+        for version in (b"old", b"new"):
+            expiration = time.time() + 60
+            for i, client in enumerate(clients):
+                assert client.store("members", f"node{i}", version, expiration)
+            for i, client in enumerate(clients):
+                found = {subkey: value for subkey, value, _ in client.get("members")}
+                assert found == {f"node{k}": version for k in range(8)}, f"node{i} saw {found}"
+    finally:
+        for client in clients:
+            client.close()

@@ -184,7 +184,13 @@ def test_cap_ranks_a_non_numeric_expiration_last():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_entries_per_key", 0), ("max_reply_bytes", 1000), ("restart_backoff_s", 0)],
+    [
+        ("max_entries_per_key", 0),
+        ("max_reply_bytes", 1000),
+        ("restart_backoff_s", 0),
+        ("search_beam", 4),  # fewer than the 5 nodes that hold a record
+        ("search_beam", 21),
+    ],
 )
 def test_config_refuses_bad_limits(field, value):
     with pytest.raises(ValueError, match=field):
