@@ -14,6 +14,7 @@ became invalid or its own fresh plan is better by more than ``switch_margin``: p
 flap with measurement noise, yet a crash or a clearly better swarm re-plans at once.
 """
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,17 +105,36 @@ class NotAMemberError(RecordError):
     """A proposal from a key that is not a fresh member of the swarm in our view."""
 
 
-def check_proposal(proposal: PlanProposal, view: EpochView) -> Candidate:
+# check_proposal's memo for one view: (plan bytes, estimate) -> the Candidate it made of them.
+CheckedPlans = dict[tuple[bytes, float], "Candidate"]
+
+
+def check_proposal(
+    proposal: PlanProposal, view: EpochView, *, checked: CheckedPlans | None = None
+) -> Candidate:
     """The proposal as a Candidate if it is valid in ``view``; RecordError says why not.
 
     The Candidate carries its audit; which bar it must clear is the caller's call: every
     figure (``believable``) for a plan the swarm does not follow yet, the figures no bandwidth
-    view changes (``consistent``) for the one it follows.
+    view changes (``consistent``) for the one it follows. ``checked``: a memo shared by the
+    proposals of one view. A stable swarm's members all propose the same plan, and auditing
+    it once per proposer was the largest part of an epoch's CPU after planning.
     """
     if proposal.swarm != view.swarm or proposal.epoch != view.epoch:
         raise RecordError(f"proposal is for {proposal.swarm!r} epoch {proposal.epoch}")
     if proposal.proposer not in view.members:
         raise NotAMemberError(f"proposal from {proposal.proposer[:16]}..., not a fresh member")
+    # Everything below depends on the plan and its claimed estimate only, not on who sent them.
+    key = (proposal.plan, proposal.estimate)
+    if checked is not None and key in checked:
+        return dataclasses.replace(checked[key], proposal=proposal)
+    candidate = _check_plan_of(proposal, view)
+    if checked is not None:
+        checked[key] = candidate
+    return candidate
+
+
+def _check_plan_of(proposal: PlanProposal, view: EpochView) -> Candidate:
     try:
         plan = plan_from_json(proposal.plan)
     except ConfigError as exc:

@@ -29,6 +29,7 @@ from fusionllm.dht.records import (
 )
 from fusionllm.node.control.agreement import (
     Candidate,
+    CheckedPlans,
     EpochView,
     NotAMemberError,
     backup_pool,
@@ -95,6 +96,7 @@ class PlanAgreement:
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
+        self._read: tuple[int, dict[str, NodeInfo]] | None = None  # (epoch read in, records)
         self.adopted: Candidate | None = None
         self.adopted_epoch: int | None = None
         self.state = NodeState.JOINING
@@ -157,6 +159,19 @@ class PlanAgreement:
     def snapshot(self) -> dict[str, NodeInfo]:
         """Fresh members that run our settings (and ourselves, even before our record shows)."""
         everyone = self.directory.members(include_leaving=True)
+        self._read = (epoch_at(self.clock(), self.settings.epoch_s), everyone)
+        return self._members_of(everyone)
+
+    def _recent_snapshot(self, epoch: int) -> tuple[dict[str, NodeInfo], bool]:
+        """(members, whether they come from records read earlier in ``epoch``): adopt reuses
+        the records propose read at the start of the epoch, aged to now, rather than reading
+        them again (a DHT get costs the swarm ~20 ms of CPU, and a stable swarm's records do
+        not change within an epoch). Its caller reads afresh when a proposal is refused."""
+        if self._read is not None and self._read[0] == epoch:
+            return self._members_of(self._read[1]), True
+        return self.snapshot(), False
+
+    def _members_of(self, everyone: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
         digest = self.settings.digest()
         members = fresh_members(
             everyone,
@@ -315,10 +330,17 @@ class PlanAgreement:
     def adopt(self, epoch: int) -> None:
         if epoch < 0:
             return
-        members = self.snapshot()
-        view = self._view(epoch, members, self._swarm(members))
+        members, reused = self._recent_snapshot(epoch)
         proposals = self.directory.proposals(epoch)
-        believed, _ = self._judge(view, proposals, followed=self._followed(epoch, members))
+        view = self._view(epoch, members, self._swarm(members))
+        believed, _, refused = self._judge(view, proposals, followed=self._followed(epoch, members))
+        if refused and reused:  # maybe a member we have not seen yet, or one that went since
+            members = self.snapshot()
+            view = self._view(epoch, members, self._swarm(members))
+            believed, _, refused = self._judge(
+                view, proposals, followed=self._followed(epoch, members)
+            )
+        self._count_refused(refused)
         self.outvoted.prune(epoch)
         # A plan the majority out-voted here stays out a while, unless nothing else is left.
         fresh = [c for c in believed if not self.outvoted.holds(c.digest, epoch)]
@@ -339,19 +361,19 @@ class PlanAgreement:
         proposals: list[PlanProposal],
         *,
         followed: set[str],
-        count: bool = True,
-    ) -> tuple[list[Candidate], dict[str, Candidate]]:
-        """(the proposals we believe, every digest we could follow if the majority did).
+    ) -> tuple[list[Candidate], dict[str, Candidate], list[str]]:
+        """(the proposals we believe, every digest we could follow if the majority did, why
+        each refused one was: "not_members", "overclaimed" or "" for any other fault).
 
         A plan the swarm already follows (``followed``) is held to the figures no bandwidth
-        view changes; any other plan to every figure (see audit.py). ``count``: refusals go to
-        the counters (not when an epoch is judged a second time)."""
+        view changes; any other plan to every figure (see audit.py)."""
         believed: list[Candidate] = []
         acceptable: dict[str, Candidate] = {}
         refused: list[str] = []
+        checked: CheckedPlans = {}
         for proposal in proposals:
             try:
-                candidate = check_proposal(proposal, view)
+                candidate = check_proposal(proposal, view, checked=checked)
             except RecordError as exc:
                 refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
                 logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
@@ -369,11 +391,12 @@ class PlanAgreement:
                             view.epoch, proposal.proposer[:16], candidate.audit)  # fmt: skip
                 continue
             believed.append(candidate)
-        if count:
-            self.counters["invalid_proposals"] += len(refused)
-            for why in filter(None, refused):
-                self.counters[f"proposals_{why}"] += 1
-        return believed, acceptable
+        return believed, acceptable, refused
+
+    def _count_refused(self, refused: list[str]) -> None:
+        self.counters["invalid_proposals"] += len(refused)
+        for why in filter(None, refused):
+            self.counters[f"proposals_{why}"] += 1
 
     def _converge(self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm) -> None:
         """Follow the plan most fresh members adopted for our last epoch, if not ours."""
@@ -387,7 +410,7 @@ class PlanAgreement:
         # missed it), or a member in it may have gone since.
         view = self._view(last, members, swarm)
         proposals = self.directory.proposals(last)
-        _, acceptable = self._judge(view, proposals, followed=set(), count=False)
+        _, acceptable, _ = self._judge(view, proposals, followed=set())
         target = converge(adopted.digest, votes, acceptable.keys())
         if target is None:
             logger.info("epoch %d: most members follow plan %s, which we cannot accept",

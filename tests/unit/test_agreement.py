@@ -204,6 +204,32 @@ def test_plan_level_rejection_surfaces_through_proposal(pipeline):
         check(proposal_of(pipeline, proposer=proposer), members)
 
 
+def test_a_plan_many_members_propose_is_audited_once_per_view(pipeline):
+    """A stable swarm: every member proposes the same plan. The memo audits it once and hands
+    each proposer its own Candidate; another estimate, or a stranger, is checked on its own."""
+    view = view_of(members_of(8))
+    retimed: list[str] = []
+    retime = view.retimer.retime
+
+    def counting(plan):
+        retimed.append(plan.digest())
+        return retime(plan)
+
+    object.__setattr__(view.retimer, "retime", counting)
+    checked: dict = {}
+    props = [proposal_of(pipeline, proposer=f"peer{i}") for i in range(8)]
+    candidates = [check_proposal(p, view, checked=checked) for p in props]
+    assert len(retimed) == 1
+    assert [c.proposal for c in candidates] == props
+    assert {c.audit for c in candidates} == {candidates[0].audit}
+    liar = proposal_of(pipeline, proposer="peer1", estimate=pipeline.estimated_step_time / 2)
+    with pytest.raises(RecordError, match="estimate"):
+        check_proposal(liar, view, checked=checked)
+    with pytest.raises(NotAMemberError):
+        check_proposal(proposal_of(pipeline, proposer="stranger"), view, checked=checked)
+    assert len(retimed) == 1
+
+
 # ----------------------------------------------------------------------------- members only
 
 

@@ -281,6 +281,39 @@ def test_honest_nodes_agree_and_a_liar_and_a_stranger_change_nothing():
         assert last["valid"] == 2
 
 
+def test_adopt_reuses_the_records_read_this_epoch_unless_a_proposal_needs_newer_ones():
+    """A DHT get costs the whole swarm CPU: adopt judges with the records propose read at the
+    start of the epoch. A proposal from a member those records lack makes it read again, and
+    the newcomer's proposal counts as valid, not refused."""
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    reads: list[int] = []
+    members = directory.members
+
+    def counted(**kw):
+        reads.append(1)
+        return members(**kw)
+
+    directory.members = counted
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    assert len(reads) == 2  # one per node, in propose
+    clock.now = T0 + 2.1
+    for node in nodes:
+        node.agreement.propose(e + 1)
+    directory.records["peer9"] = record("peer9", at=clock.now)
+    directory.plans[e + 1]["peer9"] = dataclasses.replace(
+        directory.plans[e + 1]["peer0"], proposer="peer9"
+    )
+    for node in nodes:
+        node.agreement.adopt(e + 1)
+    assert len(reads) == 2 + 2 + 2  # propose, then a fresh read each for peer9's proposal
+    for node in nodes:
+        assert node.agreement.counters["invalid_proposals"] == 0
+        assert node.events[-1]["valid"] == 3
+        assert "peer9" in node.agreement.members_now()
+
+
 # ----------------------------------------------------------------------------- converge
 
 
