@@ -24,7 +24,6 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_V10
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as MESHSUB_V11
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12 as MESHSUB_V12
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.tools.anyio_service import background_trio_service
@@ -450,8 +449,10 @@ class ControlHost:
 
 def _new_router(config: ControlConfig) -> GossipSub:
     return GossipSub(
-        # Newest first: multistream-select takes the first both sides speak.
-        protocols=[MESHSUB_V12, MESHSUB_V11, MESHSUB_V10],
+        # Newest first: multistream-select takes the first both sides speak. Not v1.2: its
+        # IDONTWANT is meant for large messages, but py-libp2p sends one per message to every
+        # mesh peer, which doubled the RPCs each small bandwidth report costs a node.
+        protocols=[MESHSUB_V11, MESHSUB_V10],
         degree=config.gossip_degree,
         degree_low=config.gossip_degree_low,
         degree_high=config.gossip_degree_high,
