@@ -27,7 +27,7 @@ def test_defaults_are_valid_and_match_the_interface():
     assert c.listen_host == "127.0.0.1"
     assert c.listen_port == 0
     assert c.dial_timeout_s == 5.0
-    assert c.gossip_heartbeat_s == 1.0
+    assert c.gossip_heartbeat_s == 2.0
     assert c.max_message_bytes == 64 << 10
     assert c.max_messages_per_peer_per_s == 5.0
     assert c.probe_bytes == 1 << 20
