@@ -301,6 +301,7 @@ class PlanSession:
                 return Ending(Outcome.FINISHED, self._held(step))
             if stop.is_set():
                 return Ending(Outcome.STOPPED, self._held(step))
+            self.vault.begin_step()  # the live stage changes in place until set_live
             try:
                 report = self.runner.run_step(step)
             except (PipelineError, FusionError) as exc:

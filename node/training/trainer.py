@@ -11,7 +11,7 @@ leave, finishes the step and hands its stage's state to a member that stays.
 import io
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
-from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
+from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
 from fusionllm.node.training.copies import delivered, send_copy, send_done
 from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import (
@@ -49,6 +49,8 @@ logger = get_logger(__name__)
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
+# A donor mid-step gives its live stage once the step ends: a step rarely takes longer.
+_LIVE_COPY_WAIT_S = 5.0
 _PLANS_REMEMBERED = 8
 DEFAULT_CHECKPOINT_EVERY = 20
 
@@ -219,23 +221,33 @@ class SwarmTrainer:
         """A plan's member lacks state the swarm reached: send it everything we hold after
         ``floor`` (once each; the newest may be a partial stage, an older step whole), then
         DONE, so it stops waiting for us."""
-        held = sorted((h for h in self.vault.holdings() if h.step > floor), key=lambda h: -h.step)
         self.connect(peer)
         sent = 0
-        for holding in held:
+        for stage in self._donations(floor):
+            holding = stage.holding
             if (peer, holding) in self._donated:
                 continue
             self._donated.add((peer, holding))
-            try:
-                stage = self.vault.stage_of(holding)
-            except (OSError, FusionError) as exc:
-                logger.warning("cannot donate %s: %s", holding, exc)
-                continue
             ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
             sent += ok
             self._emit({"event": "donated", "to": peer, "step": holding.step,
                         "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
         send_done(self.transport, peer, floor, sent)
+
+    def _donations(self, floor: int) -> Iterator[StageState]:
+        """What we hold after ``floor``, newest first: the live stage as it is between steps
+        (a copy taken mid-step would hold step k's update under step k's name), then files."""
+        live = self.vault.live_stage(timeout=_LIVE_COPY_WAIT_S)
+        if live is not None and live.holding.step > floor:
+            yield live
+        stored = [h for h in self.vault.stored_holdings() if h.step > floor]
+        for holding in sorted(stored, key=lambda h: -h.step):
+            if live is not None and holding == live.holding:
+                continue
+            try:
+                yield self.vault.stored_stage(holding)
+            except (OSError, FusionError) as exc:
+                logger.warning("cannot donate %s: %s", holding, exc)
 
     # ----- the loop ---------------------------------------------------------------------------
 

@@ -34,6 +34,12 @@ class Vault:
         self.custody = custody
         self._params_of = params_of  # needs the model's graph: called only once training runs
         self._lock = threading.Lock()
+        # The live stage changes in place during a step (the optimizer's update comes before
+        # set_live names the next step): copies of it are taken only between steps, and a
+        # step does not begin while one is being taken.
+        self._boundary = threading.Condition(self._lock)
+        self._stepping = False
+        self._copying = 0
         self._live: Held | None = None
         self._cache: dict[tuple[str, Holding], StageState] = {}
 
@@ -44,9 +50,38 @@ class Vault:
         return self._live
 
     def set_live(self, held: Held | None) -> None:
-        with self._lock:
+        """``held`` is the live stage now, at a step boundary (ends ``begin_step``)."""
+        with self._boundary:
             self._live = held
+            self._stepping = False
             self._cache.clear()
+            self._boundary.notify_all()
+
+    def begin_step(self) -> None:
+        """The live stage is about to change in place: no copy of it until ``set_live``.
+        Waits for a copy being taken to finish (a copy takes milliseconds)."""
+        with self._boundary:
+            self._boundary.wait_for(lambda: self._copying == 0)
+            self._stepping = True
+
+    def live_stage(self, timeout: float) -> StageState | None:
+        """A copy of the live stage, labelled with the step it is the state before; taken
+        between steps (waiting up to ``timeout`` for one in progress to end). None: no live
+        stage, or still mid-step at the deadline."""
+        with self._boundary:
+            if not self._boundary.wait_for(lambda: not self._stepping, timeout):
+                return None
+            held, holding = self._live, self.live_holding()
+            if held is None or holding is None:
+                return None
+            self._copying += 1
+        try:
+            state = {name: held.worker.export_state(name) for name in held.worker.parameters}
+            return StageState(holding, state, held.assignment.digest)
+        finally:
+            with self._boundary:
+                self._copying -= 1
+                self._boundary.notify_all()
 
     def live_holding(self) -> Holding | None:
         held = self._live
@@ -60,13 +95,17 @@ class Vault:
     def holdings(self) -> list[Holding]:
         """Live state first, then our checkpoints, then custody copies; newest first in each,
         step 0 left out (anyone can build it), at most MAX_HOLDINGS."""
-        found: list[Holding] = []
         live = self.live_holding()
-        for holding in [live] if live else []:
-            found.append(holding)
+        found = [live] if live else []
+        found.extend(h for h in self.stored_holdings() if h not in found)
+        return [h for h in found if h.step != SEED_STEP][:MAX_HOLDINGS]
+
+    def stored_holdings(self) -> list[Holding]:
+        """Our checkpoints, then custody copies (files: they do not change under a step)."""
+        found: list[Holding] = []
         for store in (self.own, self.custody):
             found.extend(h for h in store.holdings() if h not in found)
-        return [h for h in found if h.step != SEED_STEP][:MAX_HOLDINGS]
+        return found
 
     def export(self, holding: Holding, name: str) -> torch.Tensor:
         """One parameter's state (``StageWorker.export_state`` layout) from ``holding``."""
@@ -80,12 +119,8 @@ class Vault:
                     return state[name]
         raise CheckpointError(f"no state of {name!r} in {holding}")
 
-    def stage_of(self, holding: Holding) -> StageState:
-        """The whole state of ``holding`` (a snapshot of the live stage, or a file's)."""
-        held = self._live
-        if held is not None and holding == self.live_holding():
-            state = {name: held.worker.export_state(name) for name in held.worker.parameters}
-            return StageState(holding, state, held.assignment.digest)
+    def stored_stage(self, holding: Holding) -> StageState:
+        """The whole state of ``holding`` from a file (the live stage: ``live_stage``)."""
         for store in (self.own, self.custody):
             if holding in store.holdings():
                 return self._load(store, holding)

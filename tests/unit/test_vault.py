@@ -6,6 +6,8 @@ Real parts throughout: the run's model cut in two stages, a StageWorker for stag
 CheckpointStores in a temporary directory.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -206,6 +208,64 @@ def test_live_state_is_exported_from_the_worker(vault, model) -> None:
         assert torch.equal(vault.export(holding, name), model.worker.export_state(name))
     with pytest.raises(CheckpointError, match="no state"):
         vault.export(Holding(2, *model.ranges[1]), name)
+
+
+def _bump(model: Model) -> None:
+    """What a step's optimizer update does: every parameter changes in place."""
+    with torch.no_grad():
+        for parameter in model.worker.module.parameters():
+            parameter.add_(1.0)
+
+
+def test_a_copy_of_the_live_stage_waits_for_the_step_in_progress(vault, model) -> None:
+    """A donor's copy asked mid-step (after the update, before set_live names the next step)
+    is the state after the step under the next step's name, never under the old one."""
+    vault.set_live(model.held(next_step=3))
+    before = vault.live_stage(timeout=1.0)
+    assert before.holding == Holding(3, *model.ranges[1])
+    vault.begin_step()
+    _bump(model)  # the update of step 3 is in; set_live(4) has not come yet
+    result: list[StageState | None] = []
+    asking = threading.Thread(target=lambda: result.append(vault.live_stage(timeout=10.0)))
+    asking.start()
+    asking.join(0.3)
+    assert asking.is_alive(), "a copy was taken mid-step"
+    vault.set_live(model.held(next_step=4))
+    asking.join(10.0)
+    (after,) = result
+    assert after.holding == Holding(4, *model.ranges[1])
+    for name, tensor in after.state.items():
+        assert torch.equal(tensor, model.worker.export_state(name))
+        assert not torch.equal(tensor, before.state[name])
+
+
+def test_a_step_that_does_not_end_gives_no_copy_and_a_copy_holds_back_the_next_step(
+    vault, model
+) -> None:
+    vault.set_live(model.held(next_step=3))
+    vault.begin_step()
+    assert vault.live_stage(timeout=0.2) is None  # still mid-step at the deadline
+    vault.set_live(model.held(next_step=4))
+    export = model.worker.export_state
+    copying, release = threading.Event(), threading.Event()
+
+    def slow_export(name):
+        copying.set()
+        release.wait(10.0)
+        return export(name)
+
+    model.worker.export_state = slow_export
+    asking = threading.Thread(target=vault.live_stage, args=(1.0,))
+    asking.start()
+    assert copying.wait(10.0)
+    stepping = threading.Thread(target=vault.begin_step)
+    stepping.start()
+    stepping.join(0.3)
+    assert stepping.is_alive(), "a step began while its stage was being copied"
+    release.set()
+    asking.join(10.0)
+    stepping.join(10.0)
+    assert not stepping.is_alive()
 
 
 def test_discard_after_drops_files_of_later_steps_from_both_stores(vault, model) -> None:
