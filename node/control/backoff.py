@@ -18,7 +18,8 @@ no clock, no threads, deterministic (tests/unit/test_backoff.py). ``ProbeBackoff
 same for the probe rounds (links.py).
 """
 
-from collections.abc import Hashable
+import hashlib
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
@@ -27,12 +28,16 @@ from fusionllm.common.errors import ConfigError
 @dataclass(frozen=True, kw_only=True)
 class BackoffConfig:
     max_gap: int = 8  # epochs between fresh plans at most, once the swarm is stable
+    # Members that plan afresh in an epoch when only the gap says so (see routine_planners).
+    routine_planners: int = 3
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_gap, bool) or not isinstance(self.max_gap, int):
-            raise ConfigError(f"max_gap must be an int, got {self.max_gap!r}")
-        if not 1 <= self.max_gap <= 1024:
-            raise ConfigError(f"max_gap must be in [1, 1024], got {self.max_gap}")
+        for name, top in (("max_gap", 1024), ("routine_planners", 1 << 16)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+            if not 1 <= value <= top:
+                raise ConfigError(f"{name} must be in [1, {top}], got {value}")
 
 
 class ReplanBackoff:
@@ -58,6 +63,16 @@ class ReplanBackoff:
         if epoch - self._planned_at >= self.gap:
             return f"{self.gap} epochs since the last plan"
         return None
+
+    def only_the_gap(self, epoch: int, members: frozenset[Hashable], *, incumbent_ok: bool) -> bool:
+        """Whether the gap is ``due``'s only reason: a routine check that nothing better
+        appeared, which one member's plan answers for everyone (plans are deterministic)."""
+        return (
+            self._planned_at is not None
+            and incumbent_ok
+            and members == self._members
+            and epoch - self._planned_at >= self.gap
+        )
 
     def planned(self, epoch: int, members: frozenset[Hashable], digest: str | None) -> None:
         """Note a fresh planning round: ``digest`` of what it made us propose (None: no feasible
@@ -94,3 +109,14 @@ def max_factor_for(probe_interval_s: float, max_age_s: float, *, limit: int = 4)
     """The largest probe backoff that still refreshes a link twice within the BandwidthBook's
     ``max_age_s`` (rounds jitter up to 1.2x), at most ``limit``."""
     return max(1, min(limit, int(max_age_s / (2 * 1.2 * probe_interval_s))))
+
+
+def routine_planners(epoch: int, members: Iterable[str], count: int) -> frozenset[str]:
+    """The ``count`` members that plan afresh in ``epoch`` when only the gap is due: those with
+    the lowest hash of (epoch, peer id), a different few each epoch, the same on every node
+    that sees the same members. The rest re-propose the plan they follow. Planning is the
+    costliest part of an epoch and every node's plan of one snapshot is the same, so a stable
+    swarm of N nodes spent N times the CPU to learn one answer; when all epochs start
+    together, those N plans also stalled training on a shared machine."""
+    ranked = sorted(members, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
+    return frozenset(ranked[:count])

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 from fusionllm.dag.graph import GraphCosts
@@ -42,7 +42,7 @@ from fusionllm.node.control.agreement import (
     serving_peers,
 )
 from fusionllm.node.control.audit import AuditLimits
-from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff
+from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.swarm_settings import SwarmSettings
@@ -230,7 +230,7 @@ class PlanAgreement:
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
         ids = frozenset((peer, peer in measured) for peer in members)
-        why = self.backoff.due(epoch, ids, incumbent_ok=incumbent is not None)
+        why = self._replan_reason(epoch, ids, members, incumbent_ok=incumbent is not None)
         if why is None:
             # A stable swarm: the plan we follow, again, without planning (backoff.py).
             self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
@@ -259,6 +259,22 @@ class PlanAgreement:
         # switch margin of the one we follow is as good as no plan at all).
         self.backoff.planned(epoch, ids, hashlib.sha256(plan_bytes).hexdigest())
         self._publish(epoch, plan_bytes, estimate)
+
+    def _replan_reason(
+        self,
+        epoch: int,
+        ids: frozenset[Hashable],
+        members: Mapping[str, NodeInfo],
+        *,
+        incumbent_ok: bool,
+    ) -> str | None:
+        """Why to plan afresh in ``epoch`` (backoff.py); None: re-propose the plan we follow.
+        A routine re-check (only the gap is due) falls to this epoch's few routine planners."""
+        why = self.backoff.due(epoch, ids, incumbent_ok=incumbent_ok)
+        if why is None or not self.backoff.only_the_gap(epoch, ids, incumbent_ok=incumbent_ok):
+            return why
+        planners = routine_planners(epoch, members, self.backoff.config.routine_planners)
+        return why if self.peer_id in planners else None
 
     def _publish(self, epoch: int, plan_bytes: bytes, estimate: float) -> None:
         proposal = PlanProposal(

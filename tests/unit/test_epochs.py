@@ -511,6 +511,27 @@ def test_a_stable_swarm_re_proposes_its_plan_and_plans_afresh_less_often():
     assert "fast" in {p for s in fresh.stages for p in s.peers}
 
 
+def test_a_stable_swarms_routine_re_checks_fall_to_a_few_members_per_epoch():
+    """Every node's plan of one snapshot is the same: once the swarm is stable, the routine
+    re-check (only the gap is due) is made by 3 members per epoch, not by every member, and
+    everyone still follows the same plan each epoch."""
+    clock = FakeClock(T0 + 0.1)
+    _, nodes = swarm_of(8, clock)
+    calls = {node.peer: count_plans(node) for node in nodes}
+    e = epoch_at(T0, 2.0)
+    per_epoch = []
+    for k in range(24):
+        clock.now = T0 + 2.0 * k + 0.1
+        before = sum(len(c) for c in calls.values())
+        epoch_round(nodes, e + k)
+        per_epoch.append(sum(len(c) for c in calls.values()) - before)
+        assert len({n.agreement.adopted.digest for n in nodes}) == 1
+    assert per_epoch[0] == 8  # the first plan: everyone
+    assert max(per_epoch[1:]) <= 3
+    assert sum(per_epoch[1:]) >= 8  # routine checks still happen, by turns
+    assert all(calls[n.peer] for n in nodes)
+
+
 def test_a_newcomers_first_measured_link_is_planned_for_at_once():
     """A newcomer is priced on default figures until its links are measured. The epoch its
     first link is, the node plans afresh, not after the doubled gap of a stable swarm."""
