@@ -350,7 +350,9 @@ class PlanAgreement:
         proposals = self.directory.proposals(epoch)
         view = self._view(epoch, members, self._swarm(members))
         believed, _, refused = self._judge(view, proposals, followed=self._followed(epoch, members))
-        if refused and reused:  # maybe a member we have not seen yet, or one that went since
+        # A proposal refused for its peers may name a member we have not seen yet (or one that
+        # went since): read again. Overclaimed figures stay overclaimed on newer records.
+        if reused and any(why != "overclaimed" for why in refused):
             members = self.snapshot()
             view = self._view(epoch, members, self._swarm(members))
             believed, _, refused = self._judge(

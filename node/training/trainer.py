@@ -33,7 +33,7 @@ from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
 from fusionllm.node.training.copies import delivered, send_copy, send_done
-from fusionllm.node.training.holdings import Holding
+from fusionllm.node.training.holdings import SEED_STEP, Holding
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
     Ending,
@@ -237,6 +237,7 @@ class SwarmTrainer:
     def _donations(self, floor: int) -> Iterator[StageState]:
         """What we hold after ``floor``, newest first: the live stage as it is between steps
         (a copy taken mid-step would hold step k's update under step k's name), then files."""
+        floor = max(floor, SEED_STEP)  # step 0: every member builds it itself
         live = self.vault.live_stage(timeout=_LIVE_COPY_WAIT_S)
         if live is not None and live.holding.step > floor:
             yield live
