@@ -76,7 +76,7 @@ async def run(config: dict[str, Any], channel_in: BinaryIO, channel_out: BinaryI
             max_entries=int(config.get("max_entries_per_key", 1024)),
             max_reply_bytes=int(config.get("max_reply_bytes", MAX_MESSAGE_BYTES)),
         )
-        beam = int(config.get("search_beam", 8))
+        beam = int(config["search_beam"])  # DhtConfig.worker_config always sends it
         await serve_requests(NarrowSearch(node, beam), channel_in, channel_out, limits)
     finally:
         try:

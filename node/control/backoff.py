@@ -54,25 +54,28 @@ class ReplanBackoff:
         """Why to plan afresh in ``epoch`` for ``members`` (None: no need); ``incumbent_ok``:
         the plan we follow still runs on these members and its figures hold. ``members`` is
         whatever identifies the swarm the plan is for (epochs.py adds which are measured)."""
-        if self._planned_at is None:
-            return "first plan"
-        if not incumbent_ok:
-            return "the plan we follow fails its audit"
-        if members != self._members:
-            return "members changed"
-        if epoch - self._planned_at >= self.gap:
-            return f"{self.gap} epochs since the last plan"
-        return None
+        found = self._why(epoch, members, incumbent_ok=incumbent_ok)
+        return found[0] if found else None
 
     def only_the_gap(self, epoch: int, members: frozenset[Hashable], *, incumbent_ok: bool) -> bool:
         """Whether the gap is ``due``'s only reason: a routine check that nothing better
         appeared, which one member's plan answers for everyone (plans are deterministic)."""
-        return (
-            self._planned_at is not None
-            and incumbent_ok
-            and members == self._members
-            and epoch - self._planned_at >= self.gap
-        )
+        found = self._why(epoch, members, incumbent_ok=incumbent_ok)
+        return found is not None and found[1]
+
+    def _why(
+        self, epoch: int, members: frozenset[Hashable], *, incumbent_ok: bool
+    ) -> tuple[str, bool] | None:
+        """(why to plan afresh, whether only the gap says so), or None."""
+        if self._planned_at is None:
+            return "first plan", False
+        if not incumbent_ok:
+            return "the plan we follow fails its audit", False
+        if members != self._members:
+            return "members changed", False
+        if epoch - self._planned_at >= self.gap:
+            return f"{self.gap} epochs since the last plan", True
+        return None
 
     def planned(self, epoch: int, members: frozenset[Hashable], digest: str | None) -> None:
         """Note a fresh planning round: ``digest`` of what it made us propose (None: no feasible

@@ -348,16 +348,12 @@ class PlanAgreement:
             return
         members, reused = self._recent_snapshot(epoch)
         proposals = self.directory.proposals(epoch)
-        view = self._view(epoch, members, self._swarm(members))
-        believed, _, refused = self._judge(view, proposals, followed=self._followed(epoch, members))
+        believed, refused = self._believed(epoch, members, proposals)
         # A proposal refused for its peers may name a member we have not seen yet (or one that
         # went since): read again. Overclaimed figures stay overclaimed on newer records.
         if reused and any(why != "overclaimed" for why in refused):
             members = self.snapshot()
-            view = self._view(epoch, members, self._swarm(members))
-            believed, _, refused = self._judge(
-                view, proposals, followed=self._followed(epoch, members)
-            )
+            believed, refused = self._believed(epoch, members, proposals)
         self._count_refused(refused)
         self.outvoted.prune(epoch)
         # A plan the majority out-voted here stays out a while, unless nothing else is left.
@@ -365,6 +361,14 @@ class PlanAgreement:
         best = choose(fresh) or choose(believed)
         if best is not None:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
+
+    def _believed(
+        self, epoch: int, members: Mapping[str, NodeInfo], proposals: list[PlanProposal]
+    ) -> tuple[list[Candidate], list[str]]:
+        """adopt's judgement of ``proposals`` on ``members``: (believed, refusal reasons)."""
+        view = self._view(epoch, members, self._swarm(members))
+        believed, _, refused = self._judge(view, proposals, followed=self._followed(epoch, members))
+        return believed, refused
 
     def _followed(self, epoch: int, members: Mapping[str, NodeInfo]) -> set[str]:
         """The plans the swarm follows now: ours, and the one a majority of fresh members
