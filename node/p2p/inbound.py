@@ -19,19 +19,21 @@ A public node is dialled by strangers, so every step is bounded before it is pai
 import logging
 import queue
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import trio
 from libp2p.abc import INetStream
-from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 
 from fusionllm.common.errors import FrameError, PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ParsedFrame, decode_frame, parse_frame
 from fusionllm.node.errors import TransportError
-from fusionllm.node.p2p.framing import FrameHeader, read_exactly, read_head
+from fusionllm.node.p2p.framing import FrameHeader, Reader, read_exactly, read_head
+from fusionllm.node.p2p.lane.stream import LaneReader
 from fusionllm.node.p2p.limits import ByteBudget, Refusals
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, reset_quietly
+from fusionllm.node.p2p.stream_reader import StreamReader
 from fusionllm.node.p2p.transport_types import (
     AdmitPeer,
     PeerCounters,
@@ -62,19 +64,12 @@ OVER_BUDGET = "body_over_budget"
 BODY_TOO_LONG = "body_longer_than_expected"
 
 
-class _StreamReader:
-    """A py-libp2p stream as a framing.Reader: EOF is b"", a reset is a TransportError."""
+class _Closable(Protocol):
+    """What _serve ends a stream or lane with."""
 
-    def __init__(self, stream: INetStream) -> None:
-        self._stream = stream
+    async def close(self) -> None: ...
 
-    async def read(self, n: int) -> bytes:
-        try:
-            return await self._stream.read(n)
-        except StreamEOF:
-            return b""
-        except StreamReset as exc:
-            raise TransportError("stream reset by peer") from exc
+    async def reset(self) -> None: ...
 
 
 class Inbound:
@@ -113,21 +108,30 @@ class Inbound:
         return len(self._peer_slots)
 
     async def handle_stream(self, stream: INetStream) -> None:
+        """TENSOR_PROTOCOL's handler: frames from the Noise-authenticated peer."""
         peer = stream.muxed_conn.peer_id.to_base58()
+        await self._handle(peer, stream, StreamReader(stream), _BODY_READ_BATCH_S)
+
+    async def handle_lane(self, peer: str, lane: LaneReader) -> None:
+        """Frames on a lane the peer redeemed a ticket for (lane/): the same admission,
+        limits and checks as a stream, without yamux's window updates to batch."""
+        await self._handle(peer, lane, lane, 0.0)
+
+    async def _handle(self, peer: str, stream: _Closable, reader: Reader, batch_s: float) -> None:
         refusal = self._refusal(peer)
         if refusal is not None:
-            self._refuse(refusal, peer)
+            self.refuse(refusal, peer)
             await reset_quietly(stream)
             return
         self._streams += 1
         try:
-            await self._serve(peer, stream)
+            await self._serve(peer, stream, reader, batch_s)
         finally:
             self._streams -= 1
             self._counters.close_inbound(peer)
             self._prune(peer)
 
-    def _refuse(self, reason: str, peer: str) -> None:
+    def refuse(self, reason: str, peer: str) -> None:
         count = self._refusals.add(reason)
         # Visible in the node's log without letting a flood flood it: the 1st, 2nd, 4th, ...
         level = logging.INFO if count & (count - 1) == 0 else logging.DEBUG
@@ -149,9 +153,9 @@ class Inbound:
             return TOO_MANY_PEER_STREAMS
         return None
 
-    async def _serve(self, peer: str, stream: INetStream) -> None:
+    async def _serve(self, peer: str, stream: _Closable, reader: Reader, batch_s: float) -> None:
         try:
-            await self._read_frames(peer, stream)
+            await self._read_frames(peer, reader, batch_s)
         except (PeerError, *NETWORK_ERRORS) as exc:
             # The peer's fault (or its network's): drop this stream, keep everything else.
             self._counters.error(peer, exc)
@@ -182,9 +186,8 @@ class Inbound:
         ):
             del self._peer_slots[peer]
 
-    async def _read_frames(self, peer: str, stream: INetStream) -> None:
+    async def _read_frames(self, peer: str, reader: Reader, batch_s: float) -> None:
         config = self.config
-        reader = _StreamReader(stream)
         scratch = bytearray()  # reused for every body on this stream (warm pages)
         while True:
             head = await read_head(
@@ -202,7 +205,9 @@ class Inbound:
             peer_slots = self._peer_slots.setdefault(peer, trio.Semaphore(config.max_in_flight))
             await peer_slots.acquire()
             try:
-                tensor, scratch = await self._receive_body(peer, reader, body_len, spec, scratch)
+                tensor, scratch = await self._receive_body(
+                    peer, reader, body_len, spec, scratch, batch_s
+                )
                 await self._inbox_slots.acquire()  # only whole frames hold a shared slot
             except BaseException:
                 peer_slots.release()
@@ -225,10 +230,11 @@ class Inbound:
     async def _receive_body(
         self,
         peer: str,
-        reader: _StreamReader,
+        reader: Reader,
         body_len: int,
         spec: TensorSpec | None,
         scratch: bytearray,
+        batch_s: float,
     ) -> tuple[torch.Tensor, bytearray]:
         """The body read (within the budgets and the rate floor) and decoded."""
         if not self._budget.reserve(peer, body_len):
@@ -244,7 +250,7 @@ class Inbound:
                 stall_timeout_s=self.config.read_timeout_s,
                 what="body",
                 into=scratch,
-                batch_s=_BODY_READ_BATCH_S,
+                batch_s=batch_s,
                 floor=self.config.rate_floor(),
             )
             if isinstance(body, bytearray) and len(body) <= _MAX_SCRATCH_BYTES:

@@ -42,6 +42,8 @@ from fusionllm.node.p2p.checks import parse_peer_id
 from fusionllm.node.p2p.framing import FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL
 from fusionllm.node.p2p.inbound import Inbound
+from fusionllm.node.p2p.lane.service import Lanes
+from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.limits import InFlight, Refusals
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, reset_quietly
 from fusionllm.node.p2p.transport_types import (
@@ -83,7 +85,7 @@ _GONE_PEERS_KEPT = 64
 @dataclass
 class _Outbound:
     lock: trio.Lock = field(default_factory=trio.Lock)
-    stream: INetStream | None = None
+    stream: INetStream | LaneWriter | None = None
 
 
 class Transport:
@@ -125,6 +127,7 @@ class Transport:
         self._nursery: trio.Nursery | None = None
         self._outbound: dict[str, _Outbound] = {}
         self._inbound: Inbound | None = None
+        self._lanes = Lanes(config, host)
 
     @property
     def addrs(self) -> list[str]:
@@ -250,6 +253,19 @@ class Transport:
         """How many peers each kind of per-peer state holds (for tests of the pruning)."""
         return self.host.call_sync(self._tracked_peers)
 
+    @property
+    def lane_port(self) -> int:
+        """Where this node accepts lanes; 0 while it accepts none."""
+        return self._lanes.port
+
+    def outbound_lanes(self) -> list[str]:
+        """The peers our frames go to over a lane now (not a libp2p stream)."""
+        return self.host.call_sync(
+            lambda: sorted(
+                peer for peer, out in self._outbound.items() if isinstance(out.stream, LaneWriter)
+            )
+        )
+
     def _tracked_peers(self) -> dict[str, int]:
         inbound = self._inbound.tracked_peers() if self._inbound is not None else 0
         return {
@@ -288,11 +304,19 @@ class Transport:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 try:
+                    if self.config.lanes:
+                        await self._lanes.start(
+                            nursery,
+                            serve=self._inbound.handle_lane,
+                            admit=self._admit,
+                            refuse=self._inbound.refuse,
+                        )
                     yield
                 finally:
                     self._nursery = None
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
+            self._lanes.stop()
             network.remove_notifee(departures)
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
@@ -362,11 +386,19 @@ class Transport:
                 await self._open_outbound(peer, out)
                 await self._write_or_drop(out, head)
             view = memoryview(body)
+            if isinstance(out.stream, LaneWriter):
+                await self._write_or_drop(out, view)  # the lane seals it in chunks
+                return
             for start in range(0, len(view), _WRITE_CHUNK_BYTES):
                 await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
 
     async def _open_outbound(self, peer: str, out: _Outbound) -> None:
         assert self._nursery is not None
+        lane = await self._lanes.dial(self.host.libp2p, peer)
+        if lane is not None:
+            out.stream = lane
+            self._nursery.start_soon(self._watch_outbound, peer, out, lane)
+            return
         dial_s = self.config.dial_timeout_s
         # Dialing (when not connected yet) and protocol negotiation get the dial deadline, not
         # the longer write deadline: a silent peer would otherwise hold the send for minutes.
@@ -378,7 +410,9 @@ class Transport:
         out.stream = stream
         self._nursery.start_soon(self._watch_outbound, peer, out, stream)
 
-    async def _watch_outbound(self, peer: str, out: _Outbound, stream: INetStream) -> None:
+    async def _watch_outbound(
+        self, peer: str, out: _Outbound, stream: INetStream | LaneWriter
+    ) -> None:
         """Notice at once when the peer ends a stream we write to; receivers never write back.
 
         Without this a sender learns of a refused frame only at its next write, and frames
@@ -404,6 +438,7 @@ class Transport:
             del self._outbound[peer]
         if self._inbound is not None:
             self._inbound.forget(peer)
+        self._lanes.forget(peer)
         self._counters.retire(peer)
 
     @staticmethod

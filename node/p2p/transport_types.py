@@ -18,7 +18,7 @@ from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
 from fusionllm.compression.frame import max_encoded_bytes
 from fusionllm.node.errors import DeadlineError, TransportClosedError
-from fusionllm.node.p2p.checks import positive_seconds
+from fusionllm.node.p2p.checks import int_in, positive_seconds
 from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
 from fusionllm.node.p2p.limits import RateFloorConfig
 from fusionllm.node.p2p.peer_host import HostConfig, host_config_of
@@ -57,6 +57,14 @@ class TransportConfig:
     min_body_rate_bytes_s: float = 32 << 10  # 256 kbit/s: 1/32 of the slowest paper link
     rate_window_s: float = 10.0
     limits: FrameLimits = DEFAULT_LIMITS
+    # Lanes (lane/): frames to a peer go over a TCP connection of their own, sealed with a
+    # key exchanged over Noise, instead of through py-libp2p's yamux and noise in Python
+    # (~5x the frames per second here). Off, or when a peer offers none or its lane port
+    # cannot be reached (NAT, relays), frames use a libp2p tensor stream.
+    lanes: bool = True
+    lane_port: int = 0  # where this node accepts lanes; 0: a free port
+    lane_timeout_s: float = 3.0  # to set a lane up, and for a connection to show its token
+    lane_retry_s: float = 60.0  # after a lane to a peer failed, streams only for this long
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_path", Path(self.key_path))
@@ -83,6 +91,11 @@ class TransportConfig:
                 f"{self.max_body_bytes}, {self.max_peer_pending_bytes}, {self.max_pending_bytes}"
             )
         self.rate_floor()  # checks min_body_rate_bytes_s and rate_window_s
+        if not isinstance(self.lanes, bool):
+            raise ConfigError(f"lanes must be a bool, got {self.lanes!r}")
+        int_in("lane_port", self.lane_port, 0, 65535)
+        positive_seconds("lane_timeout_s", self.lane_timeout_s)
+        positive_seconds("lane_retry_s", self.lane_retry_s)
 
     @property
     def max_body_bytes(self) -> int:

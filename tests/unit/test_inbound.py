@@ -443,7 +443,9 @@ def test_reads_reset_by_the_peer_are_transport_errors():
 
             raise StreamReset
 
-    reader = inbound_module._StreamReader(Reset())
+    from fusionllm.node.p2p.stream_reader import StreamReader
+
+    reader = StreamReader(Reset())
     with pytest.raises(TransportError, match="reset"):
         run(functools.partial(reader.read, 10))
 

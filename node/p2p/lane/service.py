@@ -1,0 +1,89 @@
+"""Lanes for one transport: its listener, and which peers to try a lane to (trio thread only)."""
+
+import trio
+from libp2p.abc import IHost
+
+from fusionllm.common.errors import FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.node.p2p.lane.dial import open_lane
+from fusionllm.node.p2p.lane.listener import LaneListener, Refuse, ServeLane
+from fusionllm.node.p2p.lane.offer import LANE_PROTOCOL, Tickets
+from fusionllm.node.p2p.lane.stream import LaneWriter
+from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, PeerHost
+from fusionllm.node.p2p.transport_types import AdmitPeer, TransportConfig
+
+logger = get_logger(__name__)
+
+
+class Lanes:
+    """Serves lanes to this node while ``serving`` runs, and opens lanes to peers."""
+
+    def __init__(self, config: TransportConfig, host: PeerHost) -> None:
+        self.config = config
+        self._host = host
+        self._listener: LaneListener | None = None
+        # Peers whose lane failed, and when to try one again (trio clock).
+        self._retry_at: dict[str, float] = {}
+
+    @property
+    def port(self) -> int:
+        """Where this node accepts lanes; 0 while it accepts none."""
+        return self._listener.port if self._listener is not None else 0
+
+    async def start(
+        self,
+        nursery: trio.Nursery,
+        *,
+        serve: ServeLane,
+        admit: AdmitPeer | None,
+        refuse: Refuse,
+    ) -> None:
+        """Offer lanes (LANE_PROTOCOL) and accept them on ``config.lane_port``."""
+        config = self.config
+        tickets = Tickets(
+            per_peer=config.max_streams_per_peer,
+            total=config.max_inbound_streams,
+            ttl_s=config.lane_timeout_s,
+        )
+        listener = LaneListener(
+            serve=serve,
+            admit=admit if admit is not None else (lambda _peer: True),
+            refuse=refuse,
+            tickets=tickets,
+            timeout_s=config.lane_timeout_s,
+        )
+        port = await listener.bind(self._host.config.listen_host, config.lane_port)
+        self._host.set_stream_handler(LANE_PROTOCOL, listener.offer)
+        self._listener = listener
+        nursery.start_soon(listener.serve_port, nursery)
+        logger.debug("accepting lanes on port %d", port)
+
+    def stop(self) -> None:
+        """Offer and accept no more lanes (those open end with the transport's nursery)."""
+        if self._listener is None:
+            return
+        self._host.remove_stream_handler(LANE_PROTOCOL)
+        self._listener.close()
+        self._listener = None
+
+    async def dial(self, libp2p: IHost, peer: str) -> LaneWriter | None:
+        """A lane to ``peer``, or None (lanes off, or one failed lately: use a stream)."""
+        if not self.config.lanes or self._retry_at.get(peer, 0.0) > trio.current_time():
+            return None
+        try:
+            lane = await open_lane(libp2p, peer, self.config.lane_timeout_s)
+        except (FusionError, *NETWORK_ERRORS) as exc:
+            self._retry_at[peer] = trio.current_time() + self.config.lane_retry_s
+            logger.info(
+                "no lane to %s (%s); its frames go over a libp2p stream for %.0fs",
+                peer,
+                exc,
+                self.config.lane_retry_s,
+            )
+            return None
+        self._retry_at.pop(peer, None)
+        return lane
+
+    def forget(self, peer: str) -> None:
+        """The peer disconnected: a lane is worth trying again when it comes back."""
+        self._retry_at.pop(peer, None)
