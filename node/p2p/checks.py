@@ -1,5 +1,6 @@
 """Value checks shared by the p2p configs and calls: one wording, one set of bounds."""
 
+import functools
 import ipaddress
 import math
 
@@ -35,6 +36,14 @@ def ip_address(name: str, value: str) -> ipaddress.IPv4Address | ipaddress.IPv6A
 
 def parse_peer_id(peer: str) -> ID:
     """A base58 peer id from a caller; ValueError (the caller's mistake) if it is not one."""
+    if not isinstance(peer, str):
+        raise ValueError(f"not a peer id: {peer!r}")
+    return _parse_peer_id(peer)
+
+
+# Every send checks its peer id, and base58 decoding was ~7% of a sender's GIL time.
+@functools.lru_cache(maxsize=1024)
+def _parse_peer_id(peer: str) -> ID:
     try:
         if not isinstance(peer, str) or not peer:
             raise ValueError("empty")

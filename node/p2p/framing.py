@@ -149,7 +149,8 @@ def parse_prefix(prefix: bytes | bytearray, *, max_body_bytes: int) -> tuple[int
 
 
 class Reader(Protocol):
-    """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream."""
+    """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream. It may
+    also have ``read_into(view) -> int`` (0 at the end), which read_exactly then prefers."""
 
     async def read(self, n: int) -> bytes: ...
 
@@ -183,23 +184,25 @@ async def read_exactly(
     still to come), and the 16 MB yamux window keeps the peer sending meanwhile.
     """
     sink = _Sink(n, into)
+    # A reader that can fill a buffer itself (a lane decrypts straight into it) skips a copy.
+    read_into = getattr(stream, "read_into", None) if sink.view is not None else None
     rate = RateFloor(floor, n, trio.current_time()) if floor is not None else None
     # One cancel scope whose deadline moves with progress: a 64 MB body is ~1000 reads.
     with trio.CancelScope() as scope:
         while sink.got < n:
             scope.deadline = trio.current_time() + stall_timeout_s
-            chunk = await stream.read(n - sink.got)
-            if not chunk:
+            if read_into is not None:
+                got = await read_into(sink.free())
+            else:
+                got = sink.add(await stream.read(n - sink.got))
+            if not got:
                 raise FrameError(f"stream ended after {sink.got} of {n} {what} bytes")
-            if len(chunk) > n - sink.got:
-                raise FrameError(
-                    f"stream returned {len(chunk)} bytes where {n - sink.got} were asked"
-                )
-            sink.add(chunk)
+            if read_into is not None:
+                sink.advance(got)
             if rate is not None:
                 rate.check(trio.current_time(), sink.got)
             left = n - sink.got
-            if batch_s and len(chunk) < _BATCH_CHUNK_BYTES and left >= _BATCH_MIN_LEFT_BYTES:
+            if batch_s and got < _BATCH_CHUNK_BYTES and left >= _BATCH_MIN_LEFT_BYTES:
                 await trio.sleep(batch_s)
     if sink.got < n:
         raise DeadlineError(
@@ -213,19 +216,35 @@ class _Sink:
     (bytearray grows geometrically with realloc, so the copies stay amortized O(n))."""
 
     def __init__(self, n: int, into: bytearray | None) -> None:
+        self.n = n
         self.got = 0
-        self._view = memoryview(into)[:n] if into is not None and len(into) >= n else None
+        self.view = memoryview(into)[:n] if into is not None and len(into) >= n else None
         self._grown = bytearray()
 
-    def add(self, chunk: bytes) -> None:
-        if self._view is not None:
-            self._view[self.got : self.got + len(chunk)] = chunk
+    def add(self, chunk: bytes) -> int:
+        """Append what a read returned; its length (FrameError if more than was asked)."""
+        if len(chunk) > self.n - self.got:
+            raise FrameError(
+                f"stream returned {len(chunk)} bytes where {self.n - self.got} were asked"
+            )
+        if self.view is not None:
+            self.view[self.got : self.got + len(chunk)] = chunk
         else:
             self._grown += chunk
         self.got += len(chunk)
+        return len(chunk)
+
+    def free(self) -> memoryview:
+        assert self.view is not None
+        return self.view[self.got :]
+
+    def advance(self, count: int) -> None:
+        if count > self.n - self.got:
+            raise FrameError(f"a reader filled {count} bytes where {self.n - self.got} were free")
+        self.got += count
 
     def result(self) -> bytearray | memoryview:
-        return self._view if self._view is not None else self._grown
+        return self.view if self.view is not None else self._grown
 
 
 async def read_head(

@@ -86,31 +86,50 @@ class LaneReader:
         self._broken = False
 
     async def read(self, max_bytes: int) -> bytes:
-        if self._start == self._end and not await self._next_chunk():
-            return b""
+        if self._start == self._end:
+            sealed = await self._receive_chunk()
+            if sealed is None:
+                return b""
+            self._end = self._opener.open(self._prefix, sealed, memoryview(self._plain))
+            self._start = 0
         count = min(max_bytes, self._end - self._start)
         data = bytes(self._plain[self._start : self._start + count])
         self._start += count
         return data
 
-    async def _next_chunk(self) -> bool:
+    async def read_into(self, into: memoryview) -> int:
+        """Like ``read(len(into))``, into ``into``: a chunk that fits is decrypted straight
+        there (no copy of the plaintext); returns 0 where ``read`` returns b""."""
+        if self._start == self._end:
+            sealed = await self._receive_chunk()
+            if sealed is None:
+                return 0
+            if len(sealed) - TAG_BYTES <= len(into):
+                return self._opener.open(self._prefix, sealed, into)
+            self._end = self._opener.open(self._prefix, sealed, memoryview(self._plain))
+            self._start = 0
+        count = min(len(into), self._end - self._start)
+        into[:count] = memoryview(self._plain)[self._start : self._start + count]
+        self._start += count
+        return count
+
+    async def _receive_chunk(self) -> memoryview | None:
+        """The next chunk's sealed bytes (its length in ``_prefix``), or None at a clean end."""
         if self._broken:
             raise TransportError("the lane was left inside a chunk by an interrupted read")
         self._broken = True  # until this chunk is whole
         got = await recv_exactly(self._sock, memoryview(self._prefix))
         if got == 0:
             self._broken = False
-            return False
+            return None
         if got < LENGTH_BYTES:
             raise FrameError(f"the lane ended inside a chunk's length ({got} bytes)")
         sealed = memoryview(self._sealed)[: chunk_length(self._prefix) + TAG_BYTES]
         got = await recv_exactly(self._sock, sealed)
         if got < len(sealed):
             raise FrameError(f"the lane ended after {got} of a chunk's {len(sealed)} bytes")
-        self._end = self._opener.open(self._prefix, sealed, memoryview(self._plain))
-        self._start = 0
         self._broken = False
-        return True
+        return sealed
 
     async def close(self) -> None:
         self._sock.close()
