@@ -48,7 +48,7 @@ class TransportConfig:
     inbox_size: int = 64  # received frames waiting for recv(), all peers together
     # Frames decoding to more than this are decoded off the trio thread (whatever their size
     # on the wire: a few bytes of top-k may expand to a large tensor).
-    decode_in_thread_bytes: int = 1 << 20
+    decode_in_thread_bytes: int = 4 << 20
     max_decoded_bytes: int = 256 << 20  # a frame nobody expects may expand to this at most
     # Bodies announced (length read) but not yet decoded, per peer and all peers together.
     max_peer_pending_bytes: int = 512 << 20

@@ -50,6 +50,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         help="a peer id that may open tensor streams (repeatable; default: anyone may)",
     )
+    parser.add_argument("--no-lanes", action="store_true", help="frames over libp2p streams only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (as a stage's)")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_timeout_s=args.write_timeout,
         max_frame_bytes=args.max_frame_bytes,
         max_in_flight=args.max_in_flight,
+        lanes=not args.no_lanes,
     )
     out = _Out()
     admitted = frozenset(args.admit) if args.admit else None
@@ -163,7 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         expect=(lambda _header: spec) if spec else None,
         admit=admitted.__contains__ if admitted is not None else None,
     ) as transport:
-        out.write({"event": "ready", "peer_id": transport.peer_id, "addrs": transport.addrs})
+        out.write(
+            {
+                "event": "ready",
+                "peer_id": transport.peer_id,
+                "addrs": transport.addrs,
+                "lane_port": transport.lane_port,
+            }
+        )
         stop = threading.Event()
         threading.Thread(
             target=_commands, args=(transport, out, stop), name="commands", daemon=True

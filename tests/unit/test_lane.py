@@ -1,0 +1,229 @@
+"""Lanes' pure parts: sealed chunks, offers, tickets, and both ends over a local socket pair."""
+
+import os
+import socket
+
+import pytest
+import trio
+
+from fusionllm.common.errors import FrameError
+from fusionllm.node.errors import TransportError
+from fusionllm.node.p2p.framing import read_exactly
+from fusionllm.node.p2p.lane.offer import LANE_VERSION, OFFER_BYTES, TOKEN_BYTES, Offer, Tickets
+from fusionllm.node.p2p.lane.seal import (
+    LANE_KEY_BYTES,
+    LENGTH,
+    LENGTH_BYTES,
+    MAX_CHUNK_BYTES,
+    Opener,
+    Sealer,
+    chunk_length,
+)
+from fusionllm.node.p2p.lane.stream import LaneReader, LaneWriter
+
+KEY = bytes(range(LANE_KEY_BYTES))
+
+
+def sealed_chunks(key: bytes, *payloads: bytes) -> list[bytes]:
+    sealer = Sealer(key)
+    return [bytes(sealer.seal(payload)) for payload in payloads]
+
+
+def open_chunk(opener: Opener, chunk: bytes) -> bytes:
+    into = bytearray(MAX_CHUNK_BYTES)
+    length = opener.open(chunk[:LENGTH_BYTES], chunk[LENGTH_BYTES:], memoryview(into))
+    return bytes(into[:length])
+
+
+# ----- seal.py --------------------------------------------------------------------------------
+
+
+def test_chunks_open_in_order_with_the_same_key():
+    payloads = [b"a", os.urandom(1000), os.urandom(MAX_CHUNK_BYTES)]
+    opener = Opener(KEY)
+    assert [open_chunk(opener, c) for c in sealed_chunks(KEY, *payloads)] == payloads
+
+
+def test_a_chunk_that_was_changed_anywhere_fails_to_open():
+    (chunk,) = sealed_chunks(KEY, b"x" * 100)
+    for position in (LENGTH_BYTES, LENGTH_BYTES + 50, len(chunk) - 1):  # body, middle, tag
+        changed = bytearray(chunk)
+        changed[position] ^= 1
+        with pytest.raises(FrameError, match="authentication"):
+            open_chunk(Opener(KEY), bytes(changed))
+
+
+def test_a_changed_length_fails_even_when_the_sealed_bytes_match_it():
+    # The length is the associated data: a peer in the middle cannot cut a chunk short.
+    (chunk,) = sealed_chunks(KEY, b"y" * 100)
+    shorter = LENGTH.pack(99) + chunk[LENGTH_BYTES:-1]
+    with pytest.raises(FrameError, match="authentication"):
+        open_chunk(Opener(KEY), shorter)
+
+
+def test_replayed_reordered_or_dropped_chunks_fail_to_open():
+    first, second, third = sealed_chunks(KEY, b"1", b"2", b"3")
+    replayed = Opener(KEY)
+    open_chunk(replayed, first)
+    with pytest.raises(FrameError):
+        open_chunk(replayed, first)
+    with pytest.raises(FrameError):
+        open_chunk(Opener(KEY), second)  # the first was dropped, or the two swapped
+    skipped = Opener(KEY)
+    open_chunk(skipped, first)
+    with pytest.raises(FrameError):
+        open_chunk(skipped, third)
+
+
+def test_another_key_opens_nothing():
+    (chunk,) = sealed_chunks(KEY, b"secret")
+    with pytest.raises(FrameError):
+        open_chunk(Opener(bytes(LANE_KEY_BYTES)), chunk)
+
+
+def test_chunk_lengths_are_bounded_before_anything_is_read():
+    for length in (0, MAX_CHUNK_BYTES + 1, 2**32 - 1):
+        with pytest.raises(FrameError):
+            chunk_length(LENGTH.pack(length))
+    assert chunk_length(LENGTH.pack(MAX_CHUNK_BYTES)) == MAX_CHUNK_BYTES
+
+
+def test_sealing_refuses_empty_or_oversize_pieces_and_short_keys():
+    with pytest.raises(ValueError, match="a chunk carries"):
+        Sealer(KEY).seal(b"")
+    with pytest.raises(ValueError, match="a chunk carries"):
+        Sealer(KEY).seal(bytes(MAX_CHUNK_BYTES + 1))
+    with pytest.raises(ValueError, match="lane key"):
+        Sealer(KEY[:16])
+
+
+# ----- offer.py -------------------------------------------------------------------------------
+
+
+def test_an_offer_round_trips_and_bad_offers_are_frame_errors():
+    offer = Offer(port=4242, token=os.urandom(TOKEN_BYTES), key=os.urandom(LANE_KEY_BYTES))
+    wire = offer.to_wire()
+    assert len(wire) == OFFER_BYTES
+    assert Offer.from_wire(wire) == offer
+    bad = [
+        wire[:-1],
+        wire + b"\0",
+        bytes([LANE_VERSION + 1]) + wire[1:],
+        wire[:1] + b"\0\0" + wire[3:],  # port 0
+    ]
+    for data in bad:
+        with pytest.raises(FrameError):
+            Offer.from_wire(data)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_ticket_is_redeemed_once_by_its_peer_with_its_key():
+    tickets = Tickets(per_peer=2, total=8, ttl_s=3.0, clock=FakeClock())
+    token, key = tickets.issue("peer-a")
+    assert len(token) == TOKEN_BYTES
+    assert len(key) == LANE_KEY_BYTES
+    assert tickets.redeem(token) == ("peer-a", key)
+    assert tickets.redeem(token) is None
+    assert tickets.redeem(os.urandom(TOKEN_BYTES)) is None
+    assert len(tickets) == 0
+
+
+def test_tickets_expire():
+    clock = FakeClock()
+    tickets = Tickets(per_peer=2, total=8, ttl_s=3.0, clock=clock)
+    token, _ = tickets.issue("peer-a")
+    clock.now += 3.5
+    assert tickets.redeem(token) is None
+
+
+def test_tickets_are_bounded_per_peer_and_in_total_until_they_expire():
+    clock = FakeClock()
+    tickets = Tickets(per_peer=2, total=3, ttl_s=3.0, clock=clock)
+    assert tickets.issue("a") is not None
+    assert tickets.issue("a") is not None
+    assert tickets.issue("a") is None  # a's share is used up
+    assert tickets.issue("b") is not None
+    assert tickets.issue("c") is None  # all shares are used up
+    clock.now += 4
+    assert tickets.issue("c") is not None  # the expired ones were dropped
+    assert len(tickets) == 1
+
+
+# ----- stream.py: both ends over a socket pair -------------------------------------------------
+
+
+def lane_pair(key: bytes = KEY) -> tuple[LaneWriter, LaneReader, trio.socket.SocketType]:
+    left, right = socket.socketpair()
+    writer_sock = trio.socket.from_stdlib_socket(left)
+    reader_sock = trio.socket.from_stdlib_socket(right)
+    return LaneWriter(writer_sock, key), LaneReader(reader_sock, key), writer_sock
+
+
+@pytest.mark.parametrize("warm_buffer", [False, True])
+def test_frames_cross_a_lane_whole_at_any_size(warm_buffer):
+    sizes = [1, 100, MAX_CHUNK_BYTES - 1, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1, 3 * MAX_CHUNK_BYTES]
+    frames = [os.urandom(size) for size in sizes]
+
+    async def main() -> list[bytes]:
+        writer, reader, _ = lane_pair()
+        got = []
+        async with trio.open_nursery() as nursery:
+
+            async def write_all() -> None:
+                for frame in frames:
+                    await writer.write(frame)
+
+            nursery.start_soon(write_all)
+            for frame in frames:
+                scratch = bytearray(len(frame)) if warm_buffer else None
+                body = await read_exactly(reader, len(frame), stall_timeout_s=5, into=scratch)
+                got.append(bytes(body))
+        await writer.close()
+        assert await reader.read(1) == b""  # a clean end between chunks
+        return got
+
+    assert trio.run(main) == frames
+
+
+def test_a_lane_that_ends_inside_a_chunk_is_a_frame_error():
+    async def main() -> None:
+        _, reader, sock = lane_pair()
+        (chunk,) = sealed_chunks(KEY, b"z" * 1000)
+        await sock.send(chunk[:500])
+        sock.close()
+        with pytest.raises(FrameError, match="ended after"):
+            await reader.read(1000)
+
+    trio.run(main)
+
+
+def test_a_lane_from_someone_without_the_key_is_a_frame_error():
+    async def main() -> None:
+        left, right = socket.socketpair()
+        writer = LaneWriter(trio.socket.from_stdlib_socket(left), os.urandom(LANE_KEY_BYTES))
+        reader = LaneReader(trio.socket.from_stdlib_socket(right), KEY)
+        await writer.write(b"hello")
+        with pytest.raises(FrameError, match="authentication"):
+            await reader.read(5)
+
+    trio.run(main)
+
+
+def test_a_read_cancelled_inside_a_chunk_leaves_the_lane_unusable():
+    async def main() -> None:
+        _, reader, sock = lane_pair()
+        (chunk,) = sealed_chunks(KEY, b"w" * 1000)
+        await sock.send(chunk[: LENGTH_BYTES + 10])
+        with trio.move_on_after(0.2):
+            await reader.read(1000)
+        with pytest.raises(TransportError, match="interrupted"):
+            await reader.read(1000)
+
+    trio.run(main)
