@@ -8,11 +8,9 @@ only its own stream, be counted against the peer, and leave the node serving goo
 
 import math
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import multiaddr
 import pytest
@@ -29,104 +27,24 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from fusionllm.compression import pack_tensor
-from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p import transport as transport_module
 from fusionllm.node.p2p.framing import PREFIX, FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL, new_secure_host
 from fusionllm.node.p2p.identity import peer_id_of
 from fusionllm.node.p2p.transport import Transport, TransportConfig
+from tests.support.transport_node import (
+    _WAIT_S,
+    HEADER,
+    NodeProcess,
+    assert_node_still_echoes,
+    echo,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
-_START_S = 15.0
-_WAIT_S = 8.0
 # py-libp2p reports a peer's RST as a reset or, depending on timing, as EOF.
 ENDED = ("reset", "eof")
-HEADER = FrameHeader(step=3, micro_batch=1, kind="activation", stage=0)
-
-
-class NodeProcess:
-    """A transport_main process; JSON commands on its stdin, JSON events on its stdout."""
-
-    def __init__(self, key: Path, *args: str) -> None:
-        self.child = JsonChild(
-            [sys.executable, "-m", "tests.support.transport_main", "--key", str(key), *args],
-            stdin=True,
-            cwd=Path(__file__).resolve().parents[2],  # the repo root: tests.support imports
-        )
-        self.proc = self.child.process
-        try:
-            ready = self.next_event(_START_S)
-            assert ready["event"] == "ready", ready
-        except BaseException:
-            self.child.kill()
-            raise
-        self.peer_id: str = ready["peer_id"]
-        self.addr: str = ready["addrs"][0]
-
-    def next_event(self, timeout: float = _WAIT_S) -> dict:
-        try:
-            return self.child.next_event(timeout)
-        except (TimeoutError, EOFError):
-            raise AssertionError(f"node said nothing for {timeout}s") from None
-
-    def command(self, **command) -> dict:
-        self.child.send(command)
-        return self.next_event()
-
-    def errors_of(self, peer: str) -> dict[str, int]:
-        return self.command(cmd="stats")["peers"].get(peer, {}).get("errors", {})
-
-    def wait_for_error(self, peer: str, name: str, count: int = 1) -> dict[str, int]:
-        deadline = time.monotonic() + _WAIT_S
-        while time.monotonic() < deadline:
-            errors = self.errors_of(peer)
-            if errors.get(name, 0) >= count:
-                return errors
-            time.sleep(0.05)
-        raise AssertionError(f"node never counted a {name} for {peer}: {errors}")
-
-    def stop(self) -> None:
-        self.child.finish(timeout=10)  # the node exits when its stdin closes
-
-
-@pytest.fixture
-def start_node(tmp_path) -> Iterator:
-    nodes: list[NodeProcess] = []
-
-    def start(*args: str, key: str = "node.key") -> NodeProcess:
-        node = NodeProcess(tmp_path / key, *args)
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in nodes:
-        node.stop()
-        assert node.proc.returncode == 0, f"node exited with {node.proc.returncode}"
-
-
-@pytest.fixture
-def client(tmp_path) -> Iterator[Transport]:
-    config = TransportConfig(key_path=tmp_path / "client.key", dial_timeout_s=5.0)
-    transport = Transport(config).start()
-    yield transport
-    started = time.monotonic()
-    transport.close()
-    assert time.monotonic() - started < config.close_timeout_s + 1
-
-
-def echo(client: Transport, node: NodeProcess, tensor: torch.Tensor, header=HEADER):
-    client.send(node.peer_id, header, pack_tensor(tensor), timeout=_WAIT_S)
-    received = client.recv(timeout=_WAIT_S)
-    assert received.peer == node.peer_id
-    assert received.header == header
-    return received.tensor
-
-
-def assert_node_still_echoes(client: Transport, node: NodeProcess) -> None:
-    tensor = torch.arange(12, dtype=torch.float32).view(3, 4)
-    assert torch.equal(echo(client, node, tensor), tensor)
 
 
 def wait_for_reset_seen(client: Transport, node: NodeProcess, count: int = 1) -> None:
