@@ -18,7 +18,7 @@ from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
-from fusionllm.node.p2p.transport import TensorSpec, Transport, TransportConfig
+from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 from fusionllm.node.swarm_node import SwarmNodeConfig
@@ -97,7 +97,7 @@ def start_training(
         return trainer is not None and trainer.admits(peer)
 
     transport = Transport(
-        TransportConfig(key_path=config.node.key_path, close_timeout_s=2.0),
+        config.node.transport_config(),
         expect=expect,
         admit=admit,
         host=daemon.host,

@@ -40,6 +40,20 @@ def add_parser(commands) -> None:
     node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
     node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
+    node.add_argument(
+        "--lane-port",
+        type=int,
+        default=0,
+        help="where peers open lanes, direct TCP connections for tensors sealed with a key "
+        "agreed over the encrypted control connection (default: free; open it in a "
+        "firewall or container for full speed)",
+    )
+    node.add_argument(
+        "--no-lanes",
+        action="store_true",
+        help="send tensors only inside the control connection (slower; for networks that "
+        "allow one port only)",
+    )
     add_run_options(node)
     _add_plan_options(node)
     _add_probe_options(node)
@@ -153,6 +167,8 @@ def _node_config(args: argparse.Namespace):
         listen_host=args.host,
         dht_port=args.dht_port,
         control_port=args.port,
+        lane_port=args.lane_port,
+        lanes=not args.no_lanes,
         probe_interval_s=args.probe_interval,
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),

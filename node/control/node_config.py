@@ -13,6 +13,7 @@ from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.p2p.control_host import ControlConfig
 from fusionllm.node.p2p.peer_host import HostConfig
+from fusionllm.node.p2p.transport_types import TransportConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,8 @@ class NodeConfig:
     listen_host: str = "127.0.0.1"
     dht_port: int = 0
     control_port: int = 0  # the node's one py-libp2p host: control and data planes
+    lanes: bool = True  # tensor frames over lanes (p2p/lane/) where the peer offers one
+    lane_port: int = 0  # where this node accepts lanes; 0: a free port
     probe_interval_s: float = 10.0
     probe_fanout: int = 3  # peers probed per interval
     probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
@@ -47,6 +50,17 @@ class NodeConfig:
         # The host and the control plane check their own fields (address, port, probe sizes);
         # building their configs here makes a bad value a ConfigError now, not at start().
         self.control_config()
+        self.transport_config()
+
+    def transport_config(self) -> TransportConfig:
+        """The data plane on the node's host (its address and port rule; lanes are ours)."""
+        return TransportConfig(
+            key_path=self.key_path,
+            listen_host=self.listen_host,
+            close_timeout_s=2.0,
+            lanes=self.lanes,
+            lane_port=self.lane_port,
+        )
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(
