@@ -7,13 +7,17 @@ import functools
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.control.swarm_settings import SwarmSettings
+from fusionllm.node.p2p.checks import int_in
 from fusionllm.node.p2p.control_host import ControlConfig
 from fusionllm.node.p2p.peer_host import HostConfig
-from fusionllm.node.p2p.transport_types import TransportConfig
+
+if TYPE_CHECKING:
+    from fusionllm.node.p2p.transport_types import TransportConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +54,16 @@ class NodeConfig:
         # The host and the control plane check their own fields (address, port, probe sizes);
         # building their configs here makes a bad value a ConfigError now, not at start().
         self.control_config()
-        self.transport_config()
+        if not isinstance(self.lanes, bool):
+            raise ConfigError(f"lanes must be a bool, got {self.lanes!r}")
+        int_in("lane_port", self.lane_port, 0, 65535)
 
-    def transport_config(self) -> TransportConfig:
+    def transport_config(self) -> "TransportConfig":
         """The data plane on the node's host (its address and port rule; lanes are ours)."""
+        # Here, not at the top: the data plane's types import torch, and a node that trains
+        # nothing never loads it (README: lighter node).
+        from fusionllm.node.p2p.transport_types import TransportConfig
+
         return TransportConfig(
             key_path=self.key_path,
             listen_host=self.listen_host,

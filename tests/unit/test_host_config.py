@@ -90,3 +90,17 @@ def test_node_config_takes_the_probe_size_range_from_the_control_plane():
 def test_node_config_refuses_a_bad_host_at_config_time(name, value):
     with pytest.raises(ConfigError, match="listen_host" if name == "listen_host" else "port"):
         node_config(**{name: value})
+
+
+def test_node_config_hands_its_lane_options_to_the_data_plane():
+    config = node_config(listen_host="10.0.0.2", lane_port=4002, lanes=False)
+    transport = config.transport_config()
+    assert (transport.listen_host, transport.lane_port, transport.lanes) == (
+        "10.0.0.2",
+        4002,
+        False,
+    )
+    assert node_config().transport_config().lanes is True
+    for bad in ({"lane_port": 70000}, {"lane_port": -1}, {"lanes": "yes"}):
+        with pytest.raises(ConfigError, match="lane"):
+            node_config(**bad)
