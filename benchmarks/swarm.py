@@ -8,6 +8,8 @@ bytes each serving node sent per step. ``launcher``: `run_swarm` (one stage proc
 addresses handed out by the launcher) with the cuts and replicas the swarm's plan chose, same
 run spec and data, in the same run. The ratio swarm/launcher is the cost of running inside the
 daemons (control plane beside the compute, the READY barrier, plan votes); target >= 0.9.
+``local``: the same run spec trained in this process (one torch thread, no transport), the
+baseline of issue 13's pipeline targets (2 stages >= 1.4x it on a 2-core box).
 """
 
 import argparse
@@ -18,9 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.local_swarm import CALM, LocalSwarm, wait_for
 from fusionllm.node.pipeline.launcher import run_swarm
+from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 
@@ -78,6 +83,22 @@ def bench_launcher(args: argparse.Namespace, ranges: list, replicas: list) -> di
             "tokens_per_s": config.tokens_per_step / statistics.median(steady)}  # fmt: skip
 
 
+def bench_local(args: argparse.Namespace) -> dict:
+    config = TrainConfig.for_run(_run(args), cuts=(), replicas=(1,))
+    times: list[float] = []
+    last = [time.perf_counter()]
+
+    def on_step(_step: int, _loss: float) -> None:
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    torch.set_num_threads(1)  # as each daemon runs (threads 1)
+    train_local(config, on_step=on_step)
+    steady = statistics.median(times[len(times) // 4 :])
+    return {"step_s": steady, "tokens_per_s": config.tokens_per_step / steady}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
@@ -96,16 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fusionllm-bench-") as tmp:
         swarm = bench_swarm(args, Path(tmp))
     launcher = bench_launcher(args, swarm["ranges"], swarm["replicas"])
+    local = bench_local(args)
     ratio = swarm["tokens_per_s"] / launcher["tokens_per_s"]
     print(f"{args.nodes} daemons, plan ranges {swarm['ranges']}, replicas {swarm['replicas']}")
     print(f"{'run':<10} {'step s':>8} {'tokens/s':>10}")
     print(f"{'swarm':<10} {swarm['step_s']:>8.4f} {swarm['tokens_per_s']:>10,.0f}")
     print(f"{'launcher':<10} {launcher['step_s']:>8.4f} {launcher['tokens_per_s']:>10,.0f}")
+    print(f"{'local':<10} {local['step_s']:>8.4f} {local['tokens_per_s']:>10,.0f}")
     print(f"swarm / launcher tokens/s: {ratio:.2f} (target >= 0.9)")
+    print(
+        f"swarm / local (one process) tokens/s: {swarm['tokens_per_s'] / local['tokens_per_s']:.2f}"
+    )
     print(f"launch -> first trained step: {swarm['first_step_s']:.1f} s")
     print(f"bytes sent per step (all serving nodes): {swarm['bytes_per_step']:,.0f}")
     if args.json:
-        result = {"swarm": swarm, "launcher": launcher, "ratio": ratio, "args": vars(args)}
+        result = {"swarm": swarm, "launcher": launcher, "local": local, "ratio": ratio,
+                  "args": vars(args)}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
