@@ -270,11 +270,13 @@ def test_receiver_stops_reading_when_its_inbox_slots_are_full(tmp_path):
         assert steps == [0, 1, 2, 3]
 
 
-def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_path):
+@pytest.mark.parametrize("lanes", [False, True], ids=["stream", "lane"])
+def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_path, lanes):
     """py-libp2p's yamux write gives up after 5 s without a window update; a receiver whose
-    inbox is full for longer (8 s here) must still get every 1 MB frame, and no send fails."""
-    slow = TransportConfig(key_path=tmp_path / "slow.key", max_in_flight=2)
-    fast = TransportConfig(key_path=tmp_path / "fast.key", max_in_flight=8)
+    inbox is full for longer (8 s here) must still get every 1 MB frame, and no send fails.
+    On a lane the sender waits on TCP's own backpressure instead; the same must hold."""
+    slow = TransportConfig(key_path=tmp_path / "slow.key", max_in_flight=2, lanes=lanes)
+    fast = TransportConfig(key_path=tmp_path / "fast.key", max_in_flight=8, lanes=lanes)
     with Transport(slow) as receiver, Transport(fast) as sender:
         sender.connect(receiver.addrs[0])
         sends = []
@@ -289,6 +291,7 @@ def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_pat
         assert all(bool((f.tensor == f.header.step).all()) for f in frames)
         for send in sends:
             send.result(timeout=10)
+        assert sender.outbound_lanes() == ([receiver.peer_id] if lanes else [])
 
 
 def test_a_plaintext_only_dialer_is_refused(start_node, client):
