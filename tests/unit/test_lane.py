@@ -19,6 +19,7 @@ from fusionllm.node.p2p.lane.seal import (
     Sealer,
     chunk_length,
 )
+from fusionllm.node.p2p.lane.service import RetryAfter
 from fusionllm.node.p2p.lane.stream import LaneReader, LaneWriter
 
 KEY = bytes(range(LANE_KEY_BYTES))
@@ -227,3 +228,23 @@ def test_a_read_cancelled_inside_a_chunk_leaves_the_lane_unusable():
             await reader.read(1000)
 
     trio.run(main)
+
+
+# ----- service.py: when to try a lane again ----------------------------------------------------
+
+
+def test_lane_retries_back_off_while_a_peer_keeps_failing_and_reset_on_success():
+    retry = RetryAfter(60.0)
+    assert retry.allowed("p", 0.0)
+    assert retry.failed("p", 0.0) == 60.0
+    assert not retry.allowed("p", 59.0)
+    assert retry.allowed("p", 60.0)
+    assert retry.failed("p", 60.0) == 120.0
+    assert retry.failed("p", 180.0) == 240.0
+    for _ in range(20):
+        delay = retry.failed("p", 1000.0)
+    assert delay == 3600.0  # capped: a peer whose NAT opens later is tried again within the hour
+    assert retry.allowed("q", 1000.0)  # per peer
+    retry.forget("p")
+    assert retry.allowed("p", 1000.0)
+    assert retry.failed("p", 1000.0) == 60.0

@@ -14,6 +14,34 @@ from fusionllm.node.p2p.transport_types import AdmitPeer, TransportConfig
 
 logger = get_logger(__name__)
 
+# However often a peer's lane failed, a new try comes at least this often.
+_MAX_RETRY_S = 3600.0
+
+
+class RetryAfter:
+    """When to try a lane to a peer again: ``retry_s`` after a failure, doubling with each
+    failure in a row (up to an hour). A filtered port costs a send the whole lane timeout
+    at each try, so a peer behind NAT should not cost one every ``retry_s``."""
+
+    def __init__(self, retry_s: float) -> None:
+        self._retry_s = retry_s
+        self._failures: dict[str, tuple[int, float]] = {}  # peer -> (in a row, next try at)
+
+    def allowed(self, peer: str, now: float) -> bool:
+        entry = self._failures.get(peer)
+        return entry is None or now >= entry[1]
+
+    def failed(self, peer: str, now: float) -> float:
+        """Count a failure; returns the seconds until the next try."""
+        count = self._failures.get(peer, (0, 0.0))[0] + 1
+        delay = min(self._retry_s * 2 ** min(count - 1, 32), max(_MAX_RETRY_S, self._retry_s))
+        self._failures[peer] = (count, now + delay)
+        return delay
+
+    def forget(self, peer: str) -> None:
+        """A lane opened, or the peer left: the next failure starts the count again."""
+        self._failures.pop(peer, None)
+
 
 class Lanes:
     """Serves lanes to this node while ``serving`` runs, and opens lanes to peers."""
@@ -22,8 +50,7 @@ class Lanes:
         self.config = config
         self._host = host
         self._listener: LaneListener | None = None
-        # Peers whose lane failed, and when to try one again (trio clock).
-        self._retry_at: dict[str, float] = {}
+        self._retry = RetryAfter(config.lane_retry_s)  # on the trio clock
 
     @property
     def port(self) -> int:
@@ -68,22 +95,22 @@ class Lanes:
 
     async def dial(self, libp2p: IHost, peer: str) -> LaneWriter | None:
         """A lane to ``peer``, or None (lanes off, or one failed lately: use a stream)."""
-        if not self.config.lanes or self._retry_at.get(peer, 0.0) > trio.current_time():
+        if not self.config.lanes or not self._retry.allowed(peer, trio.current_time()):
             return None
         try:
             lane = await open_lane(libp2p, peer, self.config.lane_timeout_s)
         except (FusionError, *NETWORK_ERRORS) as exc:
-            self._retry_at[peer] = trio.current_time() + self.config.lane_retry_s
+            delay = self._retry.failed(peer, trio.current_time())
             logger.info(
                 "no lane to %s (%s); its frames go over a libp2p stream for %.0fs",
                 peer,
                 exc,
-                self.config.lane_retry_s,
+                delay,
             )
             return None
-        self._retry_at.pop(peer, None)
+        self._retry.forget(peer)
         return lane
 
     def forget(self, peer: str) -> None:
         """The peer disconnected: a lane is worth trying again when it comes back."""
-        self._retry_at.pop(peer, None)
+        self._retry.forget(peer)
