@@ -15,6 +15,7 @@ from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from fusionllm.common.errors import FrameError
+from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.framing import read_exactly
 from fusionllm.node.p2p.host import new_secure_host
 from fusionllm.node.p2p.identity import peer_id_of
@@ -194,3 +195,17 @@ def test_a_peer_not_admitted_gets_no_offer(start_node):
     _, outcome = lane_session(node.addr, unreachable)
     assert str(outcome).startswith("no offer")
     assert wait_for_refusal(node, "lane_not_admitted")["lane_not_admitted"] == 1
+
+
+def test_a_lane_port_in_use_is_refused_at_start(tmp_path, start_node):
+    node = start_node()
+    config = TransportConfig(key_path=tmp_path / "k", lane_port=lane_port_of(node))
+    with pytest.raises(TransportError, match="cannot listen for lanes"):
+        Transport(config).start()
+    assert_node_still_echoes_from(tmp_path, node)
+
+
+def assert_node_still_echoes_from(tmp_path, node) -> None:
+    with Transport(TransportConfig(key_path=tmp_path / "other.key")) as other:
+        other.connect(node.addr)
+        assert_node_still_echoes(other, node)

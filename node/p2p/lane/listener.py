@@ -13,6 +13,7 @@ import trio
 from libp2p.abc import INetStream
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.checks import ip_address
 from fusionllm.node.p2p.lane.offer import ACCEPTED, TOKEN_BYTES, Offer, Tickets
 from fusionllm.node.p2p.lane.stream import LaneReader, recv_exactly, send_all, tune
@@ -63,6 +64,9 @@ class LaneListener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await sock.bind((host, port))
             sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen for lanes on {host}:{port}: {exc}") from exc
         except BaseException:
             sock.close()
             raise
