@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.control.swarm_settings import SwarmSettings
-from fusionllm.node.p2p.checks import int_in
+from fusionllm.node.p2p.checks import boolean, int_in
 from fusionllm.node.p2p.control_host import ControlConfig
 from fusionllm.node.p2p.peer_host import HostConfig
 
@@ -54,8 +54,7 @@ class NodeConfig:
         # The host and the control plane check their own fields (address, port, probe sizes);
         # building their configs here makes a bad value a ConfigError now, not at start().
         self.control_config()
-        if not isinstance(self.lanes, bool):
-            raise ConfigError(f"lanes must be a bool, got {self.lanes!r}")
+        boolean("lanes", self.lanes)
         int_in("lane_port", self.lane_port, 0, 65535)
 
     def transport_config(self) -> "TransportConfig":

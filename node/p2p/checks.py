@@ -3,6 +3,7 @@
 import functools
 import ipaddress
 import math
+import socket
 
 from libp2p.peer.id import ID
 
@@ -27,11 +28,21 @@ def int_in(name: str, value: int, low: int, high: int) -> None:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
+def boolean(name: str, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+
+
 def ip_address(name: str, value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     try:
         return ipaddress.ip_address(value)
     except ValueError as exc:
         raise ConfigError(f"{name} must be an IP address, got {value!r}") from exc
+
+
+def address_family(name: str, value: str) -> socket.AddressFamily:
+    """The socket family of an IP address (ConfigError if ``value`` is not one)."""
+    return socket.AF_INET6 if ip_address(name, value).version == 6 else socket.AF_INET
 
 
 def parse_peer_id(peer: str) -> ID:
@@ -45,7 +56,7 @@ def parse_peer_id(peer: str) -> ID:
 @functools.lru_cache(maxsize=1024)
 def _parse_peer_id(peer: str) -> ID:
     try:
-        if not isinstance(peer, str) or not peer:
+        if not peer:
             raise ValueError("empty")
         return ID.from_base58(peer)
     except Exception as exc:  # base58 and multihash raise assorted types

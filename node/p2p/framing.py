@@ -192,13 +192,11 @@ async def read_exactly(
         while sink.got < n:
             scope.deadline = trio.current_time() + stall_timeout_s
             if read_into is not None:
-                got = await read_into(sink.free())
+                got = sink.advance(await read_into(sink.free()))
             else:
                 got = sink.add(await stream.read(n - sink.got))
             if not got:
                 raise FrameError(f"stream ended after {sink.got} of {n} {what} bytes")
-            if read_into is not None:
-                sink.advance(got)
             if rate is not None:
                 rate.check(trio.current_time(), sink.got)
             left = n - sink.got
@@ -238,10 +236,12 @@ class _Sink:
         assert self.view is not None
         return self.view[self.got :]
 
-    def advance(self, count: int) -> None:
+    def advance(self, count: int) -> int:
+        """Count what a reader put in ``free()``; its length (FrameError if more than fits)."""
         if count > self.n - self.got:
             raise FrameError(f"a reader filled {count} bytes where {self.n - self.got} were free")
         self.got += count
+        return count
 
     def result(self) -> bytearray | memoryview:
         return self.view if self.view is not None else self._grown

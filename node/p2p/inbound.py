@@ -137,14 +137,17 @@ class Inbound:
         level = logging.INFO if count & (count - 1) == 0 else logging.DEBUG
         logger.log(level, "refused %s from %s (%d so far)", reason, peer, count)
 
+    def admits(self, peer: str) -> bool:
+        """Whether the admission hook lets ``peer`` send us frames (a stream, or a lane)."""
+        try:
+            return self._admit is None or bool(self._admit(peer))
+        except Exception:  # a broken hook refuses; it must never take a handler down
+            logger.warning("the admission hook failed for %s", peer, exc_info=True)
+            return False
+
     def _refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not open a stream now, or None (then it is counted as open)."""
-        try:
-            admitted = self._admit is None or self._admit(peer)
-        except Exception:  # a broken hook refuses; it must never take the stream handler down
-            logger.warning("the admission hook failed for %s", peer, exc_info=True)
-            admitted = False
-        if not admitted:
+        if not self.admits(peer):
             return NOT_ADMITTED
         if self._streams >= self.config.max_inbound_streams:
             return TOO_MANY_STREAMS

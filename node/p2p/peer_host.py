@@ -39,7 +39,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
-from fusionllm.node.p2p.checks import int_in, ip_address, positive_seconds
+from fusionllm.node.p2p.checks import address_family, int_in, ip_address, positive_seconds
 from fusionllm.node.p2p.host import new_secure_host
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
@@ -430,8 +430,7 @@ def _check_port_free(host: str, port: int) -> None:
     error and the kernel then splits incoming connections between the two nodes. A plain
     bind (no SO_REUSEPORT) fails while any socket holds the port.
     """
-    family = socket.AF_INET6 if ip_address("listen_host", host).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    with socket.socket(address_family("listen_host", host), socket.SOCK_STREAM) as probe:
         # SO_REUSEADDR lets the probe bind over TIME_WAIT leftovers of our own last run (a
         # restart), while on Linux it still fails against a live listener.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -313,7 +313,7 @@ class Transport:
                         await self._lanes.start(
                             nursery,
                             serve=self._inbound.handle_lane,
-                            admit=self._admit,
+                            admit=self._inbound.admits,
                             refuse=self._inbound.refuse,
                         )
                     yield

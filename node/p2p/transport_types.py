@@ -18,7 +18,7 @@ from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import DEFAULT_LIMITS, FrameLimits
 from fusionllm.compression.frame import max_encoded_bytes
 from fusionllm.node.errors import DeadlineError, TransportClosedError
-from fusionllm.node.p2p.checks import int_in, positive_seconds
+from fusionllm.node.p2p.checks import boolean, int_in, positive_seconds
 from fusionllm.node.p2p.framing import MAX_BODY_BYTES, FrameHeader
 from fusionllm.node.p2p.limits import RateFloorConfig
 from fusionllm.node.p2p.peer_host import HostConfig, host_config_of
@@ -91,8 +91,7 @@ class TransportConfig:
                 f"{self.max_body_bytes}, {self.max_peer_pending_bytes}, {self.max_pending_bytes}"
             )
         self.rate_floor()  # checks min_body_rate_bytes_s and rate_window_s
-        if not isinstance(self.lanes, bool):
-            raise ConfigError(f"lanes must be a bool, got {self.lanes!r}")
+        boolean("lanes", self.lanes)
         int_in("lane_port", self.lane_port, 0, 65535)
         positive_seconds("lane_timeout_s", self.lane_timeout_s)
         positive_seconds("lane_retry_s", self.lane_retry_s)

@@ -1,13 +1,13 @@
 """The sending side of a lane: ask the peer for an offer over libp2p, then connect and redeem."""
 
 import socket
-from ipaddress import ip_address
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from fusionllm.node.errors import DeadlineError, TransportError
+from fusionllm.node.p2p.checks import address_family
 from fusionllm.node.p2p.framing import read_exactly
 from fusionllm.node.p2p.lane.offer import ACCEPTED, LANE_PROTOCOL, OFFER_BYTES, Offer
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
@@ -46,8 +46,7 @@ async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, s
 
 
 async def _redeem(offer: Offer, remote_ip: str) -> LaneWriter:
-    family = socket.AF_INET6 if ip_address(remote_ip).version == 6 else socket.AF_INET
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    sock = trio.socket.socket(address_family("remote address", remote_ip), socket.SOCK_STREAM)
     try:
         await sock.connect((remote_ip, offer.port))
         tune(sock)

@@ -14,7 +14,7 @@ from libp2p.abc import INetStream
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import TransportError
-from fusionllm.node.p2p.checks import ip_address
+from fusionllm.node.p2p.checks import address_family
 from fusionllm.node.p2p.lane.offer import ACCEPTED, TOKEN_BYTES, Offer, Tickets
 from fusionllm.node.p2p.lane.stream import LaneReader, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
@@ -58,8 +58,7 @@ class LaneListener:
 
     async def bind(self, host: str, port: int) -> int:
         """Listen on ``host``:``port`` (0: a free port); returns the port."""
-        family = socket.AF_INET6 if ip_address("listen_host", host).version == 6 else socket.AF_INET
-        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        sock = trio.socket.socket(address_family("listen_host", host), socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await sock.bind((host, port))
@@ -100,11 +99,7 @@ class LaneListener:
         await close_quietly(stream)
 
     def _admitted(self, peer: str) -> bool:
-        try:
-            admitted = self._admit(peer)
-        except Exception:  # a broken hook refuses; it must never take the handler down
-            logger.warning("the admission hook failed for %s", peer, exc_info=True)
-            admitted = False
+        admitted = self._admit(peer)
         if not admitted:
             self._refuse(LANE_NOT_ADMITTED, peer)
         return admitted

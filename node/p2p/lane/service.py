@@ -62,7 +62,7 @@ class Lanes:
         nursery: trio.Nursery,
         *,
         serve: ServeLane,
-        admit: AdmitPeer | None,
+        admit: AdmitPeer,
         refuse: Refuse,
     ) -> None:
         """Offer lanes (LANE_PROTOCOL) and accept them on ``config.lane_port``."""
@@ -74,7 +74,7 @@ class Lanes:
         )
         listener = LaneListener(
             serve=serve,
-            admit=admit if admit is not None else (lambda _peer: True),
+            admit=admit,
             refuse=refuse,
             tickets=tickets,
             timeout_s=config.lane_timeout_s,
