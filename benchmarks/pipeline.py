@@ -9,6 +9,8 @@ noise + yamux) on 127.0.0.1, 1F1B with M micro-batches. Per row: median step tim
 and the measured bubble fraction = 1 - (sum over processes of forward+backward compute) /
 (processes x step time), medians over the steps after the warm-up, beside the ideal 1F1B
 bubble (S - 1) / (M + S - 1) for equal stages and free links. The first steps are warm-up.
+The launcher gives each stage process its own core (processes share cores round robin when
+there are more of them than cores); ``--no-pin`` leaves placement to the OS, for comparison.
 
 On a small CPU host the processes share the cores, so more stages cannot be faster here;
 what the rows show is the cost of the pipeline machinery (frames, control all-gathers,
@@ -41,6 +43,7 @@ def _config(args: argparse.Namespace, stages: int) -> TrainConfig:
         seq_len=args.seq_len,
         steps=args.steps,
         seed=0,
+        cuts=tuple(args.cuts) if args.cuts and stages == len(args.cuts) + 1 else None,
     )
 
 
@@ -72,7 +75,7 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
 
 def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
     config = _config(args, stages)
-    result = run_swarm(config, threads=args.threads)
+    result = run_swarm(config, threads=args.threads, pin_cores=not args.no_pin)
     by_step: dict[int, list[dict]] = {}
     for event in result.steps:
         by_step.setdefault(event["step"], []).append(event)
@@ -126,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="let the OS move stage processes between cores"
+    )
+    parser.add_argument(
+        "--cuts", type=int, nargs="+", help="node positions for the row with one more stage"
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -2,6 +2,7 @@
 
 - errors.py: ``FusionError`` and its typed subclasses
 - logs.py:   ``get_logger`` (one logger per module) and ``configure_logging`` for entry points
+- cpus.py:   ``spread`` (cores for a group of local processes), ``pin`` (this process to cores)
 """
 
 from fusionllm.common.errors import ConfigError, FrameError, FusionError, PeerError

@@ -7,12 +7,13 @@
 - identity.py:      ``load_or_create_identity``, the Ed25519 key file (mode 0600)
 - checks.py:        the value checks the configs share (deadlines, ranges, IPs, peer ids)
 - framing.py:       ``FrameHeader``, ``FrameKind``, the length-prefixed frame and its read loop
-- transport.py:     ``Transport`` (send/recv/connect/stats of tensor frames)
+- transport.py:     ``Transport`` (send/recv/deliver_to/connect/stats of tensor frames)
+- departures.py:    ``Departures``, the notifee that says when a peer's last connection closed
 - inbound.py:       ``Inbound``, the receiving half: stream admission, budgets, reading and
                     decoding frames within what the receiver expects
 - limits.py:        ``RateFloor``, ``ByteBudget``, ``Refusals``, ``InFlight``: what a peer may cost
 - transport_types.py: ``TransportConfig``, ``TensorSpec``, ``Received``, ``PeerStats``,
-                    ``PeerCounters``, ``SpecFor``, ``AdmitPeer``
+                    ``PeerCounters``, ``SpecFor``, ``AdmitPeer``, ``Deliver``
 - control_host.py:  ``ControlHost``, ``ControlConfig``, ``ControlStats``: gossipsub + probes
 - gossip.py:        ``GossipMessage``, ``MessageChecks`` (size, rate, validate), ``GuardedPubsub``,
                     the gossip ``Inbox``, ``TokenBuckets``

@@ -36,6 +36,7 @@ from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, reset_quietly
 from fusionllm.node.p2p.stream_reader import StreamReader
 from fusionllm.node.p2p.transport_types import (
     AdmitPeer,
+    Deliver,
     PeerCounters,
     Received,
     SpecFor,
@@ -84,9 +85,11 @@ class Inbound:
         refusals: Refusals,
         expect: SpecFor | None,
         admit: AdmitPeer | None,
+        deliver: Deliver | None = None,
     ) -> None:
         self.config = config
         self._inbox = inbox
+        self._deliver = deliver
         self._counters = counters
         self._refusals = refusals
         self._expect = expect
@@ -211,13 +214,27 @@ class Inbound:
                 tensor, scratch = await self._receive_body(
                     peer, reader, body_len, spec, scratch, batch_s
                 )
+                self._counters.received(peer, body_len)
+                received = Received(peer, header, tensor)
+                if self._delivered(received):
+                    peer_slots.release()
+                    continue
                 await self._inbox_slots.acquire()  # only whole frames hold a shared slot
             except BaseException:
                 peer_slots.release()
                 raise
-            self._counters.received(peer, body_len)
             release = _releaser(peer_slots, self._inbox_slots)
-            self._inbox.put((Received(peer, header, tensor), release))
+            self._inbox.put((received, release))
+
+    def _delivered(self, received: Received) -> bool:
+        """Whether the deliver hook took the frame (then it skips the inbox and its thread hops)."""
+        if self._deliver is None:
+            return False
+        try:
+            return self._deliver(received)
+        except Exception:  # a broken hook drops this frame, never the peer's stream
+            logger.warning("deliver failed on a frame from %s", received.peer, exc_info=True)
+            return True
 
     def _spec_for(self, header: FrameHeader, body_len: int) -> TensorSpec | None:
         """What the frame must hold; FrameError if its length already says it does not."""

@@ -33,7 +33,7 @@ from typing import Any, Self
 
 import torch
 import trio
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE as _YAMUX_HEADER_BYTES
@@ -44,6 +44,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.compression import Codec, pack_tensor
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.checks import parse_peer_id
+from fusionllm.node.p2p.departures import Departures
 from fusionllm.node.p2p.framing import FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL
 from fusionllm.node.p2p.inbound import Inbound
@@ -54,6 +55,7 @@ from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, 
 from fusionllm.node.p2p.transport_types import (
     CLOSED,
     AdmitPeer,
+    Deliver,
     PeerCounters,
     PeerStats,
     Received,
@@ -66,6 +68,7 @@ from fusionllm.node.p2p.transport_types import (
 # The value types live in transport_types.py; importing them from here keeps working.
 __all__ = [
     "AdmitPeer",
+    "Deliver",
     "PeerStats",
     "Received",
     "SpecFor",
@@ -133,6 +136,7 @@ class Transport:
         self._outbound: dict[str, _Outbound] = {}
         self._inbound: Inbound | None = None
         self._lanes = Lanes(config, host)
+        self._deliver: Deliver | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -246,6 +250,13 @@ class Transport:
             self.host.run_sync_soon(release)
         return received
 
+    def deliver_to(self, deliver: Deliver | None) -> None:
+        """From now on hand each received frame to ``deliver`` in the host's thread, as soon as
+        it is decoded (None: back to ``recv`` only). A frame it takes skips the inbox: no
+        receive thread to wake, no slot to give back. Frames already in the inbox stay for
+        ``recv``, and so does the closed marker: a caller still learns there of the end."""
+        self._deliver = deliver
+
     def stats(self) -> dict[str, PeerStats]:
         """Per-peer counters, a consistent snapshot (connected peers and the last gone ones)."""
         return self._counters.snapshot()
@@ -298,12 +309,13 @@ class Transport:
             refusals=self._refusals,
             expect=self._expect,
             admit=self._admit,
+            deliver=self._route,
         )
         # Outside the nursery and the try: a refusal (another transport has the protocol)
         # reaches start() as itself, and that transport's handler stays.
         self.host.set_stream_handler(TENSOR_PROTOCOL, self._inbound.handle_stream)
         network = self.host.libp2p.get_network()
-        departures = _Departures(self._forget)
+        departures = Departures(self._forget)
         network.register_notifee(departures)
         try:
             async with trio.open_nursery() as nursery:
@@ -330,6 +342,10 @@ class Transport:
                 stream, out.stream = out.stream, None
                 await reset_quietly(stream)
             self._inbox.put(CLOSED)
+
+    def _route(self, received: Received) -> bool:
+        deliver = self._deliver
+        return deliver is not None and deliver(received)
 
     def _spawn_send(
         self, future: Future, peer: str, head: bytes, body: bytes, timeout: float
@@ -458,30 +474,3 @@ class Transport:
                 out.stream = None
             await reset_quietly(stream)
             raise
-
-
-class _Departures(INotifee):
-    """Tells the transport when a peer's last connection closed."""
-
-    def __init__(self, on_gone) -> None:
-        self._on_gone = on_gone
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        peer = conn.muxed_conn.peer_id
-        if not network.get_connections(peer):
-            self._on_gone(peer.to_base58())
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        pass
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def listen(self, network: INetwork, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network: INetwork, multiaddr) -> None:
-        pass

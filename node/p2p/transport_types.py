@@ -136,6 +136,11 @@ SpecFor = Callable[[FrameHeader], TensorSpec | None]
 # Whether a peer may open tensor streams to us at all (asked at stream open, trio thread).
 AdmitPeer = Callable[[str], bool]
 
+# Takes a received frame in the host's thread, as soon as it is decoded (``Transport.deliver_to``):
+# True if it took it, False to leave it for ``recv``. It must be quick and never block: it
+# runs between the reads of every peer's frames.
+Deliver = Callable[["Received"], bool]
+
 
 @dataclass(frozen=True)
 class Received:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fusionllm.common.cpus import available_cores, spread
 from fusionllm.common.logs import get_logger
 from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import PipelineError
@@ -53,8 +54,12 @@ def run_swarm(
     threads: int = 1,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     log_level: str = "WARNING",
+    pin_cores: bool = True,
 ) -> SwarmResult:
-    """Train ``config`` with every stage replica in its own process on 127.0.0.1."""
+    """Train ``config`` with every stage replica in its own process on 127.0.0.1.
+
+    ``pin_cores``: each process runs on cores of its own (``threads`` of them; processes share
+    cores only when there are more than the host has), not wherever the OS moves it."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fusionllm-")))
@@ -66,8 +71,10 @@ def run_swarm(
         stages = _Stages(roles)
         stack.callback(stages.stop)  # after quit on success; on any failure or Ctrl-C
         options = ["--threads", str(threads), "--timeout", str(step_timeout_s)]
-        for role in roles:
-            stages.start(_stage_argv(config_path, workdir, role, options, log_level))
+        placement = spread(len(roles), threads, available_cores()) if pin_cores else None
+        for rank, role in enumerate(roles):
+            cpus = [] if placement is None else ["--cpus", ",".join(map(str, placement[rank]))]
+            stages.start(_stage_argv(config_path, workdir, role, options + cpus, log_level))
         peers = stages.wait_ready(start_timeout_s)
         started = time.perf_counter()
         stages.send_all({"cmd": "start", "peers": peers})

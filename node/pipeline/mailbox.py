@@ -1,8 +1,10 @@
 """Received pipeline frames, kept until the stage asks for them; checked before they are kept.
 
-A receive thread drains the transport as fast as frames come (a yamux writer waits only a few
-seconds for window space, so the compute thread must not be the one reading) and files each
-frame under (kind, step, micro-batch, sender rank). The compute thread then ``take``s exactly
+The transport's thread files each frame as soon as it is decoded (``Transport.deliver_to``),
+under (kind, step, micro-batch, sender rank): the compute thread must not be the one reading
+(a yamux writer waits only a few seconds for window space), and a receive thread in between
+would cost two more thread wake-ups per frame. ``pump`` is left with frames received before
+that and with the transport's end. The compute thread then ``take``s exactly
 the frame its schedule needs next, in whatever order they arrived.
 
 Every frame is checked against what the run allows from that sender: its role (an unknown

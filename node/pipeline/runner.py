@@ -44,7 +44,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
 from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
-from fusionllm.node.p2p.transport import TensorSpec, Transport
+from fusionllm.node.p2p.transport import Received, TensorSpec, Transport
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.layout import WIRE_DTYPE, PipelineLayout
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
@@ -235,12 +235,21 @@ class PipelineRunner:
 
     def start(self) -> None:
         if self._pump is not None:
+            # Frames go straight from the transport's thread into the mailbox; the pump is
+            # left with what came before this and with the transport's end.
+            self.transport.deliver_to(self._file)
             self._pump.start()
 
     def close(self) -> None:
         self._stop.set()
-        if self._pump is not None and self._pump.is_alive():
-            self._pump.join(2.0)
+        if self._pump is not None:
+            self.transport.deliver_to(None)
+            if self._pump.is_alive():
+                self._pump.join(2.0)
+
+    def _file(self, item: Received) -> bool:
+        self.mailbox.put(item)
+        return True
 
     def abort(self, reason: BaseException) -> None:
         """Make a step blocked on a frame fail now (a peer is gone, the node stops)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fusionllm.common.cpus import parse_cores, pin
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.errors import PipelineError
@@ -49,6 +50,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--out", help="write the final parameters here (torch.save)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--cpus",
+        type=parse_cores,
+        help="run on these cores only, e.g. 0 or 2,3 (default: wherever the OS puts us)",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="longest wait for a frame")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
@@ -171,6 +177,8 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     configure_logging(args.log_level.upper())
+    if args.cpus is not None:
+        pin(args.cpus)  # before our threads start: they inherit it
     lines = _Lines()
     try:
         return run(args, lines)

@@ -56,6 +56,7 @@ from fusionllm.node.p2p.framing import (
 from fusionllm.node.p2p.transport import PeerStats, Received, SpecFor
 from fusionllm.node.p2p.transport_types import (  # the real transport's own pieces
     CLOSED,
+    Deliver,
     _Counters,
     take_from_inbox,
 )
@@ -167,6 +168,7 @@ class MemoryTransport:
         self._lock = threading.Lock()  # guards _counters and _closed
         self._counters: dict[str, _Counters] = {}
         self._closed = False
+        self._deliver: Deliver | None = None
 
     # ----- the Transport surface ------------------------------------------------------------------
 
@@ -201,6 +203,10 @@ class MemoryTransport:
     def recv(self, *, timeout: float | None = None) -> Received:
         """The next received frame from any peer; DeadlineError if none within ``timeout``."""
         return take_from_inbox(self._inbox, timeout)
+
+    def deliver_to(self, deliver: Deliver | None) -> None:
+        """Hand frames to ``deliver`` (in the sender's thread here) instead of the inbox."""
+        self._deliver = deliver
 
     def stats(self) -> dict[str, PeerStats]:
         """Per-peer counters, a consistent snapshot."""
@@ -261,7 +267,10 @@ class MemoryTransport:
             counters = self._count(frame.src)
             counters.frames_in += 1
             counters.bytes_in += body_len
-            self._inbox.put(Received(frame.src, header, tensor))
+        received = Received(frame.src, header, tensor)
+        deliver = self._deliver
+        if deliver is None or not deliver(received):
+            self._inbox.put(received)
         return True
 
 
