@@ -40,7 +40,8 @@ def bench_swarm(args: argparse.Namespace, root: Path) -> dict:
     run = _run(args)
     extra = {"steps": run.steps, "seq-len": run.seq_len, "micro-batch-size": run.micro_batch_size,
              "micro-batches": run.micro_batches, "lr": run.lr, "min-stages": args.min_stages,
-             "threads": 1, **(CALM if args.calm else {})}  # fmt: skip
+             "threads": 1, "pin-cores": not args.no_pin,
+             **(CALM if args.calm else {})}  # fmt: skip
     swarm = LocalSwarm(root, extra=extra)
     launched = time.monotonic()
     try:
@@ -73,7 +74,7 @@ def bench_launcher(args: argparse.Namespace, ranges: list, replicas: list) -> di
     config = TrainConfig.for_run(
         _run(args), cuts=tuple(r[0] for r in ranges[1:]), replicas=tuple(replicas)
     )
-    result = run_swarm(config)
+    result = run_swarm(config, pin_cores=not args.no_pin)
     last = [e for e in result.steps if e.get("step") is not None]
     by_step: dict[int, float] = {}
     for event in last:
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         "--calm",
         action="store_true",
         help="the control-plane timing `fusionllm swarm` uses (default: the tests' FAST)",
+    )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="let the OS move trainers between cores"
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

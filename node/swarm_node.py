@@ -30,6 +30,7 @@ class SwarmNodeConfig:
     step_timeout_s: float = 60.0
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
+    pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
 
     @property
     def run(self) -> RunSpec:

@@ -118,6 +118,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             step_timeout_s=config.step_timeout_s,
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
+            pin_cores=config.pin_cores,
         ),
         peer_id=daemon.peer_id,
         transport=transport,

@@ -57,9 +57,7 @@ def add_parser(commands) -> None:
     add_run_options(node)
     _add_plan_options(node)
     _add_probe_options(node)
-    node.add_argument(
-        "--threads", type=int, help="torch threads for compute (default: torch's choice)"
-    )
+    _add_compute_options(node)
     node.add_argument("--duration", type=float, help="leave after this many seconds")
     node.add_argument(
         "--no-train",
@@ -114,6 +112,19 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="longest wait for a neighbour's frame inside a step, s (default: %(default)s)",
+    )
+
+
+def _add_compute_options(node: argparse.ArgumentParser) -> None:
+    node.add_argument(
+        "--threads", type=int, help="torch threads for compute (default: torch's choice)"
+    )
+    node.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="while training, compute on cores picked by this node's place in the plan (the "
+        "k-th process takes the k-th block of --threads cores): for several nodes on one "
+        "machine, which then train on different cores (fusionllm swarm sets it)",
     )
 
 
@@ -245,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         checkpoint_pause_s=args.checkpoint_pause,
         train=not args.no_train,
+        pin_cores=args.pin_cores,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

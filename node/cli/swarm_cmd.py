@@ -116,6 +116,7 @@ def _options(args: argparse.Namespace) -> dict:
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
+        "pin-cores": True,  # ... each trainer on its own core (node/training/placement.py)
         **CALM,
     }
 

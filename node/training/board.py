@@ -367,6 +367,9 @@ class Router:
         self._thread = threading.Thread(target=self._run, name="node-router", daemon=True)
 
     def start(self) -> "Router":
+        # A session's frames go from the transport's thread straight to its mailbox; board
+        # frames (rare, and their handlers may send) still come through this thread.
+        self._transport.deliver_to(self._deliver)
         self._thread.start()
         return self
 
@@ -375,9 +378,21 @@ class Router:
             self._inbox = inbox
 
     def close(self) -> None:
+        self._transport.deliver_to(None)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2.0)
+
+    def _deliver(self, item: Received) -> bool:
+        """In the transport's thread: a session frame to its inbox; False leaves it to us."""
+        if is_board_frame(item.header):
+            return False
+        with self._lock:
+            inbox = self._inbox
+        if inbox is None:
+            return False  # counted by _run, in one place
+        inbox.deliver(item)
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():

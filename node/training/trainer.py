@@ -34,6 +34,7 @@ from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
 from fusionllm.node.training.copies import delivered, send_copy, send_done
 from fusionllm.node.training.holdings import SEED_STEP, Holding
+from fusionllm.node.training.placement import CorePlacement
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
     Ending,
@@ -76,6 +77,7 @@ class TrainerConfig:
     step_timeout_s: float = 60.0  # longest wait for one frame inside a step
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # steps; 0: never
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
+    pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
@@ -130,6 +132,7 @@ class SwarmTrainer:
             shapes=shapes, is_member=view.is_member, on_copy=self._on_copy, on_want=self._on_want
         )
         self._donated: set[tuple[str, Holding]] = set()
+        self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
@@ -298,17 +301,8 @@ class SwarmTrainer:
         )
         self._session = session
         try:
-            self._connect(plan_of)
-            current = lambda: (  # noqa: E731
-                (self.view.adopted() or ("",))[0] == digest and not self._leaving.is_set()
-            )
-            start = session.meet(current=current, stop=self._stop)
-            if start is None:
-                return Ending(Outcome.ABANDONED, None)
-            self._emit_plan(plan_of, start, session.moved)
-            ending = session.run(
-                start, last_step=self.run_spec.steps, stop=self._stop, on_step=self._on_step
-            )
+            with self._placement.serving(plan_of, torch.get_num_threads()):
+                ending = self._run_session(session, plan_of)
         finally:
             self._session = None
             session.close()
@@ -316,6 +310,20 @@ class SwarmTrainer:
                     "next_step": ending.held.next_step if ending.held else None,
                     "detail": ending.detail})  # fmt: skip
         return ending
+
+    def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
+        digest = plan_of.digest
+        self._connect(plan_of)
+        current = lambda: (  # noqa: E731
+            (self.view.adopted() or ("",))[0] == digest and not self._leaving.is_set()
+        )
+        start = session.meet(current=current, stop=self._stop)
+        if start is None:
+            return Ending(Outcome.ABANDONED, None)
+        self._emit_plan(plan_of, start, session.moved)
+        return session.run(
+            start, last_step=self.run_spec.steps, stop=self._stop, on_step=self._on_step
+        )
 
     def _hooks(self) -> SessionHooks:
         return SessionHooks(
