@@ -149,8 +149,7 @@ def parse_prefix(prefix: bytes | bytearray, *, max_body_bytes: int) -> tuple[int
 
 
 class Reader(Protocol):
-    """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream. It may
-    also have ``read_into(view) -> int`` (0 at the end), which read_exactly then prefers."""
+    """A byte stream: ``read(n)`` returns 1..n bytes, or b"" at the end of the stream."""
 
     async def read(self, n: int) -> bytes: ...
 
@@ -183,18 +182,13 @@ async def read_exactly(
     64 MB. The tail of a frame is never delayed (the pause needs ``_BATCH_MIN_LEFT_BYTES``
     still to come), and the 16 MB yamux window keeps the peer sending meanwhile.
     """
-    sink = _Sink(n, into)
-    # A reader that can fill a buffer itself (a lane decrypts straight into it) skips a copy.
-    read_into = getattr(stream, "read_into", None) if sink.view is not None else None
+    sink = ByteSink(n, into)
     rate = RateFloor(floor, n, trio.current_time()) if floor is not None else None
     # One cancel scope whose deadline moves with progress: a 64 MB body is ~1000 reads.
     with trio.CancelScope() as scope:
         while sink.got < n:
             scope.deadline = trio.current_time() + stall_timeout_s
-            if read_into is not None:
-                got = sink.advance(await read_into(sink.free()))
-            else:
-                got = sink.add(await stream.read(n - sink.got))
+            got = sink.add(await stream.read(n - sink.got))
             if not got:
                 raise FrameError(f"stream ended after {sink.got} of {n} {what} bytes")
             if rate is not None:
@@ -209,7 +203,7 @@ async def read_exactly(
     return sink.result()
 
 
-class _Sink:
+class ByteSink:
     """Where read_exactly puts bytes: a warm buffer's prefix, or a buffer grown by appending
     (bytearray grows geometrically with realloc, so the copies stay amortized O(n))."""
 

@@ -16,8 +16,11 @@ A public node is dialled by strangers, so every step is bounded before it is pai
    none; a peer holds at most ``max_in_flight`` of them.
 """
 
+import contextlib
 import logging
 import queue
+import socket
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -28,10 +31,11 @@ from libp2p.abc import INetStream
 from fusionllm.common.errors import FrameError, PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ParsedFrame, decode_frame, parse_frame
-from fusionllm.node.errors import TransportError
+from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.framing import FrameHeader, Reader, read_exactly, read_head
-from fusionllm.node.p2p.lane.stream import LaneReader
-from fusionllm.node.p2p.limits import ByteBudget, Refusals
+from fusionllm.node.p2p.lane.serve import LaneFrames
+from fusionllm.node.p2p.lane.stream import BlockingLaneReader
+from fusionllm.node.p2p.limits import ByteBudget, Refusals, Slots
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, reset_quietly
 from fusionllm.node.p2p.stream_reader import StreamReader
 from fusionllm.node.p2p.transport_types import (
@@ -56,6 +60,9 @@ _BODY_READ_BATCH_S = 0.002
 
 # Large decodes at once: each is CPU-bound copying, and each holds its result's memory.
 _CONCURRENT_DECODES = 2
+
+# How often a lane's thread waiting for an inbox slot looks whether the transport stopped.
+_SLOT_WAIT_S = 0.5
 
 # Refusal reasons (keys of ``Transport.refusals()``).
 NOT_ADMITTED = "stream_not_admitted"
@@ -97,14 +104,23 @@ class Inbound:
         self._budget = ByteBudget(
             per_peer=config.max_peer_pending_bytes, total=config.max_pending_bytes
         )
-        self._inbox_slots = trio.Semaphore(config.inbox_size)
-        self._peer_slots: dict[str, trio.Semaphore] = {}
+        # Slots, not trio semaphores: lanes' threads take them, recv's callers give them back.
+        self._inbox_slots = Slots(config.inbox_size)
+        self._peer_slots: dict[str, Slots] = {}
+        self._slots_lock = threading.Lock()  # the dict: the trio thread and lanes' threads
+        self._stopping = threading.Event()  # lanes' threads waiting for a slot give up
         self._decoders = trio.CapacityLimiter(_CONCURRENT_DECODES)
-        self._streams = 0  # inbound streams open, all peers
+        self.thread_decoders = threading.Semaphore(_CONCURRENT_DECODES)  # lanes' threads
+        self._lane_threads = trio.CapacityLimiter(config.max_inbound_streams)
+        self._streams = 0  # inbound streams and lanes open, all peers
 
     @property
     def budget(self) -> ByteBudget:
         return self._budget
+
+    @property
+    def counters(self) -> PeerCounters:
+        return self._counters
 
     def tracked_peers(self) -> int:
         """Peers with per-peer state here (slots): pruned when their last stream ends."""
@@ -115,24 +131,66 @@ class Inbound:
         peer = stream.muxed_conn.peer_id.to_base58()
         await self._handle(peer, stream, StreamReader(stream), _BODY_READ_BATCH_S)
 
-    async def handle_lane(self, peer: str, lane: LaneReader) -> None:
+    async def handle_lane(self, peer: str, sock: trio.socket.SocketType, key: bytes) -> None:
         """Frames on a lane the peer redeemed a ticket for (lane/): the same admission,
-        limits and checks as a stream, without yamux's window updates to batch."""
-        await self._handle(peer, lane, lane, 0.0)
+        limits and checks as a stream, read in a thread of the lane's own (lane/serve.py)."""
+        if not self._admitted(peer):
+            sock.close()
+            return
+        blocking = socket.socket(fileno=sock.detach())
+        reader = BlockingLaneReader(blocking, key)
+        try:
+            await trio.to_thread.run_sync(
+                self._serve_lane,
+                peer,
+                reader,
+                abandon_on_cancel=True,
+                limiter=self._lane_threads,
+            )
+        finally:
+            with contextlib.suppress(OSError):
+                blocking.shutdown(socket.SHUT_RDWR)  # wakes a thread we stopped waiting for
+            self._closed(peer)
+
+    def _serve_lane(self, peer: str, reader: BlockingLaneReader) -> None:
+        """In the lane's thread: its frames until it ends; one peer's lane failing costs only it."""
+        try:
+            LaneFrames(self, peer, reader).serve()
+        except TransportClosedError:
+            logger.debug("a lane from %s ended with the transport", peer)
+        except (PeerError, OSError) as exc:
+            self._counters.error(peer, exc)
+            logger.debug("closing a lane from %s", peer, exc_info=True)
+        except (trio.RunFinishedError, trio.Cancelled):
+            logger.debug("a lane from %s ended with the transport", peer)
+        except Exception as exc:
+            self._counters.error(peer, exc)
+            logger.warning("unexpected error on a lane from %s", peer, exc_info=True)
+        finally:
+            reader.close()
 
     async def _handle(self, peer: str, stream: _Closable, reader: Reader, batch_s: float) -> None:
-        refusal = self._refusal(peer)
-        if refusal is not None:
-            self.refuse(refusal, peer)
+        if not self._admitted(peer):
             await reset_quietly(stream)
             return
-        self._streams += 1
         try:
             await self._serve(peer, stream, reader, batch_s)
         finally:
-            self._streams -= 1
-            self._counters.close_inbound(peer)
-            self._prune(peer)
+            self._closed(peer)
+
+    def _admitted(self, peer: str) -> bool:
+        """Admission at open (counted as open if so; ``_closed`` undoes it), or a refusal."""
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            self.refuse(refusal, peer)
+            return False
+        self._streams += 1
+        return True
+
+    def _closed(self, peer: str) -> None:
+        self._streams -= 1
+        self._counters.close_inbound(peer)
+        self._prune(peer)
 
     def refuse(self, reason: str, peer: str) -> None:
         count = self._refusals.add(reason)
@@ -182,51 +240,77 @@ class Inbound:
         """The peer disconnected: drop its slots (kept while a frame of it still waits)."""
         self._prune(peer)
 
+    def stop(self) -> None:
+        """The transport is stopping: lanes' threads waiting for an inbox slot give up."""
+        self._stopping.set()
+
+    def _slots_of(self, peer: str) -> Slots:
+        with self._slots_lock:
+            slots = self._peer_slots.get(peer)
+            if slots is None:
+                slots = self._peer_slots[peer] = Slots(self.config.max_in_flight)
+            return slots
+
     def _prune(self, peer: str) -> None:
         """Forget a peer's slots once it has no stream and no frame waiting in the inbox."""
-        slots = self._peer_slots.get(peer)
-        if (
-            slots is not None
-            and slots.value == self.config.max_in_flight
-            and self._counters.inbound_of(peer) == 0
-        ):
-            del self._peer_slots[peer]
+        with self._slots_lock:
+            slots = self._peer_slots.get(peer)
+            if (
+                slots is not None
+                and slots.value == self.config.max_in_flight
+                and self._counters.inbound_of(peer) == 0
+            ):
+                del self._peer_slots[peer]
 
     async def _read_frames(self, peer: str, reader: Reader, batch_s: float) -> None:
-        config = self.config
         scratch = bytearray()  # reused for every body on this stream (warm pages)
         while True:
-            head = await read_head(
-                reader,
-                max_body_bytes=config.max_body_bytes,
-                stall_timeout_s=config.read_timeout_s,
-                idle_timeout_s=config.idle_timeout_s,
-            )
+            head = await read_head(reader, **self.head_limits())
             if head is None:
                 return
             header, body_len = head
-            spec = self._spec_for(header, body_len)
+            spec = self.spec_for(header, body_len)
             # Backpressure: do not read the body until the compute side has room for this
             # peer's frame; meanwhile its window fills and its writes wait.
-            peer_slots = self._peer_slots.setdefault(peer, trio.Semaphore(config.max_in_flight))
-            await peer_slots.acquire()
+            peer_slots = self._slots_of(peer)
+            await peer_slots.acquire_async()
             try:
                 tensor, scratch = await self._receive_body(
                     peer, reader, body_len, spec, scratch, batch_s
                 )
-                self._counters.received(peer, body_len)
                 received = Received(peer, header, tensor)
-                if self._delivered(received):
+                if self.delivered(received):
+                    self._counters.received(peer, body_len)
                     peer_slots.release()
                     continue
-                await self._inbox_slots.acquire()  # only whole frames hold a shared slot
+                await self._inbox_slots.acquire_async()  # only whole frames hold a shared slot
             except BaseException:
                 peer_slots.release()
                 raise
+            self._counters.received(peer, body_len)
             release = _releaser(peer_slots, self._inbox_slots)
             self._inbox.put((received, release))
 
-    def _delivered(self, received: Received) -> bool:
+    def queue_from_thread(self, received: Received, body_len: int) -> None:
+        """From a lane's thread: into the inbox once the peer and the inbox have a slot free
+        (counted as received then, as a stream's frame is); TransportClosedError if the
+        transport stops first."""
+        peer_slots = self._slots_of(received.peer)
+        self._wait_for(peer_slots)
+        try:
+            self._wait_for(self._inbox_slots)
+        except BaseException:
+            peer_slots.release()
+            raise
+        self._counters.received(received.peer, body_len)
+        self._inbox.put((received, _releaser(peer_slots, self._inbox_slots)))
+
+    def _wait_for(self, slots: Slots) -> None:
+        while not slots.acquire(timeout=_SLOT_WAIT_S):
+            if self._stopping.is_set():
+                raise TransportClosedError("the transport stopped while a frame waited")
+
+    def delivered(self, received: Received) -> bool:
         """Whether the deliver hook took the frame (then it skips the inbox and its thread hops)."""
         if self._deliver is None:
             return False
@@ -236,7 +320,16 @@ class Inbound:
             logger.warning("deliver failed on a frame from %s", received.peer, exc_info=True)
             return True
 
-    def _spec_for(self, header: FrameHeader, body_len: int) -> TensorSpec | None:
+    def head_limits(self) -> dict[str, float]:
+        """What bounds reading a frame's head, on a stream and on a lane alike."""
+        config = self.config
+        return {
+            "max_body_bytes": config.max_body_bytes,
+            "stall_timeout_s": config.read_timeout_s,
+            "idle_timeout_s": config.idle_timeout_s,
+        }
+
+    def spec_for(self, header: FrameHeader, body_len: int) -> TensorSpec | None:
         """What the frame must hold; FrameError if its length already says it does not."""
         spec = self._expect(header) if self._expect is not None else None
         if spec is not None and body_len > spec.max_body_bytes:
@@ -257,12 +350,7 @@ class Inbound:
         batch_s: float,
     ) -> tuple[torch.Tensor, bytearray]:
         """The body read (within the budgets and the rate floor) and decoded."""
-        if not self._budget.reserve(peer, body_len):
-            self._refusals.add(OVER_BUDGET)  # the peer's FrameError is logged by _serve
-            raise FrameError(
-                f"a body of {body_len} bytes is over the budget (peer holds "
-                f"{self._budget.held_by(peer)}, all peers {self._budget.used})"
-            )
+        self.reserve(peer, body_len)
         try:
             body = await read_exactly(
                 reader,
@@ -284,17 +372,26 @@ class Inbound:
             spec.check(tensor)
         return tensor, scratch
 
+    def reserve(self, peer: str, body_len: int) -> None:
+        """Reserve a body's bytes in the budgets; FrameError (counted) if it is over them."""
+        if not self._budget.reserve(peer, body_len):
+            self._refusals.add(OVER_BUDGET)  # the peer's FrameError is logged by its reader
+            raise FrameError(
+                f"a body of {body_len} bytes is over the budget (peer holds "
+                f"{self._budget.held_by(peer)}, all peers {self._budget.used})"
+            )
+
     async def _decode(self, body: bytearray | memoryview, spec: TensorSpec | None) -> torch.Tensor:
         threshold = self.config.decode_in_thread_bytes
         if len(body) >= threshold:
             # A large body may take the slow parse (msgpack copies its payloads): all of it
             # in a worker thread, so the loop keeps serving other streams meanwhile.
             return await trio.to_thread.run_sync(
-                lambda: decode_frame(self._parse(body, spec)),
+                lambda: decode_frame(self.parse(body, spec)),
                 abandon_on_cancel=True,
                 limiter=self._decoders,
             )
-        parsed = self._parse(body, spec)
+        parsed = self.parse(body, spec)
         if parsed.decoded_bytes < threshold:
             return decode_frame(parsed)
         # A small body that expands to a large tensor: allocated and filled off the loop.
@@ -302,7 +399,7 @@ class Inbound:
             decode_frame, parsed, abandon_on_cancel=True, limiter=self._decoders
         )
 
-    def _parse(self, body: bytearray | memoryview, spec: TensorSpec | None) -> ParsedFrame:
+    def parse(self, body: bytearray | memoryview, spec: TensorSpec | None) -> ParsedFrame:
         parsed = parse_frame(
             body,
             limits=self.config.limits,
@@ -318,7 +415,7 @@ class Inbound:
         return parsed
 
 
-def _releaser(*semaphores: trio.Semaphore) -> Callable[[], None]:
+def _releaser(*semaphores: Slots) -> Callable[[], None]:
     done = False
 
     def release() -> None:

@@ -10,15 +10,21 @@
 - ``Refusals``: counts of streams and frames refused before they cost anything, by reason,
   never by peer: a stranger with fresh identities must not grow a table.
 - ``InFlight``: frames to a peer not yet written (send backpressure), any thread.
+- ``Slots``: a semaphore for the trio thread and plain threads alike (the inbox's slots).
 
-``RateFloor`` and ``ByteBudget`` are pure and clock-free (callers pass ``now``), used from the
-host's trio thread only; ``Refusals`` and ``InFlight`` are locked, for any thread.
+``RateFloor`` is pure and clock-free (callers pass ``now``), one per frame; ``ByteBudget``,
+``Refusals`` and ``InFlight`` are locked, for any thread (streams are read in the host's trio
+thread, lanes each in a thread of their own).
 """
 
+import contextlib
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
+
+import trio
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.errors import DeadlineError
@@ -73,27 +79,30 @@ class ByteBudget:
             raise ConfigError(f"need 1 <= per_peer <= total, got {per_peer} and {total}")
         self.per_peer = per_peer
         self.total = total
+        self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
         self._used = 0
 
     def reserve(self, peer: str, nbytes: int) -> bool:
         """Reserve ``nbytes`` for ``peer``; False (nothing reserved) if either bound would break."""
-        held = self._by_peer.get(peer, 0)
-        if nbytes < 0 or held + nbytes > self.per_peer or self._used + nbytes > self.total:
-            return False
-        self._by_peer[peer] = held + nbytes
-        self._used += nbytes
-        return True
+        with self._lock:
+            held = self._by_peer.get(peer, 0)
+            if nbytes < 0 or held + nbytes > self.per_peer or self._used + nbytes > self.total:
+                return False
+            self._by_peer[peer] = held + nbytes
+            self._used += nbytes
+            return True
 
     def release(self, peer: str, nbytes: int) -> None:
-        held = self._by_peer.get(peer, 0)
-        if not 0 <= nbytes <= held:
-            raise ValueError(f"releasing {nbytes} bytes of {peer}, which holds {held}")
-        self._used -= nbytes
-        if held == nbytes:
-            del self._by_peer[peer]  # nothing kept for a peer that holds nothing
-        else:
-            self._by_peer[peer] = held - nbytes
+        with self._lock:
+            held = self._by_peer.get(peer, 0)
+            if not 0 <= nbytes <= held:
+                raise ValueError(f"releasing {nbytes} bytes of {peer}, which holds {held}")
+            self._used -= nbytes
+            if held == nbytes:
+                del self._by_peer[peer]  # nothing kept for a peer that holds nothing
+            else:
+                self._by_peer[peer] = held - nbytes
 
     @property
     def used(self) -> int:
@@ -163,3 +172,65 @@ class InFlight:
     def peers(self) -> int:
         with self._cond:
             return len(self._count)
+
+
+class Slots:
+    """A semaphore shared by the host's trio thread, lanes' threads and callers' threads:
+    ``acquire_async`` in trio, ``acquire`` in a thread, ``release`` from any thread.
+
+    The inbox's slots bound frames waiting for ``recv`` from streams (read in trio) and lanes
+    (read in threads) alike; a plain trio.Semaphore would cost a lane's thread a hop into trio
+    per frame, and every ``recv`` one back.
+    """
+
+    def __init__(self, value: int) -> None:
+        if value < 1:
+            raise ConfigError(f"value must be >= 1, got {value}")
+        self._cond = threading.Condition()
+        self._value = value
+        self._trio_waiters: list[tuple[Any, Any]] = []  # (trio token, trio.Event)
+
+    @property
+    def value(self) -> int:
+        with self._cond:
+            return self._value
+
+    def try_acquire(self) -> bool:
+        with self._cond:
+            if self._value > 0:
+                self._value -= 1
+                return True
+            return False
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Block this (non-trio) thread for a slot; False if none within ``timeout``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._value > 0, timeout):
+                return False
+            self._value -= 1
+            return True
+
+    async def acquire_async(self) -> None:
+        """Wait in trio for a slot (cancellable: a cancelled wait takes none)."""
+        while not self.try_acquire():
+            event = trio.Event()
+            waiter = (trio.lowlevel.current_trio_token(), event)
+            with self._cond:
+                if self._value > 0:
+                    continue
+                self._trio_waiters.append(waiter)
+            try:
+                await event.wait()
+            finally:
+                with self._cond:
+                    if waiter in self._trio_waiters:
+                        self._trio_waiters.remove(waiter)
+
+    def release(self) -> None:
+        with self._cond:
+            self._value += 1
+            self._cond.notify()
+            waiters, self._trio_waiters = self._trio_waiters, []
+        for token, event in waiters:  # each tries again; those that lose wait again
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(event.set)

@@ -8,19 +8,16 @@ encryption/muxing in the trio thread then only share the GIL, never an event loo
 node's ``PeerHost`` it attaches ``TENSOR_PROTOCOL`` to it and starts nothing of its own
 (closing it detaches and leaves the host running); given none, it makes and owns a host.
 
-A frame to a peer goes over a lane (lane/: a TCP connection of its own, sealed under a key
-agreed inside the Noise session, ~3-5x cheaper per frame than yamux and noise in Python) when
-the peer offers one and its port can be reached, else over a libp2p tensor stream. Either way
-the receiver applies the same admission, limits and checks (inbound.py).
-
-Per peer there is one outbound lane or stream (frames are written whole, one at a time) and
-at most ``max_streams_per_peer`` inbound ones. Backpressure both ways: a caller blocks in ``send``
-once ``max_in_flight`` frames to a peer are unfinished, and a reader stops reading a peer's
-stream once ``max_in_flight`` of its frames wait in the inbox (the window then fills and the
-sender blocks). A malformed or stalled frame resets only its stream and is counted against
-the peer; the node keeps serving everyone else. What an inbound stream may cost, and who may
-open one (``admit``), is inbound.py's; the per-peer state of a peer that disconnects is
-dropped (its counters stay readable among the last ``_GONE_PEERS_KEPT`` gone peers').
+A frame goes over a lane (lane/: a TCP connection of its own, sealed under a key agreed in
+the Noise session; the caller's thread writes it, the receiver reads it in a thread of the
+lane's) when the peer offers one and its port can be reached, else over a libp2p tensor
+stream through the trio thread. Either way the receiver applies the same admission, limits
+and checks (inbound.py). Per peer: one outbound lane or stream (frames written whole, one at
+a time), at most ``max_streams_per_peer`` inbound. Backpressure both ways: a caller blocks at
+``max_in_flight`` unfinished frames (or a full socket buffer), a reader stops once
+``max_in_flight`` of a peer's frames wait in the inbox. A malformed or stalled frame ends
+only its stream, counted against the peer. The state of a peer that disconnects is dropped
+(its counters stay readable among the last ``_GONE_PEERS_KEPT`` gone peers').
 """
 
 import contextlib
@@ -48,6 +45,7 @@ from fusionllm.node.p2p.departures import Departures
 from fusionllm.node.p2p.framing import FrameHeader, encode_head
 from fusionllm.node.p2p.host import TENSOR_PROTOCOL
 from fusionllm.node.p2p.inbound import Inbound
+from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.service import Lanes
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.limits import InFlight, Refusals
@@ -79,11 +77,8 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-# Bytes per stream.write: the most one yamux DATA frame carries that still fits one Noise
-# message. yamux alone cuts writes into 64 KiB frames (12-byte header + 65524), one more than
-# Noise's 65519-byte plaintext limit, so every frame became a full Noise message plus a
-# 17-byte one: twice the encrypt/decrypt calls, syscalls and reads. Written in pieces of this
-# size, each yamux frame is exactly one Noise message.
+# Bytes per stream.write: the most one yamux DATA frame carries inside one Noise message (yamux
+# alone cuts 64 KiB frames, one byte over Noise's plaintext limit: twice the messages).
 _WRITE_CHUNK_BYTES = min(_YAMUX_MAX_FRAME_BYTES, _NOISE_MAX_PLAINTEXT) - _YAMUX_HEADER_BYTES
 
 # Counters of peers that disconnected stay readable (stats) until this many more have gone.
@@ -137,6 +132,7 @@ class Transport:
         self._inbound: Inbound | None = None
         self._lanes = Lanes(config, host)
         self._deliver: Deliver | None = None
+        self._lane_senders = LaneSenders(self._counters)
 
     @property
     def addrs(self) -> list[str]:
@@ -201,6 +197,9 @@ class Transport:
         head = encode_head(header, len(body))
         parse_peer_id(peer)
         self._require_running()
+        written = self._lane_senders.try_write(peer, (head, body), timeout)
+        if written is not None:
+            return written
         started = time.monotonic()
         if not self._in_flight.acquire(peer, timeout):
             raise DeadlineError(
@@ -244,10 +243,8 @@ class Transport:
 
     def recv(self, *, timeout: float | None = None) -> Received:
         """The next received frame from any peer; DeadlineError if none within ``timeout``."""
-        item = take_from_inbox(self._inbox, timeout)
-        received, release = item
-        with contextlib.suppress(TransportClosedError):  # a closed host needs no release
-            self.host.run_sync_soon(release)
+        received, release = take_from_inbox(self._inbox, timeout)
+        release()  # thread-safe slots (limits.Slots): no hop into the host's thread
         return received
 
     def deliver_to(self, deliver: Deliver | None) -> None:
@@ -334,10 +331,12 @@ class Transport:
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
             self._lanes.stop()
+            self._inbound.stop()
             network.remove_notifee(departures)
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
             # Our outbound streams would otherwise stay open on a host that lives on.
+            self._lane_senders.clear()
             for out in self._outbound.values():
                 stream, out.stream = out.stream, None
                 await reset_quietly(stream)
@@ -367,7 +366,7 @@ class Transport:
         error: BaseException | None = None
         try:
             with trio.fail_after(timeout):
-                await self._write_frame(peer, head, body)
+                await self._write_frame(peer, head, body, timeout)
         except trio.TooSlowError:
             error = DeadlineError(f"sending {len(body)} bytes to {peer} took over {timeout}s")
         except FusionError as exc:
@@ -390,12 +389,17 @@ class Transport:
         else:
             future.set_exception(error)
 
-    async def _write_frame(self, peer: str, head: bytes, body: bytes) -> None:
+    async def _write_frame(self, peer: str, head: bytes, body: bytes, timeout: float) -> None:
         out = self._outbound.setdefault(peer, _Outbound())
         async with out.lock:
+            if isinstance(out.stream, LaneWriter) and out.stream.broken:
+                self._drop_lane(peer, out)  # a caller's inline write failed on it
             reused = out.stream is not None
             if out.stream is None:
                 await self._open_outbound(peer, out)
+            if isinstance(out.stream, LaneWriter):
+                await self._write_lane(peer, out, (head, body), timeout)
+                return
             try:
                 await self._write_or_drop(out, head)
             except NETWORK_ERRORS:
@@ -407,9 +411,6 @@ class Transport:
                 await self._open_outbound(peer, out)
                 await self._write_or_drop(out, head)
             view = memoryview(body)
-            if isinstance(out.stream, LaneWriter):
-                await self._write_or_drop(out, view)  # the lane seals it in chunks
-                return
             for start in range(0, len(view), _WRITE_CHUNK_BYTES):
                 await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
 
@@ -418,6 +419,7 @@ class Transport:
         lane = await self._lanes.dial(self.host.libp2p, peer)
         if lane is not None:
             out.stream = lane
+            self._lane_senders.add(peer, lane)  # from now on callers write to it themselves
             self._nursery.start_soon(self._watch_outbound, peer, out, lane)
             return
         dial_s = self.config.dial_timeout_s
@@ -448,6 +450,8 @@ class Transport:
         self._counters.stream_ended(peer)
         if out.stream is stream:
             out.stream = None
+        if isinstance(stream, LaneWriter):
+            self._lane_senders.drop(peer, stream)
         await reset_quietly(stream)
         if out.stream is None and not out.lock.locked() and self._outbound.get(peer) is out:
             del self._outbound[peer]  # the next send opens a new stream anyway
@@ -461,6 +465,26 @@ class Transport:
             self._inbound.forget(peer)
         self._lanes.forget(peer)
         self._counters.retire(peer)
+
+    async def _write_lane(
+        self, peer: str, out: _Outbound, parts: tuple[bytes, bytes], timeout: float
+    ) -> None:
+        """A frame the caller could not write itself (the lane was busy, or new): written by a
+        worker thread, so the event loop never blocks on the socket."""
+        lane = out.stream
+        assert isinstance(lane, LaneWriter)
+        try:
+            await trio.to_thread.run_sync(lane.write_frame, parts, timeout, abandon_on_cancel=True)
+        except BaseException:
+            if lane.broken:
+                self._drop_lane(peer, out)
+            raise
+
+    def _drop_lane(self, peer: str, out: _Outbound) -> None:
+        """Forget a broken lane (its watcher closes it): the next frame opens a new one."""
+        if isinstance(out.stream, LaneWriter):
+            self._lane_senders.drop(peer, out.stream)
+        out.stream = None
 
     @staticmethod
     async def _write_or_drop(out: _Outbound, data: bytes | memoryview) -> None:

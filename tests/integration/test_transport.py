@@ -265,6 +265,8 @@ def test_receiver_stops_reading_when_its_inbox_slots_are_full(tmp_path):
             header = FrameHeader(step=step, micro_batch=0, kind="gradient", stage=1)
             sender.send(receiver.peer_id, header, pack_tensor(torch.full((8,), step)), timeout=5)
         time.sleep(0.3)  # give the receiver time to (wrongly) read more than its slots
+        # Counted means handed over; a lane's reader may hold one more, decoded, until a slot
+        # frees (lane/serve.py), a stream's reader none.
         assert receiver.stats()[sender.peer_id].frames_in == 2
         steps = [receiver.recv(timeout=5).header.step for _ in range(4)]
         assert steps == [0, 1, 2, 3]

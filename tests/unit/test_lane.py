@@ -2,13 +2,14 @@
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import trio
 
 from fusionllm.common.errors import FrameError
-from fusionllm.node.errors import TransportError
-from fusionllm.node.p2p.framing import read_exactly
+from fusionllm.node.errors import DeadlineError, TransportError
+from fusionllm.node.p2p.blocking_framing import read_exactly_blocking
 from fusionllm.node.p2p.lane.offer import LANE_VERSION, OFFER_BYTES, TOKEN_BYTES, Offer, Tickets
 from fusionllm.node.p2p.lane.seal import (
     LANE_KEY_BYTES,
@@ -20,7 +21,7 @@ from fusionllm.node.p2p.lane.seal import (
     chunk_length,
 )
 from fusionllm.node.p2p.lane.service import RetryAfter
-from fusionllm.node.p2p.lane.stream import LaneReader, LaneWriter
+from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
 
 KEY = bytes(range(LANE_KEY_BYTES))
 
@@ -160,74 +161,83 @@ def test_tickets_are_bounded_per_peer_and_in_total_until_they_expire():
 # ----- stream.py: both ends over a socket pair -------------------------------------------------
 
 
-def lane_pair(key: bytes = KEY) -> tuple[LaneWriter, LaneReader, trio.socket.SocketType]:
+def lane_pair(key: bytes = KEY) -> tuple[LaneWriter, BlockingLaneReader, socket.socket]:
+    """(the writer over one end, the reader over the other, the writer's raw socket)."""
     left, right = socket.socketpair()
-    writer_sock = trio.socket.from_stdlib_socket(left)
-    reader_sock = trio.socket.from_stdlib_socket(right)
-    return LaneWriter(writer_sock, key), LaneReader(reader_sock, key), writer_sock
+    writer = LaneWriter(trio.socket.from_stdlib_socket(left), key)
+    return writer, BlockingLaneReader(right, key), left
 
 
 @pytest.mark.parametrize("warm_buffer", [False, True])
 def test_frames_cross_a_lane_whole_at_any_size(warm_buffer):
     sizes = [1, 100, MAX_CHUNK_BYTES - 1, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1, 3 * MAX_CHUNK_BYTES]
     frames = [os.urandom(size) for size in sizes]
-
-    async def main() -> list[bytes]:
-        writer, reader, _ = lane_pair()
+    writer, reader, _ = lane_pair()
+    # A thread writes while this one reads: the socket pair's buffer holds less than a frame.
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(
+            lambda: [writer.write_frame((frame[:7], frame[7:]), 5) for frame in frames]
+        )
         got = []
-        async with trio.open_nursery() as nursery:
-
-            async def write_all() -> None:
-                for frame in frames:
-                    await writer.write(frame)
-
-            nursery.start_soon(write_all)
-            for frame in frames:
-                scratch = bytearray(len(frame)) if warm_buffer else None
-                body = await read_exactly(reader, len(frame), stall_timeout_s=5, into=scratch)
-                got.append(bytes(body))
-        await writer.close()
-        assert await reader.read(1) == b""  # a clean end between chunks
-        return got
-
-    assert trio.run(main) == frames
+        for frame in frames:
+            scratch = bytearray(len(frame)) if warm_buffer else None
+            body = read_exactly_blocking(reader, len(frame), stall_timeout_s=5, into=scratch)
+            got.append(bytes(body))
+        sent.result(timeout=5)
+    assert got == frames
+    trio.run(writer.close)
+    reader.set_timeout(5)
+    assert reader.read(1) == b""  # a clean end between chunks
 
 
 def test_a_lane_that_ends_inside_a_chunk_is_a_frame_error():
-    async def main() -> None:
-        _, reader, sock = lane_pair()
-        (chunk,) = sealed_chunks(KEY, b"z" * 1000)
-        await sock.send(chunk[:500])
-        sock.close()
-        with pytest.raises(FrameError, match="ended after"):
-            await reader.read(1000)
-
-    trio.run(main)
+    _, reader, sock = lane_pair()
+    (chunk,) = sealed_chunks(KEY, b"z" * 1000)
+    sock.sendall(chunk[:500])
+    sock.shutdown(socket.SHUT_WR)
+    reader.set_timeout(5)
+    with pytest.raises(FrameError, match="ended after"):
+        reader.read(1000)
 
 
 def test_a_lane_from_someone_without_the_key_is_a_frame_error():
-    async def main() -> None:
-        left, right = socket.socketpair()
-        writer = LaneWriter(trio.socket.from_stdlib_socket(left), os.urandom(LANE_KEY_BYTES))
-        reader = LaneReader(trio.socket.from_stdlib_socket(right), KEY)
-        await writer.write(b"hello")
-        with pytest.raises(FrameError, match="authentication"):
-            await reader.read(5)
-
-    trio.run(main)
+    left, right = socket.socketpair()
+    writer = LaneWriter(trio.socket.from_stdlib_socket(left), os.urandom(LANE_KEY_BYTES))
+    reader = BlockingLaneReader(right, KEY)
+    writer.write_frame((b"hello",), 5)
+    reader.set_timeout(5)
+    with pytest.raises(FrameError, match="authentication"):
+        reader.read(5)
 
 
-def test_a_read_cancelled_inside_a_chunk_leaves_the_lane_unusable():
-    async def main() -> None:
-        _, reader, sock = lane_pair()
-        (chunk,) = sealed_chunks(KEY, b"w" * 1000)
-        await sock.send(chunk[: LENGTH_BYTES + 10])
-        with trio.move_on_after(0.2):
-            await reader.read(1000)
-        with pytest.raises(TransportError, match="interrupted"):
-            await reader.read(1000)
+def test_a_read_timed_out_inside_a_chunk_leaves_the_lane_unusable():
+    _, reader, sock = lane_pair()
+    (chunk,) = sealed_chunks(KEY, b"w" * 1000)
+    sock.sendall(chunk[: LENGTH_BYTES + 10])
+    reader.set_timeout(0.2)
+    with pytest.raises(TimeoutError):
+        reader.read(1000)
+    with pytest.raises(TransportError, match="interrupted"):
+        reader.read(1000)
 
-    trio.run(main)
+
+def test_a_write_that_times_out_breaks_the_lane_and_later_writes_fail_typed():
+    writer, _reader, _ = lane_pair()  # nobody reads (kept open): the buffer fills
+    with pytest.raises(DeadlineError):
+        writer.write_frame((bytes(8 << 20),), 0.3)
+    assert writer.broken
+    with pytest.raises(TransportError, match="broken"):
+        writer.write_frame((b"x",), 1)
+
+
+def test_a_busy_lane_makes_a_second_writer_wait_its_turn_not_interleave():
+    writer, reader, _ = lane_pair()
+    assert writer.lock.acquire(blocking=False)
+    with pytest.raises(DeadlineError, match="busy"):
+        writer.write_frame((b"x",), 0.1)
+    writer.lock.release()
+    writer.write_frame((b"y" * 10,), 5)
+    assert bytes(read_exactly_blocking(reader, 10, stall_timeout_s=5)) == b"y" * 10
 
 
 # ----- service.py: when to try a lane again ----------------------------------------------------

@@ -16,7 +16,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.checks import address_family
 from fusionllm.node.p2p.lane.offer import ACCEPTED, TOKEN_BYTES, Offer, Tickets
-from fusionllm.node.p2p.lane.stream import LaneReader, recv_exactly, send_all, tune
+from fusionllm.node.p2p.lane.stream import recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
 
 logger = get_logger(__name__)
@@ -30,7 +30,8 @@ LANE_NO_TICKET = "lane_tickets_exhausted"
 LANE_BAD_TOKEN = "lane_bad_token"
 LANE_CROWDED = "lane_too_many_unredeemed"
 
-ServeLane = Callable[[str, LaneReader], Awaitable[None]]
+# Serves a redeemed lane: (the ticket's peer, the connection, the lane's key).
+ServeLane = Callable[[str, trio.socket.SocketType, bytes], Awaitable[None]]
 Refuse = Callable[[str, str], None]
 
 
@@ -125,7 +126,7 @@ class LaneListener:
             conn.close()
             return
         peer, key = redeemed
-        await self._serve(peer, LaneReader(conn, key))
+        await self._serve(peer, conn, key)
 
     async def _take_token(self, conn: trio.socket.SocketType) -> tuple[str, bytes] | None:
         """The ticket's (peer, key) once the connection showed a live token and was told so."""
