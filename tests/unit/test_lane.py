@@ -2,6 +2,8 @@
 
 import os
 import socket
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -219,6 +221,30 @@ def test_a_read_timed_out_inside_a_chunk_leaves_the_lane_unusable():
         reader.read(1000)
     with pytest.raises(TransportError, match="interrupted"):
         reader.read(1000)
+
+
+def test_a_chunk_trickled_a_byte_at_a_time_is_cut_off_at_one_deadline():
+    _, reader, sock = lane_pair()
+    (chunk,) = sealed_chunks(KEY, b"t" * 1000)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in chunk:
+            if stop.wait(0.02):
+                return
+            sock.sendall(bytes([byte]))
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    reader.set_timeout(0.3)  # each byte comes well within it; the chunk does not
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            reader.read(1000)
+        assert time.monotonic() - started < 1.0
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_write_that_times_out_breaks_the_lane_and_later_writes_fail_typed():

@@ -189,17 +189,20 @@ class BlockingLaneReader:
     """The receiving end, in a thread of the lane's own (lane/serve.py), as a
     ``blocking_framing.BlockingReader``: ``read(n)`` gives 1..n plaintext bytes, or b"" where
     the sender closed the lane between chunks; ``read_into`` decrypts a chunk that fits
-    straight into the caller's buffer. Each waits at most the timeout last set for bytes
-    (TimeoutError). A chunk that fails to open, or a lane that ends inside a chunk, is a
-    FrameError; a timeout inside a chunk leaves the lane unusable (TransportError on the next
-    read), since its place in the byte stream is lost."""
+    straight into the caller's buffer. A read that needs a chunk gets it whole within the
+    timeout last set, or raises TimeoutError: the deadline is per chunk, not per byte, so a
+    peer trickling a byte at a time cannot hold the lane for a timeout per byte. A chunk that
+    fails to open, or a lane that ends inside a chunk, is a FrameError; a timeout inside a
+    chunk leaves the lane unusable (TransportError on the next read), since its place in the
+    byte stream is lost."""
 
     def __init__(self, sock: socket.socket, key: bytes) -> None:
         self._sock = sock
         self._chunks = _Chunks(key)
+        self._timeout: float | None = None
 
     def set_timeout(self, timeout: float | None) -> None:
-        self._sock.settimeout(timeout)
+        self._timeout = timeout
 
     def close(self) -> None:
         self._sock.close()
@@ -223,17 +226,27 @@ class BlockingLaneReader:
     def _receive_chunk(self) -> memoryview | None:
         chunks = self._chunks
         chunks.begin()
-        if not chunks.check_prefix(recv_exactly_blocking(self._sock, memoryview(chunks.prefix))):
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        prefix = memoryview(chunks.prefix)
+        if not chunks.check_prefix(recv_exactly_blocking(self._sock, prefix, deadline)):
             return None
         sealed = chunks.sealed_view()
-        chunks.check_sealed(recv_exactly_blocking(self._sock, sealed), sealed)
+        chunks.check_sealed(recv_exactly_blocking(self._sock, sealed, deadline), sealed)
         return sealed
 
 
-def recv_exactly_blocking(sock: socket.socket, into: memoryview) -> int:
-    """``recv_exactly`` on a blocking socket (its timeout applies to each wait for bytes)."""
+def recv_exactly_blocking(sock: socket.socket, into: memoryview, deadline: float | None) -> int:
+    """``recv_exactly`` on a blocking socket, all of it by ``deadline`` (monotonic; None:
+    no limit) or TimeoutError."""
     got = 0
     while got < len(into):
+        if deadline is None:
+            sock.settimeout(None)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {len(into)} bytes by the deadline")
+            sock.settimeout(left)
         count = sock.recv_into(into[got:], 0, socket.MSG_WAITALL)
         if count == 0:
             break
