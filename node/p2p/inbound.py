@@ -156,13 +156,12 @@ class Inbound:
         """In the lane's thread: its frames until it ends; one peer's lane failing costs only it."""
         try:
             LaneFrames(self, peer, reader).serve()
-        except TransportClosedError:
-            logger.debug("a lane from %s ended with the transport", peer)
         except (PeerError, OSError) as exc:
-            self._counters.error(peer, exc)
-            logger.debug("closing a lane from %s", peer, exc_info=True)
-        except (trio.RunFinishedError, trio.Cancelled):
-            logger.debug("a lane from %s ended with the transport", peer)
+            if self._stopping.is_set():  # our own shutdown cut it: not the peer's fault
+                logger.debug("a lane from %s ended with the transport", peer)
+            else:
+                self._counters.error(peer, exc)
+                logger.debug("closing a lane from %s", peer, exc_info=True)
         except Exception as exc:
             self._counters.error(peer, exc)
             logger.warning("unexpected error on a lane from %s", peer, exc_info=True)

@@ -328,10 +328,10 @@ class Transport:
                     yield
                 finally:
                     self._nursery = None
+                    self._inbound.stop()  # before the lanes' sockets are shut
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
             self._lanes.stop()
-            self._inbound.stop()
             network.remove_notifee(departures)
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
