@@ -14,7 +14,7 @@ lane's) when the peer offers one and its port can be reached, else over a libp2p
 stream through the trio thread. Either way the receiver applies the same admission, limits
 and checks (inbound.py). Per peer: one outbound lane or stream (frames written whole, one at
 a time), at most ``max_streams_per_peer`` inbound. Backpressure both ways: a caller blocks at
-``max_in_flight`` unfinished frames (or a full socket buffer), a reader stops once
+``max_in_flight`` unfinished frames, a reader stops once
 ``max_in_flight`` of a peer's frames wait in the inbox. A malformed or stalled frame ends
 only its stream, counted against the peer. The state of a peer that disconnects is dropped
 (its counters stay readable among the last ``_GONE_PEERS_KEPT`` gone peers').

@@ -8,10 +8,13 @@ is set up: the writer reads only to notice the end.
 """
 
 import contextlib
+import itertools
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import trio
 
@@ -47,6 +50,17 @@ async def recv_exactly(sock: trio.socket.SocketType, into: memoryview) -> int:
 
 # A send is never given less than this to finish (a zero timeout would mean "don't block").
 _MIN_WAIT_S = 0.001
+
+
+def _send_now(sock: socket.socket, data: memoryview) -> int:
+    """What a non-blocking socket takes of ``data`` now (0 when its buffer is full)."""
+    sent = 0
+    while sent < len(data):
+        try:
+            sent += sock.send(data[sent:])
+        except BlockingIOError:
+            break
+    return sent
 
 
 def tune(sock: trio.socket.SocketType) -> None:
@@ -86,21 +100,49 @@ class LaneWriter:
         """``write_frame`` for a caller that holds ``lock``."""
         if self.broken:
             raise TransportError("the lane is broken")
+        self._finish(memoryview(b""), self._chunks(parts), deadline)
+
+    def start_locked(self, parts: tuple[bytes | memoryview, ...]) -> Callable[[float], None] | None:
+        """Send as much of a frame as the socket takes without waiting (caller holds ``lock``):
+        None when all of it went out, else a function that sends the rest by a deadline,
+        blocking; the lock must stay held until that has run."""
+        if self.broken:
+            raise TransportError("the lane is broken")
+        chunks = self._chunks(parts)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                for start in range(0, len(view), MAX_CHUNK_BYTES):
-                    sealed = self._sealer.seal(view[start : start + MAX_CHUNK_BYTES])
+            self._blocking.settimeout(0.0)  # a full socket raises BlockingIOError, never waits
+            for sealed in chunks:
+                sent = _send_now(self._blocking, sealed)
+                if sent < len(sealed):
+                    rest = sealed[sent:]  # the sealer's buffer: valid until the next chunk
+                    return lambda deadline: self._finish(rest, chunks, deadline)
+        except BaseException as exc:
+            self._fail(exc)
+        return None
+
+    def _chunks(self, parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), MAX_CHUNK_BYTES):
+                yield self._sealer.seal(view[start : start + MAX_CHUNK_BYTES])
+
+    def _finish(self, rest: memoryview, chunks: Iterator[memoryview], deadline: float) -> None:
+        try:
+            for sealed in itertools.chain((rest,), chunks):
+                if sealed:
                     self._blocking.settimeout(max(deadline - time.monotonic(), _MIN_WAIT_S))
                     self._blocking.sendall(sealed)
         except BaseException as exc:
-            self.broken = True  # a frame cut short: nothing more may follow on this lane
-            self._close_blocking()
-            if isinstance(exc, TimeoutError):
-                raise DeadlineError("the lane's peer did not take a frame in time") from exc
-            if isinstance(exc, OSError):
-                raise TransportError(f"writing to the lane failed: {exc}") from exc
-            raise
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        self.broken = True  # a frame cut short: nothing more may follow on this lane
+        self._close_blocking()
+        if isinstance(exc, TimeoutError):
+            raise DeadlineError("the lane's peer did not take a frame in time") from exc
+        if isinstance(exc, OSError):
+            raise TransportError(f"writing to the lane failed: {exc}") from exc
+        raise exc
 
     async def read(self, max_bytes: int) -> bytes:
         """Returns when the receiver ends the lane (b"", or an error); it never writes."""
