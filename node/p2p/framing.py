@@ -203,6 +203,18 @@ async def read_exactly(
     return sink.result()
 
 
+# A reader keeps its largest body buffer up to this size for the next frame.
+MAX_SCRATCH_BYTES = 128 << 20
+
+
+def keep_warm(body: bytearray | memoryview, scratch: bytearray) -> bytearray:
+    """The buffer to read the next body into: ``body`` if read_exactly grew a new one for this
+    frame (warm pages for the next, up to MAX_SCRATCH_BYTES), else the old ``scratch``."""
+    if isinstance(body, bytearray) and len(body) <= MAX_SCRATCH_BYTES:
+        return body
+    return scratch
+
+
 class ByteSink:
     """Where read_exactly puts bytes: a warm buffer's prefix, or a buffer grown by appending
     (bytearray grows geometrically with realloc, so the copies stay amortized O(n))."""

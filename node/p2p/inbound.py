@@ -32,7 +32,7 @@ from fusionllm.common.errors import FrameError, PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ParsedFrame, decode_frame, parse_frame
 from fusionllm.node.errors import TransportClosedError, TransportError
-from fusionllm.node.p2p.framing import FrameHeader, Reader, read_exactly, read_head
+from fusionllm.node.p2p.framing import FrameHeader, Reader, keep_warm, read_exactly, read_head
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.limits import ByteBudget, Refusals, Slots
@@ -49,9 +49,6 @@ from fusionllm.node.p2p.transport_types import (
 )
 
 logger = get_logger(__name__)
-
-# A stream keeps its largest body buffer up to this size for the next frame.
-_MAX_SCRATCH_BYTES = 128 << 20
 
 # Pause between short reads of a large body, to batch yamux window updates (framing.read_exactly).
 # 2 ms: ~400 KB per read at the ~200 MB/s py-libp2p manages here, ~5x fewer updates; 1 ms and
@@ -360,8 +357,7 @@ class Inbound:
                 batch_s=batch_s,
                 floor=self.config.rate_floor(),
             )
-            if isinstance(body, bytearray) and len(body) <= _MAX_SCRATCH_BYTES:
-                scratch = body  # grown for this frame: warm for the next one
+            scratch = keep_warm(body, scratch)
             # decode_frame copies each payload once into the new tensor and keeps no view of
             # the body, so the scratch buffer is free for the next frame once it returns.
             tensor = await self._decode(body, spec)

@@ -402,13 +402,7 @@ class Router:
                 continue
             except TransportClosedError:
                 return
-            header = item.header
-            if is_board_frame(header):
+            if is_board_frame(item.header):
                 self._board.put(item)
-                continue
-            with self._lock:
-                inbox = self._inbox
-            if inbox is None:
+            elif not self._deliver(item):
                 self.unrouted += 1  # a frame for a plan we no longer (or do not yet) serve
-            else:
-                inbox.deliver(item)

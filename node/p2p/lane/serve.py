@@ -17,14 +17,12 @@ import torch
 
 from fusionllm.compression import decode_frame
 from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
+from fusionllm.node.p2p.framing import keep_warm
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.transport_types import Received, TensorSpec
 
 if TYPE_CHECKING:
     from fusionllm.node.p2p.inbound import Inbound
-
-# A lane keeps its largest body buffer up to this size for the next frame (as a stream does).
-_MAX_SCRATCH_BYTES = 128 << 20
 
 
 class LaneFrames:
@@ -66,8 +64,7 @@ class LaneFrames:
                 into=scratch,
                 floor=inbound.config.rate_floor(),
             )
-            if isinstance(body, bytearray) and len(body) <= _MAX_SCRATCH_BYTES:
-                scratch = body  # grown for this frame: warm for the next one
+            scratch = keep_warm(body, scratch)
             parsed = inbound.parse(body, spec)
             large = parsed.decoded_bytes >= inbound.config.decode_in_thread_bytes
             if large:  # as many large tensors at once as the event loop allows itself

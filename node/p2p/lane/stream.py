@@ -92,15 +92,11 @@ class LaneWriter:
         if not self.lock.acquire(timeout=max(timeout, 0.0)):
             raise DeadlineError(f"the lane stayed busy for {timeout}s")
         try:
-            self.write_locked(parts, deadline)
+            if self.broken:
+                raise TransportError("the lane is broken")
+            self._finish(memoryview(b""), self._chunks(parts), deadline)
         finally:
             self.lock.release()
-
-    def write_locked(self, parts: tuple[bytes | memoryview, ...], deadline: float) -> None:
-        """``write_frame`` for a caller that holds ``lock``."""
-        if self.broken:
-            raise TransportError("the lane is broken")
-        self._finish(memoryview(b""), self._chunks(parts), deadline)
 
     def start_locked(self, parts: tuple[bytes | memoryview, ...]) -> Callable[[float], None] | None:
         """Send as much of a frame as the socket takes without waiting (caller holds ``lock``):
