@@ -19,6 +19,7 @@ NODE_INFO_VERSION = 1
 PLAN_PROPOSAL_VERSION = 1
 
 MAX_ADDRS = 8
+MAX_WIRE_BEAT = 64  # NodeInfo.beat on the wire; readers believe less (quiet.py)
 MAX_ADDR_CHARS = 256
 MAX_LINKS = 32
 MAX_NAME_CHARS = 128
@@ -238,6 +239,9 @@ class NodeInfo:
     adopted: tuple[int, str] | None  # (epoch, plan digest) of the plan it follows
     time: float  # wall clock when written
     training: TrainingProgress | None = None
+    # How many heartbeats this record may go unrefreshed: > 1 only in a quiet swarm
+    # (node/control/quiet.py); readers cap what they believe of it.
+    beat: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -263,13 +267,15 @@ class NodeInfo:
             "plan": list(self.adopted) if self.adopted is not None else None,
             "t": self.time,
             **({"train": self.training.to_wire()} if self.training is not None else {}),
+            **({"beat": self.beat} if self.beat != 1 else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", frozenset({"train"}))
+        optional = frozenset({"train", "beat"})
+        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
         except ValueError:
@@ -304,6 +310,7 @@ class NodeInfo:
             "adopted": adopted,
             "time": _float(w["t"], "time", 0.0, 1e11),
             "training": TrainingProgress.from_wire(w["train"]) if "train" in w else None,
+            "beat": _int(w["beat"], "beat", 1, MAX_WIRE_BEAT) if "beat" in w else 1,
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)

@@ -95,6 +95,13 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--epoch", type=float, default=10.0, help="plan epoch, s (%(default)s)")
     group.add_argument(
+        "--quiet-stride",
+        type=int,
+        default=8,
+        help="an idle swarm whose members and plan stay the same acts only every this many "
+        "epochs (a power of two; 1: every epoch); a change wakes it (default: %(default)s)",
+    )
+    group.add_argument(
         "--checkpoint-every",
         type=int,
         default=20,
@@ -164,6 +171,7 @@ def _node_config(args: argparse.Namespace):
         ttl_s=args.ttl,
         epoch_s=args.epoch,
         checkpoint_every=args.checkpoint_every,
+        quiet_max_stride=args.quiet_stride,
     )
     device = None
     if args.device_json:

@@ -25,6 +25,7 @@ from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import NodeInfo, NodeState, PlanProposal, RecordError
 from fusionllm.node.control.audit import Audit, AuditLimits, audit
+from fusionllm.node.control.quiet import MAX_BEAT
 
 
 def epoch_at(now: float, epoch_s: float) -> int:
@@ -45,14 +46,15 @@ def fresh_members(
 ) -> dict[str, NodeInfo]:
     """The records that count as members: our settings, not leaving, written within
     ``suspect_after_s`` (a node that missed several heartbeats is treated as gone before its
-    record expires), and not dated ahead of ``now`` by more than ``max_skew_s`` (such a
+    record expires; a quiet node's record says it beats less often, and is believed up to
+    quiet.MAX_BEAT times), and not dated ahead of ``now`` by more than ``max_skew_s`` (such a
     record would look fresh for as long as it lives)."""
     return {
         pid: info
         for pid, info in records.items()
         if info.config_digest == digest
         and info.state is not NodeState.LEAVING
-        and now - suspect_after_s <= info.time <= now + max_skew_s
+        and now - suspect_after_s * min(info.beat, MAX_BEAT) <= info.time <= now + max_skew_s
     }
 
 

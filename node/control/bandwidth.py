@@ -54,6 +54,9 @@ class BandwidthReport:
     swarm: str
     time: float
     links: tuple[LinkReport, ...]
+    # Its author woke from quiet because the swarm changed: the members should look too
+    # (node/control/quiet.py).
+    wake: bool = False
 
     def to_bytes(self) -> bytes:
         wire = {
@@ -61,6 +64,7 @@ class BandwidthReport:
             "swarm": self.swarm,
             "t": self.time,
             "links": [link.to_wire() for link in self.links],
+            **({"wake": True} if self.wake else {}),
         }
         return msgpack.packb(wire, use_bin_type=True)
 
@@ -75,8 +79,10 @@ class BandwidthReport:
             )  # fmt: skip
         except Exception as exc:  # msgpack raises assorted types
             raise RecordError(f"bandwidth report is not msgpack: {exc}") from exc
-        if not isinstance(wire, dict) or set(wire) != {"v", "swarm", "t", "links"}:
+        if not isinstance(wire, dict) or set(wire) - {"wake"} != {"v", "swarm", "t", "links"}:
             raise RecordError("bandwidth report has the wrong fields")
+        if wire.get("wake", True) is not True:
+            raise RecordError("bandwidth report wake must be true when present")
         if type(wire["v"]) is not int or wire["v"] != REPORT_VERSION:  # True == 1 == 1.0
             raise RecordError(f"bandwidth report version {peer_repr(wire['v'])} is not supported")
         swarm, when, links = wire["swarm"], wire["t"], wire["links"]
@@ -87,7 +93,10 @@ class BandwidthReport:
         if not isinstance(links, list):
             raise RecordError("bandwidth report links must be a list")
         return cls(
-            swarm=swarm, time=float(when), links=tuple(LinkReport.from_wire(x) for x in links)
+            swarm=swarm,
+            time=float(when),
+            links=tuple(LinkReport.from_wire(x) for x in links),
+            wake="wake" in wire,
         )
 
 

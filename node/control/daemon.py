@@ -17,6 +17,7 @@ JSON lines with ``--events`` (tests and benchmarks read those), and logs a summa
 """
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +69,7 @@ class NodeDaemon:
         self.progress: TrainingProgress | None = None  # what our trainer last reported
         self.links: LinkMonitor | None = None
         self.host: PeerHost | None = None  # the node's one py-libp2p host, from start()
+        self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
 
     # What the agreement decided (read by the trainer, the status command and our record).
 
@@ -127,6 +129,7 @@ class NodeDaemon:
             book=self.book,
             own_info=self._info,
             emit=self._emit_epoch,
+            tell_swarm=self._tell_swarm,
         )
         self.links = self._link_monitor()
         self._heartbeat()
@@ -192,6 +195,8 @@ class NodeDaemon:
             members=self._members_now,
             neighbours=self._plan_neighbours,
             stop=self._stop,
+            wake=lambda alert: self.agreement.quiet.wake(alert=alert),
+            suspect=lambda peer, written: self.agreement.quiet.suspect(peer, written),
         )
 
     def run(self, *, duration_s: float | None = None) -> None:
@@ -219,6 +224,7 @@ class NodeDaemon:
         with contextlib.suppress(FusionError):
             if self.directory is not None and self.control is not None:
                 self.directory.announce(self._info(), ttl_s=ttl_s)
+        self._tell_swarm(leaving=True)
         self._emit("left")
 
     def close(self) -> None:
@@ -236,7 +242,7 @@ class NodeDaemon:
 
     # ------------------------------------------------------------------ records and plans
 
-    def _info(self) -> NodeInfo:
+    def _info(self, beat: int = 1) -> NodeInfo:
         now = time.time()
         report = self.book.own_report(self.peer_id, self.settings.swarm, now=now)
         stage = None
@@ -260,6 +266,7 @@ class NodeDaemon:
             adopted=(self.adopted_epoch, self.adopted.digest) if self.adopted else None,
             time=now,
             training=self.progress,
+            beat=beat,
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -277,6 +284,11 @@ class NodeDaemon:
         # Its own thread: a slow epoch (DHT gets waiting on a dead peer) must not let our
         # record expire, or every other node would drop us and re-plan.
         while not self._stop.wait(self.settings.heartbeat_s):
+            # A quiet node's record promised fewer refreshes (quiet.py); one that woke
+            # refreshes at once, so that its record shows what it follows now.
+            due = self._beat_written + self.settings.heartbeat_s * (self._beat - 0.5)
+            if time.monotonic() < due and self.agreement.quiet.cadence.beat >= self._beat:
+                continue
             try:
                 self._timed("heartbeat", self._heartbeat)
             except (DhtError, RecordError) as exc:
@@ -285,10 +297,21 @@ class NodeDaemon:
                 logger.exception("heartbeat failed unexpectedly (will retry)")
 
     def _heartbeat(self) -> None:
-        if not self.directory.announce(self._info(), ttl_s=self.settings.ttl_s):
+        beat = self.agreement.quiet.cadence.beat if self.agreement is not None else 1
+        self._beat, self._beat_written = beat, time.monotonic()
+        if not self.directory.announce(self._info(beat), ttl_s=self.settings.ttl_s * beat):
             # hivemind reports the last replica's answer: one peer holding a newer (forged)
             # entry under our subkey says no even when the honest replicas stored ours.
             logger.info("a DHT replica did not store our record (or none is reachable)")
+
+    def _tell_swarm(self, *, leaving: bool = False) -> None:
+        """Gossip that we woke from quiet for a change (or leave): quiet members look at once
+        rather than at their next stride (quiet.py)."""
+        if self.control is None or (not leaving and self.settings.quiet_max_stride == 1):
+            return
+        report = self.book.own_report(self.peer_id, self.settings.swarm, now=time.time())
+        with contextlib.suppress(FusionError, ValueError):
+            self.control.publish(self.topic, dataclasses.replace(report, wake=True).to_bytes())
 
     def health(self) -> dict[str, int]:
         """What this node refused or lost so far: bad peers show up here, not as crashes."""

@@ -45,6 +45,7 @@ from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
+from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class PlanAgreement:
         clock: Callable[[], float] = time.time,
         limits: AuditLimits | None = None,
         backoff: BackoffConfig | None = None,
+        tell_swarm: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -94,6 +96,8 @@ class PlanAgreement:
         self._own_info, self._emit, self.clock = own_info, emit, clock
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
+        # Which epochs we act in; other threads wake us and suspect members through it.
+        self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
         self._read: tuple[int, dict[str, NodeInfo]] | None = None  # (epoch read in, records)
@@ -137,12 +141,24 @@ class PlanAgreement:
                     timed("adopt", self.adopt, at)
                 elif action == "propose":
                     proposed = at
-                    timed("propose", self.propose, at)
+                    if self._quiet_in(at):
+                        adopted_for = at
+                    else:
+                        timed("propose", self.propose, at)
             except errors as exc:
                 logger.warning("control plane step failed (will retry): %s", exc)
             now = self.clock()
             _, _, wake = self._next(proposed, adopted_for)
             stop.wait(max(0.01, min(wake, end) - now))
+
+    def _quiet_in(self, epoch: int) -> bool:
+        """Whether a quiet node sits ``epoch`` out: it goes on following its plan, reading
+        and storing nothing (quiet.py)."""
+        if not self.quiet.sits_out(epoch):
+            return False
+        if self.adopted is not None:
+            self.adopted_epoch = epoch
+        return True
 
     def _next(self, proposed: int, adopted_for: int) -> tuple[str | None, int, float]:
         s = self.settings
@@ -183,6 +199,7 @@ class PlanAgreement:
         if len(members) < len(everyone):
             logger.debug("%d records are stale, leaving or on other settings",
                          len(everyone) - len(members))  # fmt: skip
+        self.quiet.drop_suspects(members)
         members[self.peer_id] = self._own_info()
         # Members that finished the run leave: their last records tell a backup it is over.
         if any(
@@ -361,6 +378,7 @@ class PlanAgreement:
         best = choose(fresh) or choose(believed)
         if best is not None:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
+        self.quiet.observe(members, self.adopted.digest if self.adopted is not None else None)
 
     def _believed(
         self, epoch: int, members: Mapping[str, NodeInfo], proposals: list[PlanProposal]
@@ -468,5 +486,6 @@ class PlanAgreement:
             backup=backup,
             members=sorted(members),
             state=str(self.state),
+            stride=self.quiet.cadence.stride,
             **fields,
         )

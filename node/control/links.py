@@ -21,6 +21,7 @@ from fusionllm.node.control.bandwidth import (
     LinkSample,
     choose_probe_targets,
 )
+from fusionllm.node.control.quiet import ConnectionWatch
 from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
 
@@ -68,6 +69,8 @@ class LinkMonitor:
         members: Callable[[], dict[str, NodeInfo]],
         neighbours: Callable[[], list[str]],
         stop: threading.Event,
+        wake: Callable[[bool], None] = lambda alert: None,
+        suspect: Callable[[str, float], None] = lambda peer, written: None,
     ) -> None:
         self.control = control
         self.book = book
@@ -81,6 +84,9 @@ class LinkMonitor:
         self._members = members
         self._neighbours = neighbours
         self._stop = stop
+        self._wake = wake  # quiet.py: a member woke for a change (False), or a hint (True)
+        self._suspect = suspect  # a quiet member that vanished: (peer, its record's time)
+        self._connections = ConnectionWatch()
         self._rng = random.Random()
         self._lock = threading.Lock()
         self._probes_failed = 0
@@ -105,6 +111,8 @@ class LinkMonitor:
                 continue  # the validator let it through, so this cannot happen; be safe anyway
             # Members again: the validator ran at arrival, membership may have changed since.
             members = self._members()
+            if report.wake and message.author in members:
+                self._wake(False)
             self.book.record_report(message.author, report, now=time.time(), members=members)
 
     def probe_loop(self) -> None:
@@ -133,9 +141,43 @@ class LinkMonitor:
         while (left := deadline - time.monotonic()) > 0:
             if self._stop.wait(min(left, self.MEMBER_CHECK_S)):
                 return True
-            if frozenset(self._members()) != members:
+            current = self._members()
+            if frozenset(current) != members:
                 return False
+            try:
+                connected = self.control.connected_peers()
+            except TransportClosedError:
+                return True  # the daemon closes the control host on its way out
+            self._heed(*self._connections.hint(connected, current), current)
         return self._stop.is_set()
+
+    def _heed(
+        self, strangers: frozenset[str], lost: frozenset[str], members: dict[str, NodeInfo]
+    ) -> None:
+        """Hints of a change (quiet.py): wake the epochs; a quiet member whose connection
+        dropped and who does not take a new one is suspected now, not after the long silence
+        its record promised."""
+        if not strangers and not lost:
+            return
+        logger.debug("hints of a change: %d new stranger(s), %d member(s) lost",
+                     len(strangers), len(lost))  # fmt: skip
+        self._wake(True)
+        for peer in sorted(lost):
+            info = members[peer]
+            if info.beat > 1 and not self._reachable(info):
+                logger.info("quiet member %s... is unreachable: suspected", peer[:16])
+                self._suspect(peer, info.time)
+
+    def _reachable(self, info: NodeInfo) -> bool:
+        for addr in info.addrs[:2]:
+            try:
+                self.control.connect(addr)
+                return True
+            except TransportClosedError:
+                return True  # we are the one going away: suspect nobody
+            except (TransportError, FusionError) as exc:
+                logger.debug("could not reconnect to %s at %s: %s", info.peer_id[:16], addr, exc)
+        return False
 
     def _probe_round(self, members: dict[str, NodeInfo]) -> None:
         priority = self._neighbours()

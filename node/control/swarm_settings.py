@@ -12,6 +12,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.run_spec import MODELS, RunSpec
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dht.keys import check_swarm_name
+from fusionllm.node.control.quiet import check_stride
 
 __all__ = ["MODELS", "SwarmSettings"]
 
@@ -32,6 +33,9 @@ class SwarmSettings:
     # Every stage must checkpoint the same steps, or a crash finds no step that every stage
     # saved: part of the digest. 20 steps: see DEFAULT_CHECKPOINT_EVERY in training/trainer.py.
     checkpoint_every: int = 20
+    # An idle, stable swarm acts only every this many epochs, and refreshes its records less
+    # often (node/control/quiet.py); 1: act every epoch always.
+    quiet_max_stride: int = 8
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
@@ -59,6 +63,7 @@ class SwarmSettings:
             raise ConfigError(
                 f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
             )
+        check_stride(self.quiet_max_stride)
         if not 0 <= self.switch_margin < 1:
             raise ConfigError(f"switch_margin must be in [0, 1), got {self.switch_margin}")
 

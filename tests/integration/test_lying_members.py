@@ -57,7 +57,11 @@ def _agreed(nodes: list[NodeProcess], since: float = 0.0) -> dict | None:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("lying")
-    local = LocalSwarm(root, extra={"max-replicas": 1, "max-stages": 2, "no-train": True})
+    # Never quiet (node/control/quiet.py): the attacks propose for epochs ahead, and the
+    # tests count every node's refusal of them; a quiet node would sit those epochs out.
+    local = LocalSwarm(
+        root, extra={"max-replicas": 1, "max-stages": 2, "no-train": True, "quiet-stride": 1}
+    )
     try:
         first = local.start("n0")
         wait_for(lambda: first.last("ready"), 120, "the first node")

@@ -5,6 +5,7 @@ No processes and no sleeps: ``FakeDirectory`` holds records and proposals in mem
 """
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -25,6 +26,8 @@ from fusionllm.node.control.swarm_settings import SwarmSettings
 SETTINGS = SwarmSettings(swarm="demo", heartbeat_s=1.0, ttl_s=5.0, epoch_s=2.0, max_replicas=1)
 GRAPH = gpt2_costs("small", batch=1, seq=64)
 NODE_IDS = tuple(n.node_id for n in GRAPH.nodes)
+# Never quiet (quiet.py): the loop's tests count epochs.
+LOUD = dataclasses.replace(SETTINGS, quiet_max_stride=1)
 T0 = 1_700_000_000.0  # an epoch start (epoch_s 2)
 GIB = 1 << 30
 
@@ -159,7 +162,7 @@ def test_next_step_schedule():
 
 def test_the_loop_proposes_then_adopts_every_epoch():
     clock = FakeClock(T0 + 0.1)
-    directory, (node,) = swarm_of(1, clock)
+    directory, (node,) = swarm_of(1, clock, settings=LOUD)
     stop = FakeStop(clock)
     node.agreement.run(stop, end=T0 + 8.05)
     e = epoch_at(T0, 2.0)
@@ -553,3 +556,72 @@ def test_a_newcomers_first_measured_link_is_planned_for_at_once():
     book.record("peer0", "new", LinkSample(1e8, 1e-3, clock.now), now=clock.now)
     nodes[0].agreement.propose(e + 6)
     assert len(calls) == 4, "the newcomer's first measured link was not planned for"
+
+
+def test_an_idle_stable_node_goes_quiet_and_a_wake_brings_it_back():
+    clock = FakeClock(T0 + 0.1)
+    directory, (node,) = swarm_of(1, clock)
+    told = []
+    node.agreement.quiet._tell_swarm = lambda: told.append(clock.now)
+    stop = FakeStop(clock)
+    node.agreement.run(stop, end=T0 + 80.05)
+    e = epoch_at(T0, 2.0)
+    acted = sorted(directory.plans)
+    assert acted[:3] == [e, e + 1, e + 2]  # the view must hold a few epochs first
+    gaps = [b - a for a, b in itertools.pairwise(acted)]
+    assert gaps[-2:] == [8, 8]
+    assert gaps == sorted(gaps)
+    assert all(epoch % 8 == 0 for epoch in acted[-3:])  # in the same epochs as every node
+    assert len(acted) < 12  # of 41 epochs
+    # It kept following its plan in the epochs it sat out: its record says so (e + 40 was
+    # proposed in; its adopt time lies after the end).
+    assert node.agreement.adopted_epoch == e + 39
+    assert node.agreement.quiet.cadence.beat == 4
+    assert told == []  # nothing changed
+    # A member told us it woke: we act in the very next epoch (e + 40 is not one of the
+    # stride's), and finding nothing changed, go quiet again from there.
+    del directory.plans[e + 40]
+    node.agreement.quiet.wake(alert=False)
+    node.agreement.run(FakeStop(clock), end=T0 + 84.05)
+    assert sorted(directory.plans)[-2:] == [e + 40, e + 42]
+    assert node.agreement.quiet.cadence.stride == 2
+
+
+def test_a_newcomer_wakes_a_quiet_swarm_and_is_planned_in():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock)
+    e = epoch_at(T0, 2.0)
+    for k in range(6):
+        epoch_round(nodes, e + k)
+    assert all(n.agreement.quiet.cadence.stride == 8 for n in nodes)
+    told = []
+    nodes[0].agreement.quiet._tell_swarm = lambda: told.append(nodes[0].peer)
+    newcomer = Node("peer9", directory, clock)
+    newcomer.heartbeat()
+    # A hint (it connected to probe us) wakes peer0: the next epoch shows the newcomer.
+    nodes[0].agreement.quiet.wake(alert=True)
+    assert not nodes[0].agreement._quiet_in(e + 9)
+    assert nodes[1].agreement._quiet_in(e + 9)  # not told yet: it sits the epoch out
+    epoch_round([nodes[0], newcomer], e + 9)
+    assert told == ["peer0"]  # it saw the change: the swarm hears of it (gossip, links.py)
+    nodes[1].agreement.quiet.wake(alert=False)
+    epoch_round([*nodes, newcomer], e + 10)
+    assert all(n.agreement.quiet.cadence.stride == 1 for n in (*nodes, newcomer))
+    assert {len(ev["members"]) for ev in nodes[1].events[-1:]} == {3}
+
+
+def test_a_suspected_quiet_member_is_out_until_it_writes_again():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(3, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    watcher, gone = nodes[0].agreement, nodes[2]
+    written = directory.records[gone.peer].time
+    watcher.quiet.suspect(gone.peer, written)  # its connection dropped, no reconnect
+    assert gone.peer not in watcher.snapshot()
+    assert gone.peer not in watcher.snapshot()  # until it writes again ...
+    clock.now += 0.5
+    gone.heartbeat()
+    assert gone.peer in watcher.snapshot()  # ... which shows it lives: forgotten
+    clock.now += 0.5
+    assert gone.peer in watcher.snapshot()

@@ -2,14 +2,37 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.links import LinkMonitor
+from fusionllm.node.errors import TransportError
 
 
-def monitor(members, stop: threading.Event) -> LinkMonitor:
+class FakeControl:
+    """What _wait asks the control host: who we are connected to; connect() reaches the
+    addresses in ``alive``."""
+
+    def __init__(self, *peers: str, alive: tuple[str, ...] = ()) -> None:
+        self.peers = list(peers)
+        self.alive = alive
+
+    def connected_peers(self) -> list[str]:
+        return list(self.peers)
+
+    def connect(self, addr: str) -> None:
+        if addr not in self.alive:
+            raise TransportError(f"connection refused: {addr}")
+
+
+def rec(peer: str, *, beat: int = 1) -> SimpleNamespace:
+    """The fields of a NodeInfo that _wait reads."""
+    return SimpleNamespace(peer_id=peer, beat=beat, time=1.0, addrs=(f"/ip4/{peer}",))
+
+
+def monitor(members, stop: threading.Event, control=None, wakes=None, suspects=None) -> LinkMonitor:
     link_monitor = LinkMonitor(
-        control=None,  # _wait never touches the host
+        control=control or FakeControl("b"),
         book=BandwidthBook(max_age_s=60.0),
         peer_id="a",
         swarm="demo",
@@ -21,19 +44,21 @@ def monitor(members, stop: threading.Event) -> LinkMonitor:
         members=members,
         neighbours=list,
         stop=stop,
+        wake=(wakes if wakes is not None else []).append,
+        suspect=lambda peer, written: (suspects if suspects is not None else []).append(peer),
     )
     link_monitor.MEMBER_CHECK_S = 0.01
     return link_monitor
 
 
 def test_a_newcomer_ends_the_wait_early():
-    seen = {"a": None, "b": None}
+    seen = {"a": rec("a"), "b": rec("b")}
     calls = []
 
     def members():
         calls.append(1)
         if len(calls) == 3:
-            seen["c"] = None  # a newcomer's record shows
+            seen["c"] = rec("c")  # a newcomer's record shows
         return dict(seen)
 
     started = time.monotonic()
@@ -45,7 +70,7 @@ def test_a_newcomer_ends_the_wait_early():
 
 def test_the_same_members_wait_the_whole_time_and_stop_ends_it():
     stop = threading.Event()
-    link_monitor = monitor(lambda: {"a": None, "b": None}, stop)
+    link_monitor = monitor(lambda: {"a": rec("a"), "b": rec("b")}, stop)
     started = time.monotonic()
     assert not link_monitor._wait(0.1, frozenset("ab"))
     assert time.monotonic() - started >= 0.1
@@ -53,3 +78,34 @@ def test_the_same_members_wait_the_whole_time_and_stop_ends_it():
     started = time.monotonic()
     assert link_monitor._wait(30.0, frozenset("ab"))
     assert time.monotonic() - started < 5.0
+
+
+def test_a_stranger_or_a_lost_member_wakes_a_quiet_node_once():
+    stop = threading.Event()
+    control, wakes = FakeControl("b"), []
+    link_monitor = monitor(lambda: {"a": rec("a"), "b": rec("b")}, stop, control, wakes)
+    assert not link_monitor._wait(0.05, frozenset("ab"))
+    assert wakes == []  # connected to a member: nothing new
+    control.peers = ["b", "stranger"]  # a newcomer connects to probe us
+    assert not link_monitor._wait(0.05, frozenset("ab"))
+    assert wakes == [True]  # once, however long it stays
+    control.peers = ["stranger"]  # b's connection dropped: it may have crashed
+    assert not link_monitor._wait(0.05, frozenset("ab"))
+    assert wakes == [True, True]
+    assert not link_monitor._wait(0.05, frozenset("ab"))
+    assert wakes == [True, True]
+
+
+def test_a_quiet_member_that_vanished_is_suspected_unless_it_answers():
+    members = {"a": rec("a"), "quiet": rec("quiet", beat=4), "loud": rec("loud"),
+               "back": rec("back", beat=4)}  # fmt: skip
+    control = FakeControl("quiet", "loud", "back", alive=("/ip4/back",))
+    wakes, suspects = [], []
+    link_monitor = monitor(lambda: members, threading.Event(), control, wakes, suspects)
+    assert not link_monitor._wait(0.05, frozenset(members))
+    control.peers = []  # all three connections dropped
+    assert not link_monitor._wait(0.05, frozenset(members))
+    assert wakes == [True]
+    # A loud member's record is suspected after the usual silence anyway; "back" took a
+    # new connection: only the quiet one that cannot be reached is out now.
+    assert suspects == ["quiet"]

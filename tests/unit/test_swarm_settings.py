@@ -45,6 +45,11 @@ def test_defaults_are_valid():
         {"switch_margin": -0.1},
         {"switch_margin": 1.0},
         {"switch_margin": math.nan},
+        {"quiet_max_stride": 0},
+        {"quiet_max_stride": 3},  # not a power of two: quiet nodes would act in other epochs
+        {"quiet_max_stride": 128},
+        {"quiet_max_stride": 2.0},
+        {"quiet_max_stride": True},
     ],
 )
 def test_invalid_settings(changes):
@@ -63,6 +68,8 @@ def test_invalid_settings(changes):
         {"min_stages": 2, "max_stages": 2},
         {"max_replicas": 1, "max_stages": 1},
         {"swarm": "a" * 64},
+        {"quiet_max_stride": 1},
+        {"quiet_max_stride": 64},
     ],
 )
 def test_boundary_settings_are_valid(changes):
@@ -99,6 +106,7 @@ _OTHER_VALUES = {
     "epoch_s": 30.0,
     "settle_fraction": 0.6,
     "switch_margin": 0.2,
+    "quiet_max_stride": 4,
 }
 
 
