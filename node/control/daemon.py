@@ -196,7 +196,8 @@ class NodeDaemon:
             neighbours=self._plan_neighbours,
             stop=self._stop,
             wake=lambda alert: self.agreement.quiet.wake(alert=alert),
-            suspect=lambda peer, written: self.agreement.quiet.suspect(peer, written),
+            suspect=lambda peer, since: self.agreement.quiet.suspect(peer, since),
+            quiet=lambda: self.agreement.quiet.cadence.stride,
         )
 
     def run(self, *, duration_s: float | None = None) -> None:

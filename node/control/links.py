@@ -21,7 +21,7 @@ from fusionllm.node.control.bandwidth import (
     LinkSample,
     choose_probe_targets,
 )
-from fusionllm.node.control.quiet import ConnectionWatch
+from fusionllm.node.control.quiet import MAX_PROBE_STRETCH, ConnectionWatch, HeldAge
 from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
 
@@ -70,7 +70,8 @@ class LinkMonitor:
         neighbours: Callable[[], list[str]],
         stop: threading.Event,
         wake: Callable[[bool], None] = lambda alert: None,
-        suspect: Callable[[str, float], None] = lambda peer, written: None,
+        suspect: Callable[[str, float], None] = lambda peer, since: None,
+        quiet: Callable[[], int] = lambda: 1,
     ) -> None:
         self.control = control
         self.book = book
@@ -85,8 +86,10 @@ class LinkMonitor:
         self._neighbours = neighbours
         self._stop = stop
         self._wake = wake  # quiet.py: a member woke for a change (False), or a hint (True)
-        self._suspect = suspect  # a quiet member that vanished: (peer, its record's time)
+        self._suspect = suspect  # a quiet member that vanished: (peer, since when)
         self._connections = ConnectionWatch()
+        self._quiet = quiet  # how many epochs a quiet swarm sits out (quiet.py)
+        self._held_age = HeldAge(book.max_age_s)
         self._rng = random.Random()
         self._lock = threading.Lock()
         self._probes_failed = 0
@@ -127,22 +130,31 @@ class LinkMonitor:
             if report.links:
                 with contextlib.suppress(FusionError, ValueError):
                     self.control.publish(self.topic, report.to_bytes())
-            # A swarm that looks as it did last round is probed less often (backoff.py).
+            # A swarm that looks as it did last round is probed less often (backoff.py), a
+            # quiet one less often still; a wake ends the wait (_wait).
             view = (frozenset(members), tuple(sorted(self._neighbours())))
-            factor = self._backoff.next_factor(view)
+            factor = self._backoff.next_factor(view) * self._stretch()
             if self._wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2), view[0]):
                 return
+
+    def _stretch(self) -> int:
+        """How many times further apart probe rounds are now (quiet.py), with the book's
+        figures kept alive as many times longer."""
+        stretch = min(self._quiet(), MAX_PROBE_STRETCH)
+        self.book.max_age_s = self._held_age.max_age(stretch, time.monotonic())
+        return stretch
 
     def _wait(self, seconds: float, members: frozenset[str]) -> bool:
         """Sleep ``seconds`` unless the members change first (a newcomer can be planned in only
         once its links are measured, so it must not wait out a backed-off round); True when
         the node stops."""
         deadline = time.monotonic() + seconds
+        stretch = self._stretch()
         while (left := deadline - time.monotonic()) > 0:
             if self._stop.wait(min(left, self.MEMBER_CHECK_S)):
                 return True
             current = self._members()
-            if frozenset(current) != members:
+            if frozenset(current) != members or self._stretch() < stretch:
                 return False
             try:
                 connected = self.control.connected_peers()
@@ -166,7 +178,9 @@ class LinkMonitor:
             info = members[peer]
             if info.beat > 1 and not self._reachable(info):
                 logger.info("quiet member %s... is unreachable: suspected", peer[:16])
-                self._suspect(peer, info.time)
+                # Until it writes after this moment: a record written before it died may
+                # still be newer than the one we read last (a quiet node reads seldom).
+                self._suspect(peer, time.time())
 
     def _reachable(self, info: NodeInfo) -> bool:
         for addr in info.addrs[:2]:

@@ -34,6 +34,9 @@ logger = get_logger(__name__)
 # is seen this many times later (unless its connections drop first: links.py).
 MAX_BEAT = 4
 MAX_STRIDE = 64
+# How many times further apart a quiet node's probe rounds may be (links.py); link figures
+# then live as many times longer (HeldAge), or a quiet swarm's plan would age out of its book.
+MAX_PROBE_STRETCH = 8
 
 
 def check_stride(value: object, name: str = "quiet_max_stride") -> int:
@@ -94,6 +97,24 @@ class QuietCadence:
         self.stride = 1
 
 
+class HeldAge:
+    """How old a link figure may be while the swarm is quiet: ``base_s`` times the probe
+    stretch, and after a wake still the stretched age for ``base_s``, the time every node's
+    resumed probe rounds take to bring fresh figures (a wake for nothing must not empty the
+    book, or the plan fails its audit on default figures and the swarm re-plans). Pure."""
+
+    def __init__(self, base_s: float) -> None:
+        self.base_s = base_s
+        self._factor, self._since = 1, 0.0
+
+    def max_age(self, stretch: int, now: float) -> float:
+        if stretch >= self._factor:
+            self._factor, self._since = stretch, now
+        elif now - self._since > self.base_s:
+            self._factor = stretch
+        return self.base_s * self._factor
+
+
 class ConnectionWatch:
     """Hints of a change that a quiet node sees before its next read: a stranger connected
     to us (a newcomer connects to the members it read, to probe them) or a member we were
@@ -138,18 +159,18 @@ class QuietNode:
         with self._lock:
             self._wake = alert or self._wake is True
 
-    def suspect(self, peer: str, written: float) -> None:
-        """Count ``peer`` gone until a record of it newer than ``written`` shows (any thread):
-        a quiet member whose connection dropped and who cannot be reached (links.py)."""
+    def suspect(self, peer: str, since: float) -> None:
+        """Count ``peer`` gone until a record of it written after ``since`` shows (any
+        thread): a quiet member whose connection dropped and who cannot be reached."""
         with self._lock:
-            self._suspects[peer] = written
+            self._suspects[peer] = since
 
     def drop_suspects(self, members: dict[str, NodeInfo]) -> None:
         """Remove the suspects from ``members``, forgetting those that wrote since."""
         with self._lock:
-            for peer, written in list(self._suspects.items()):
+            for peer, since in list(self._suspects.items()):
                 info = members.get(peer)
-                if info is not None and info.time <= written:
+                if info is not None and info.time <= since:
                     del members[peer]
                 else:  # it wrote since (it lives), or its record is gone anyway
                     del self._suspects[peer]

@@ -612,12 +612,14 @@ def test_a_newcomer_wakes_a_quiet_swarm_and_is_planned_in():
 
 def test_a_suspected_quiet_member_is_out_until_it_writes_again():
     clock = FakeClock(T0 + 0.1)
-    directory, nodes = swarm_of(3, clock)
+    _, nodes = swarm_of(3, clock)
     e = epoch_at(T0, 2.0)
     epoch_round(nodes, e)
     watcher, gone = nodes[0].agreement, nodes[2]
-    written = directory.records[gone.peer].time
-    watcher.quiet.suspect(gone.peer, written)  # its connection dropped, no reconnect
+    # It wrote a record after the one the watcher read last, then its connection dropped.
+    clock.now += 0.2
+    gone.heartbeat()
+    watcher.quiet.suspect(gone.peer, clock.now)  # no reconnect either: suspected from now
     assert gone.peer not in watcher.snapshot()
     assert gone.peer not in watcher.snapshot()  # until it writes again ...
     clock.now += 0.5

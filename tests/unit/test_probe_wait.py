@@ -45,7 +45,7 @@ def monitor(members, stop: threading.Event, control=None, wakes=None, suspects=N
         neighbours=list,
         stop=stop,
         wake=(wakes if wakes is not None else []).append,
-        suspect=lambda peer, written: (suspects if suspects is not None else []).append(peer),
+        suspect=lambda peer, since: (suspects if suspects is not None else []).append(peer),
     )
     link_monitor.MEMBER_CHECK_S = 0.01
     return link_monitor

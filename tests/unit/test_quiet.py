@@ -16,6 +16,7 @@ from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.control.quiet import (
     MAX_BEAT,
     ConnectionWatch,
+    HeldAge,
     QuietCadence,
     check_stride,
     quiet_view,
@@ -167,3 +168,17 @@ def test_connection_hints():
     for i in range(3 * ConnectionWatch.MAX_REMEMBERED):
         watch.hint(["a", f"s{i}"], members)
     assert len(watch._strangers) <= ConnectionWatch.MAX_REMEMBERED
+
+
+def test_link_figures_live_longer_while_quiet_and_for_a_while_after():
+    held = HeldAge(60.0)
+    assert held.max_age(1, now=0.0) == 60.0
+    assert held.max_age(4, now=10.0) == 240.0
+    assert held.max_age(8, now=20.0) == 480.0
+    assert held.max_age(8, now=99.0) == 480.0  # asked every second while quiet (links.py)
+    # Woken at 100 s: figures stay until the resumed rounds could have replaced them ...
+    assert held.max_age(1, now=100.0) == 480.0
+    assert held.max_age(1, now=158.0) == 480.0
+    # ... then the usual age (measured from the last moment we were that quiet).
+    assert held.max_age(1, now=160.0) == 60.0
+    assert held.max_age(2, now=170.0) == 120.0
