@@ -350,11 +350,13 @@ def main() -> int:
     parser.add_argument(
         "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
     )
-    parser.add_argument("--idle-seconds", type=float, default=30.0, help="s (default: %(default)s)")
+    # Two of a quiet swarm's cycles at the default timing (it acts every 8 epochs of 4 s): a
+    # shorter window measures whether it happened to hold an epoch the swarm acted in.
+    parser.add_argument("--idle-seconds", type=float, default=64.0, help="s (default: %(default)s)")
     parser.add_argument(
         "--settle",
         type=float,
-        default=30.0,
+        default=45.0,
         help="s to wait before measuring idle cost, so the nodes back off (default: %(default)s)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")

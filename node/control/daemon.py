@@ -44,6 +44,7 @@ from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
+from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -171,7 +172,7 @@ class NodeDaemon:
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
                     identity_path=cfg.key_path,
-                    max_ttl_s=max(4 * settings.ttl_s, 8 * settings.epoch_s),
+                    max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),
                     peer_timeout_s=min(3.0, max(0.5, settings.heartbeat_s)),
                     log_level=cfg.dht_log_level,
                 )

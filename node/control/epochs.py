@@ -97,6 +97,7 @@ class PlanAgreement:
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         # Which epochs we act in; other threads wake us and suspect members through it.
+        self._turn = 0  # epochs we proposed in (the replan gap counts these)
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
@@ -247,16 +248,20 @@ class PlanAgreement:
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
         ids = frozenset((peer, peer in measured) for peer in members)
+        # The gap counts the epochs we act in: a quiet node re-checks as seldom as it acts.
+        self._turn += 1
         why = self._replan_reason(epoch, ids, members, incumbent_ok=incumbent is not None)
         if why is None:
-            # A stable swarm: the plan we follow, again, without planning (backoff.py).
-            self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+            # A stable swarm: the plan we follow, again, without planning (backoff.py). In a
+            # quiet one only the epoch's routine planners store it: adopt needs one copy.
+            if self.quiet.cadence.stride == 1 or self._routine_planner(epoch, members):
+                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
             return
         logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
             fresh = self._plan(swarm)
         except InfeasiblePlanError as exc:
-            self.backoff.planned(epoch, ids, None)
+            self.backoff.planned(self._turn, ids, None)
             self.counters["plans_failed"] += 1
             # Said once per reason: a node waiting for peers would repeat it every epoch.
             level = logging.DEBUG if str(exc) == self._last_plan_failure else logging.WARNING
@@ -274,7 +279,7 @@ class PlanAgreement:
                 plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).
-        self.backoff.planned(epoch, ids, hashlib.sha256(plan_bytes).hexdigest())
+        self.backoff.planned(self._turn, ids, hashlib.sha256(plan_bytes).hexdigest())
         self._publish(epoch, plan_bytes, estimate)
 
     def _replan_reason(
@@ -287,11 +292,15 @@ class PlanAgreement:
     ) -> str | None:
         """Why to plan afresh in ``epoch`` (backoff.py); None: re-propose the plan we follow.
         A routine re-check (only the gap is due) falls to this epoch's few routine planners."""
-        why = self.backoff.due(epoch, ids, incumbent_ok=incumbent_ok)
-        if why is None or not self.backoff.only_the_gap(epoch, ids, incumbent_ok=incumbent_ok):
+        turn = self._turn
+        why = self.backoff.due(turn, ids, incumbent_ok=incumbent_ok)
+        if why is None or not self.backoff.only_the_gap(turn, ids, incumbent_ok=incumbent_ok):
             return why
-        planners = routine_planners(epoch, members, self.backoff.config.routine_planners)
-        return why if self.peer_id in planners else None
+        return why if self._routine_planner(epoch, members) else None
+
+    def _routine_planner(self, epoch: int, members: Mapping[str, NodeInfo]) -> bool:
+        count = self.backoff.config.routine_planners
+        return self.peer_id in routine_planners(epoch, members, count)
 
     def _publish(self, epoch: int, plan_bytes: bytes, estimate: float) -> None:
         proposal = PlanProposal(

@@ -29,10 +29,11 @@ from fusionllm.dht.records import NodeInfo
 
 logger = get_logger(__name__)
 
-# How many times longer than ``heartbeat_s`` a quiet node's record may go unrefreshed. The
-# DHT refuses records that live longer than 4 TTLs (daemon.py), and a crash in a quiet swarm
-# is seen this many times later (unless its connections drop first: links.py).
-MAX_BEAT = 4
+# How many times longer than ``heartbeat_s`` a quiet node's record may go unrefreshed (it
+# lives as many TTLs: daemon.py lets the DHT keep it). A crash in a quiet swarm that drops no
+# connection (a host gone silent) is seen this many times later; one that does is seen at once
+# (links.py).
+MAX_BEAT = 8
 MAX_STRIDE = 64
 # How many times further apart a quiet node's probe rounds may be (links.py); link figures
 # then live as many times longer (HeldAge), or a quiet swarm's plan would age out of its book.

@@ -19,8 +19,10 @@ from fusionllm.dht.records import (
     TrainingProgress,
 )
 from fusionllm.node.control.agreement import epoch_at
+from fusionllm.node.control.backoff import routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.epochs import PlanAgreement, next_step
+from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
 SETTINGS = SwarmSettings(swarm="demo", heartbeat_s=1.0, ttl_s=5.0, epoch_s=2.0, max_replicas=1)
@@ -576,7 +578,7 @@ def test_an_idle_stable_node_goes_quiet_and_a_wake_brings_it_back():
     # It kept following its plan in the epochs it sat out: its record says so (e + 40 was
     # proposed in; its adopt time lies after the end).
     assert node.agreement.adopted_epoch == e + 39
-    assert node.agreement.quiet.cadence.beat == 4
+    assert node.agreement.quiet.cadence.beat == min(8, MAX_BEAT)  # stride 8
     assert told == []  # nothing changed
     # A member told us it woke: we act in the very next epoch (e + 40 is not one of the
     # stride's), and finding nothing changed, go quiet again from there.
@@ -627,3 +629,20 @@ def test_a_suspected_quiet_member_is_out_until_it_writes_again():
     assert gone.peer in watcher.snapshot()  # ... which shows it lives: forgotten
     clock.now += 0.5
     assert gone.peer in watcher.snapshot()
+
+
+def test_in_a_quiet_swarm_only_the_routine_planners_store_the_plan_again():
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(5, clock)
+    e = epoch_at(T0, 2.0)
+    for k in range(5):
+        epoch_round(nodes, e + k)
+    assert len(directory.plans[e + 1]) == 5  # still acting every epoch: everyone stores
+    assert all(n.agreement.quiet.cadence.stride > 1 for n in nodes)
+    plan = nodes[0].agreement.adopted.digest
+    quiet_epoch = e + 8
+    epoch_round(nodes, quiet_epoch)
+    stored = directory.plans[quiet_epoch]
+    assert set(stored) == set(routine_planners(quiet_epoch, list(directory.records), 3))
+    assert {n.agreement.adopted.digest for n in nodes} == {plan}
+    assert {n.agreement.adopted_epoch for n in nodes} == {quiet_epoch}

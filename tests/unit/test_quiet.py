@@ -39,14 +39,15 @@ def info(peer: str, *, adopted: str | None = "d" * 64, at: float = NOW, **change
 
 
 def test_the_stride_doubles_while_nothing_changes_and_stays_aligned():
-    cadence = QuietCadence(8)
+    cadence = QuietCadence(32)
     view = ("members", "plan")
     strides = []
-    for _ in range(6):
+    for _ in range(8):
         cadence.observed(view)
         strides.append(cadence.stride)
-    assert strides == [1, 2, 4, 8, 8, 8]  # the first sight of a view only starts the count
-    assert [e for e in range(40, 60) if cadence.acts(e)] == [40, 48, 56]
+    assert strides == [1, 2, 4, 8, 16, 32, 32, 32]  # the first sight only starts the count
+    assert [e for e in range(60, 140) if cadence.acts(e)] == [64, 96, 128]
+    assert MAX_BEAT < 32
     assert cadence.beat == MAX_BEAT  # records skip at most MAX_BEAT beats, however quiet
 
 
