@@ -17,7 +17,8 @@ worker's child, hivemind's Go daemon p2pd), bootstrapped from the first, and mea
   (median, p90) and loss (the publisher joins as a member first: nodes forward only members'
   gossip); "rate/full/inv": messages the nodes' own checks dropped so far (per-author rate
   limit / a full inbox / refused, e.g. not a member), summed over nodes;
-- idle: after ``--settle`` s (a stable swarm backs off: node/control/backoff.py), over
+- idle: after ``--settle`` s (a stable swarm backs off: node/control/backoff.py; an idle one
+  goes quiet: node/control/quiet.py), over
   ``--idle-seconds``, each node's whole process tree as it is then (found by walking its
   children, so a process the design did not expect is counted too): processes, CPU % (CPU
   time over wall time) and RSS, summed per node, medians over nodes; and the same per role
@@ -350,14 +351,17 @@ def main() -> int:
     parser.add_argument(
         "--probe-interval", type=float, default=8.0, help="s (default: %(default)s)"
     )
-    # Two of a quiet swarm's cycles at the default timing (it acts every 8 epochs of 4 s): a
+    # Two of a quiet swarm's cycles at the default timing (it acts every 16 epochs of 4 s): a
     # shorter window measures whether it happened to hold an epoch the swarm acted in.
-    parser.add_argument("--idle-seconds", type=float, default=64.0, help="s (default: %(default)s)")
+    parser.add_argument(
+        "--idle-seconds", type=float, default=128.0, help="s (default: %(default)s)"
+    )
     parser.add_argument(
         "--settle",
         type=float,
-        default=45.0,
-        help="s to wait before measuring idle cost, so the nodes back off (default: %(default)s)",
+        default=70.0,
+        help="s to wait before measuring idle cost, so the nodes back off: 1 + 1 + 2 + 4 + 8 "
+        "epochs to reach a stride of 16 (default: %(default)s)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()

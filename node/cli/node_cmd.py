@@ -97,7 +97,7 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quiet-stride",
         type=int,
-        default=8,
+        default=16,
         help="an idle swarm whose members and plan stay the same acts only every this many "
         "epochs (a power of two; 1: every epoch); a change wakes it (default: %(default)s)",
     )

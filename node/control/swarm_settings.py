@@ -35,7 +35,7 @@ class SwarmSettings:
     checkpoint_every: int = 20
     # An idle, stable swarm acts only every this many epochs, and refreshes its records less
     # often (node/control/quiet.py); 1: act every epoch always.
-    quiet_max_stride: int = 8
+    quiet_max_stride: int = 16
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)

@@ -25,7 +25,9 @@ from fusionllm.node.control.epochs import PlanAgreement, next_step
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
-SETTINGS = SwarmSettings(swarm="demo", heartbeat_s=1.0, ttl_s=5.0, epoch_s=2.0, max_replicas=1)
+SETTINGS = SwarmSettings(
+    swarm="demo", heartbeat_s=1.0, ttl_s=5.0, epoch_s=2.0, max_replicas=1, quiet_max_stride=8
+)
 GRAPH = gpt2_costs("small", batch=1, seq=64)
 NODE_IDS = tuple(n.node_id for n in GRAPH.nodes)
 # Never quiet (quiet.py): the loop's tests count epochs.
