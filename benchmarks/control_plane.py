@@ -46,18 +46,11 @@ from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import LinkReport, NodeState
 from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.errors import DeadlineError
-from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.node.local_swarm import FAST, LocalSwarm, same_plan, wait_for
 from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity
 
 SWARM = "default"
-
-
-def _agreed(nodes, n: int):
-    latest = [node.last("epoch") for node in nodes]
-    if any(e is None or len(e["members"]) != n for e in latest):
-        return None
-    return latest if len({e["digest"] for e in latest}) == 1 else None
 
 
 def _agreement(swarm: LocalSwarm, n: int) -> dict:
@@ -67,18 +60,18 @@ def _agreement(swarm: LocalSwarm, n: int) -> dict:
     for i in range(1, n):
         swarm.start(f"n{i}", bootstrap=first.dht_addr)
     nodes = list(swarm.nodes)
-    latest = wait_for(lambda: _agreed(nodes, n), 120 + 20 * n, f"{n} nodes to agree")
+    latest = wait_for(lambda: same_plan(nodes, members=n), 120 + 20 * n, f"{n} nodes to agree")
     agreed_at = max(
         min(e["t"] for e in node.snapshot() if e["event"] == "epoch" and len(e["members"]) == n
-            and e["digest"] == latest[0]["digest"])
+            and e["digest"] == latest["digest"])
         for node in nodes
     )  # fmt: skip
     ready_at = max(node.last("ready")["t"] for node in nodes)
     return {
         "agree_s": agreed_at - launched,
         "agree_after_ready_s": agreed_at - ready_at,
-        "stages": len(latest[0]["stages"]),
-        "backup": len(latest[0]["backup"]),
+        "stages": len(latest["stages"]),
+        "backup": len(latest["backup"]),
     }
 
 

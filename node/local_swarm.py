@@ -148,6 +148,18 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: f
         time.sleep(poll)
 
 
+def same_plan(nodes, *, members: int, since: float = 0.0, without: str = "") -> dict | None:
+    """The latest epoch event of the nodes if they all adopted the same plan, see ``members``
+    peers (``without`` not among them) and wrote it after ``since``; else None."""
+    latest = [n.last("epoch") for n in nodes]
+    for event in latest:
+        if event is None or event["t"] < since or len(event["members"]) != members:
+            return None
+        if without in event["members"]:
+            return None
+    return latest[0] if len({e["digest"] for e in latest}) == 1 else None
+
+
 # ----- reading a churning swarm's events (tests and benchmarks/churn.py) --------------------
 
 

@@ -226,7 +226,7 @@ class NodeDaemon:
         with contextlib.suppress(FusionError):
             if self.directory is not None and self.control is not None:
                 self.directory.announce(self._info(), ttl_s=ttl_s)
-        self._tell_swarm(leaving=True)
+        self._tell_swarm()
         self._emit("left")
 
     def close(self) -> None:
@@ -299,17 +299,17 @@ class NodeDaemon:
                 logger.exception("heartbeat failed unexpectedly (will retry)")
 
     def _heartbeat(self) -> None:
-        beat = self.agreement.quiet.cadence.beat if self.agreement is not None else 1
+        beat = self.agreement.quiet.cadence.beat
         self._beat, self._beat_written = beat, time.monotonic()
         if not self.directory.announce(self._info(beat), ttl_s=self.settings.ttl_s * beat):
             # hivemind reports the last replica's answer: one peer holding a newer (forged)
             # entry under our subkey says no even when the honest replicas stored ours.
             logger.info("a DHT replica did not store our record (or none is reachable)")
 
-    def _tell_swarm(self, *, leaving: bool = False) -> None:
+    def _tell_swarm(self) -> None:
         """Gossip that we woke from quiet for a change (or leave): quiet members look at once
         rather than at their next stride (quiet.py)."""
-        if self.control is None or (not leaving and self.settings.quiet_max_stride == 1):
+        if self.control is None:
             return
         report = self.book.own_report(self.peer_id, self.settings.swarm, now=time.time())
         with contextlib.suppress(FusionError, ValueError):

@@ -96,8 +96,8 @@ class PlanAgreement:
         self._own_info, self._emit, self.clock = own_info, emit, clock
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
-        # Which epochs we act in; other threads wake us and suspect members through it.
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
+        # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}

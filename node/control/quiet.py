@@ -121,10 +121,10 @@ class ConnectionWatch:
     to us (a newcomer connects to the members it read, to probe them) or a member we were
     connected to is not any more (it may have crashed). Pure: fed what the host reports."""
 
-    MAX_REMEMBERED = 1024  # strangers already hinted at; a flood of new ones only re-wakes us
-
     def __init__(self) -> None:
-        self._strangers: set[str] = set()
+        # Strangers connected at the last call: one who leaves and comes back is news again,
+        # and the set is never larger than our connections.
+        self._strangers: frozenset[str] = frozenset()
         self._members_connected: frozenset[str] = frozenset()
 
     def hint(
@@ -132,16 +132,11 @@ class ConnectionWatch:
     ) -> tuple[frozenset[str], frozenset[str]]:
         """(strangers new since the last call, members whose connection dropped since), given
         who we are connected to now and the members (ourselves included)."""
-        now, known = set(connected), set(members)
+        now, known = frozenset(connected), frozenset(members)
         strangers = now - known
-        new = strangers - self._strangers
-        lost = (self._members_connected & known) - now
-        if len(self._strangers) + len(new) > self.MAX_REMEMBERED:
-            self._strangers.clear()
-        self._strangers |= new
-        self._strangers &= strangers  # one who leaves and comes back is news again
-        self._members_connected = frozenset(now & known)
-        return frozenset(new), frozenset(lost)
+        new, lost = strangers - self._strangers, (self._members_connected & known) - now
+        self._strangers, self._members_connected = strangers, now & known
+        return new, lost
 
 
 class QuietNode:

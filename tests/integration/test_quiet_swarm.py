@@ -12,22 +12,12 @@ import time
 import pytest
 
 from fusionllm.node.control.quiet import MAX_BEAT
-from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.node.local_swarm import FAST, LocalSwarm, same_plan, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 NODES = 4
 QUIET_SILENCE_S = 3 * FAST["heartbeat"] * MAX_BEAT  # when a quiet record counts as gone
-
-
-def _agreed(nodes, *, members: int, since: float = 0.0, without: str = ""):
-    latest = [n.last("epoch") for n in nodes]
-    for event in latest:
-        if event is None or event["t"] < since or len(event["members"]) != members:
-            return None
-        if without in event["members"]:
-            return None
-    return latest if len({e["digest"] for e in latest}) == 1 else None
 
 
 def _quiet(nodes):
@@ -48,7 +38,7 @@ def test_a_quiet_swarm_wakes_for_a_crash_and_a_newcomer(tmp_path) -> None:
         for i in range(1, NODES):
             swarm.start(f"n{i}", bootstrap=first.dht_addr)
         nodes = list(swarm.nodes)
-        wait_for(lambda: _agreed(nodes, members=NODES), 120, "4 nodes to agree")
+        wait_for(lambda: same_plan(nodes, members=NODES), 120, "4 nodes to agree")
         # Unchanged epochs double the stride: 1, 2, 4, 8 takes ~8 epochs of 2 s.
         wait_for(lambda: _quiet(nodes), 90, "the swarm to go quiet")
 
@@ -56,7 +46,9 @@ def test_a_quiet_swarm_wakes_for_a_crash_and_a_newcomer(tmp_path) -> None:
         killed_at = time.time()
         victim.kill()
         wait_for(
-            lambda: _agreed(survivors, members=NODES - 1, since=killed_at, without=victim.peer_id),
+            lambda: same_plan(
+                survivors, members=NODES - 1, since=killed_at, without=victim.peer_id
+            ),
             60,
             "the survivors to re-plan",
         )
@@ -70,7 +62,7 @@ def test_a_quiet_swarm_wakes_for_a_crash_and_a_newcomer(tmp_path) -> None:
         newcomer = swarm.start("n9", bootstrap=first.dht_addr)
         everyone = [*survivors, newcomer]
         wait_for(
-            lambda: _agreed(everyone, members=NODES, since=joined_at), 90, "the newcomer's plan"
+            lambda: same_plan(everyone, members=NODES, since=joined_at), 90, "the newcomer's plan"
         )
         # The newcomer's start-up (DHT join, probes) is most of this; what the wake saves is
         # the wait for the next epoch a quiet swarm acts in: some survivor saw it and woke.

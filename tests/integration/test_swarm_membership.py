@@ -12,24 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.node.local_swarm import LocalSwarm, wait_for
+from fusionllm.node.local_swarm import LocalSwarm, same_plan, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 TTL_S = 5.0
 NODES = 8
-
-
-def _agreed(nodes, *, members: int, since: float = 0.0, without: str = ""):
-    """The latest epoch event of the nodes if they all adopted the same plan, see ``members``
-    peers (``without`` not among them) and wrote it after ``since``; else None."""
-    latest = [n.last("epoch") for n in nodes]
-    for event in latest:
-        if event is None or event["t"] < since or len(event["members"]) != members:
-            return None
-        if without in event["members"]:
-            return None
-    return latest[0] if len({e["digest"] for e in latest}) == 1 else None
 
 
 def _maps_torch(pid: int) -> bool:
@@ -48,7 +36,7 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         nodes = list(swarm.nodes)
         try:
             agreed = wait_for(
-                lambda: _agreed(nodes, members=NODES), 180, "8 nodes to adopt one plan"
+                lambda: same_plan(nodes, members=NODES), 180, "8 nodes to adopt one plan"
             )
         except AssertionError:
             raise AssertionError(swarm.logs()) from None
@@ -69,7 +57,9 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         killed_at = time.time()
         victim.kill()
         replanned = wait_for(
-            lambda: _agreed(survivors, members=NODES - 1, since=killed_at, without=victim.peer_id),
+            lambda: same_plan(
+                survivors, members=NODES - 1, since=killed_at, without=victim.peer_id
+            ),
             60,
             "survivors to adopt a plan without the crashed node",
         )
@@ -96,7 +86,7 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         newcomer = swarm.start("n8", bootstrap=survivors[-1].dht_addr)
         everyone = [*survivors, newcomer]
         final = wait_for(
-            lambda: _agreed(everyone, members=NODES, since=joined_at),
+            lambda: same_plan(everyone, members=NODES, since=joined_at),
             120,
             "the newcomer to be seen",
         )
@@ -113,7 +103,7 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
         leaver.kill(signal.SIGTERM)
         assert leaver.last("left") is not None, "the node should have said goodbye"
         wait_for(
-            lambda: _agreed(rest, members=NODES - 1, since=left_at, without=leaver.peer_id),
+            lambda: same_plan(rest, members=NODES - 1, since=left_at, without=leaver.peer_id),
             60,
             "the others to drop the node that left",
         )

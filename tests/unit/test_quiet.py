@@ -165,10 +165,10 @@ def test_connection_hints():
     assert watch.hint(["a", "b", "x"], members) == ({"x"}, set())  # ... and came back
     assert watch.hint(["a", "x"], members) == (set(), {"b"})
     assert watch.hint(["a", "x"], members - {"b"}) == none  # b left the members: not news
-    # A flood of strangers is remembered up to a bound, never without one.
-    for i in range(3 * ConnectionWatch.MAX_REMEMBERED):
+    # A flood of strangers is remembered only while they are connected: no unbounded set.
+    for i in range(3072):
         watch.hint(["a", f"s{i}"], members)
-    assert len(watch._strangers) <= ConnectionWatch.MAX_REMEMBERED
+    assert watch._strangers == {"s3071"}
 
 
 def test_link_figures_live_longer_while_quiet_and_for_a_while_after():
