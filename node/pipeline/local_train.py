@@ -14,6 +14,7 @@ from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 
 logger = get_logger(__name__)
@@ -35,12 +36,7 @@ def train_local(
     dataset = load_dataset(config) if dataset is None else dataset
     model = build_model(config)
     model.train()
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.lr,
-        betas=config.betas,
-        weight_decay=config.weight_decay,
-    )
+    optimizer = build_adamw(model.parameters(), config.optimizer)
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(config.steps):
