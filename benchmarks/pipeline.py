@@ -9,6 +9,10 @@ noise + yamux) on 127.0.0.1, 1F1B with M micro-batches. Per row: median step tim
 and the measured bubble fraction = 1 - (sum over processes of forward+backward compute) /
 (processes x step time), medians over the steps after the warm-up, beside the ideal 1F1B
 bubble (S - 1) / (M + S - 1) for equal stages and free links. The first steps are warm-up.
+"CPU ms/step" is the CPU time of all the row's processes per measured step (every thread:
+compute, packing, the lanes' reading, the optimizer), and "cores busy" that time over all
+cores' time: near 100% the row is bound by CPU, not by waiting, and any work the pipeline
+machinery adds per frame comes straight off its throughput.
 The launcher gives each stage process its own core (processes share cores round robin when
 there are more of them than cores); ``--no-pin`` leaves placement to the OS, for comparison.
 
@@ -18,14 +22,18 @@ schedule stalls) for a given model size.
 """
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
 
+import psutil
 import torch
 
+from fusionllm.common.cpus import available_cores
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.launcher import run_swarm
 from fusionllm.node.pipeline.local_train import train_local
@@ -52,10 +60,14 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
     times: list[float] = []
     last = [0.0]
 
+    cpu: list[float] = []
+
     def on_step(step: int, _loss: float) -> None:
         now = time.perf_counter()
         if step > 0:
             times.append(now - last[0])
+            if step >= _WARMUP_STEPS - 1:
+                cpu.append(time.process_time())
         last[0] = now
 
     last[0] = time.perf_counter()
@@ -70,12 +82,44 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
         "bubble": 0.0,
         "ideal_bubble": 0.0,
         "final_loss": run.losses[-1],
+        "cpu_s_per_step": (cpu[-1] - cpu[0]) / (len(cpu) - 1) if len(cpu) > 1 else math.nan,
+        "cores_busy": math.nan,  # one process on one torch thread: one core at most
     }
+
+
+class _CpuMeter:
+    """CPU seconds of this process's children (the stage processes) between the first
+    measured step and the last: what the pipeline costs, beside the wall time it takes."""
+
+    def __init__(self, first_step: int, last_step: int) -> None:
+        self.first_step, self.last_step = first_step, last_step
+        self.marks: dict[int, tuple[float, float]] = {}  # step: (wall, CPU s of the children)
+
+    def on_step(self, event: dict) -> None:
+        if event["step"] in (self.first_step, self.last_step):
+            cpu = 0.0
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    times = child.cpu_times()
+                    cpu += times.user + times.system
+            self.marks[event["step"]] = (time.perf_counter(), cpu)
+
+    def per_step(self) -> tuple[float, float]:
+        """(CPU seconds per step, the share of all cores' time they took); NaN if unmeasured."""
+        if len(self.marks) < 2:
+            return math.nan, math.nan
+        (wall0, cpu0), (wall1, cpu1) = self.marks[self.first_step], self.marks[self.last_step]
+        steps = self.last_step - self.first_step
+        return (cpu1 - cpu0) / steps, (cpu1 - cpu0) / ((wall1 - wall0) * len(available_cores()))
 
 
 def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
     config = _config(args, stages)
-    result = run_swarm(config, threads=args.threads, pin_cores=not args.no_pin)
+    meter = _CpuMeter(min(_WARMUP_STEPS, config.steps - 2), config.steps - 1)
+    result = run_swarm(
+        config, threads=args.threads, pin_cores=not args.no_pin, on_step=meter.on_step
+    )
+    cpu_s, cores_busy = meter.per_step()
     by_step: dict[int, list[dict]] = {}
     for event in result.steps:
         by_step.setdefault(event["step"], []).append(event)
@@ -98,7 +142,13 @@ def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
         "ideal_bubble": (stages - 1) / (m + stages - 1),
         "final_loss": result.losses[-1],
         "bytes_out_per_step": sum(d["bytes_out"] for d in result.done) / config.steps,
+        "cpu_s_per_step": cpu_s,
+        "cores_busy": cores_busy,
     }
+
+
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0%}"
 
 
 def _targets(rows: list[dict]) -> dict:
@@ -149,12 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(first {_WARMUP_STEPS} are warm-up), {os.cpu_count()} CPU cores, loopback\n"
     )
     print(
-        f"{'run':<10} {'step ms':>8} {'tokens/s':>9} {'bubble':>7} {'1F1B ideal':>10} {'loss':>6}"
+        f"{'run':<10} {'step ms':>8} {'tokens/s':>9} {'bubble':>7} {'1F1B ideal':>10} "
+        f"{'CPU ms/step':>11} {'cores busy':>10} {'loss':>6}"
     )
     for row in rows:
         print(
             f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['tokens_per_s']:9.0f} "
-            f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} {row['final_loss']:6.3f}"
+            f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} "
+            f"{row['cpu_s_per_step'] * 1e3:11.1f} {_share(row['cores_busy']):>10} "
+            f"{row['final_loss']:6.3f}"
         )
     targets = _targets(rows)
     for line in targets["lines"]:
