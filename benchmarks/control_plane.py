@@ -9,7 +9,11 @@ worker's child, hivemind's Go daemon p2pd), bootstrapped from the first, and mea
 
 - agree: seconds from launching nodes 2..N (the first already up) until all N adopted the
   same plan with N members; "after ready" counts from the moment the last node was ready
-  (process start-up, torch import and DHT join excluded);
+  (process start-up, torch import and DHT join excluded). Below the row: the CPU seconds
+  all nodes' processes spent from that launch until agreement was seen, by role (the first
+  node's start-up taken out), their share of all cores' time over that span (near 100%:
+  agreement waits for CPU, not for the protocol), and one node's start-up alone (the first
+  node's whole tree when it was ready);
 - DHT store/get: a client DHT worker of this process against the swarm, medians of 20
   (the pipe to the worker included, as a node sees it);
 - gossip: a publisher and a receiver host connected only to swarm nodes (never to each
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import psutil
 
+from fusionllm.common.cpus import available_cores
 from fusionllm.common.errors import FusionError
 from fusionllm.dht.client import DhtClient, DhtConfig
 from fusionllm.dht.directory import SwarmDirectory
@@ -56,11 +61,17 @@ SWARM = "default"
 def _agreement(swarm: LocalSwarm, n: int) -> dict:
     first = swarm.start("n0")
     wait_for(lambda: first.last("ready"), 180, "the first node")
+    # One node's start-up alone, its whole tree at "ready": what each of the others costs.
+    alone = _cpu_by_role([first])
     launched = time.time()
     for i in range(1, n):
         swarm.start(f"n{i}", bootstrap=first.dht_addr)
     nodes = list(swarm.nodes)
     latest = wait_for(lambda: same_plan(nodes, members=n), 120 + 20 * n, f"{n} nodes to agree")
+    seen_at = time.time()
+    join = _cpu_by_role(nodes)
+    for role, cpu in alone.items():
+        join[role] -= cpu
     agreed_at = max(
         min(e["t"] for e in node.snapshot() if e["event"] == "epoch" and len(e["members"]) == n
             and e["digest"] == latest["digest"])
@@ -72,7 +83,20 @@ def _agreement(swarm: LocalSwarm, n: int) -> dict:
         "agree_after_ready_s": agreed_at - ready_at,
         "stages": len(latest["stages"]),
         "backup": len(latest["backup"]),
+        "start_cpu_s": sum(alone.values()),
+        "join_cpu_by_role": join,
+        "join_cores_busy": sum(join.values()) / ((seen_at - launched) * len(available_cores())),
     }
+
+
+def _cpu_by_role(nodes) -> dict[str, float]:
+    """CPU seconds so far of the nodes' process trees, summed by role (see ``_role``)."""
+    total: dict[str, float] = {}
+    for node in nodes:
+        with contextlib.suppress(psutil.Error):  # a node that just exited has no tree
+            for role, _proc, cpu in _tree(node.process.pid):
+                total[role] = total.get(role, 0.0) + cpu
+    return total
 
 
 def _dht_latency(bootstrap: str, rounds: int = 20) -> dict:
@@ -311,7 +335,8 @@ def run(sizes: list[int], timing: dict, idle_seconds: float, settle_s: float) ->
         if "failed" in row:
             print(f"{n:>5} {row['failed']}", flush=True)
         else:
-            print(_format_row(row), _format_roles(row["idle_by_role"]), sep="\n", flush=True)
+            print(_format_row(row), _format_roles(row["idle_by_role"]), _format_join(row),
+                  sep="\n", flush=True)  # fmt: skip
     return rows
 
 
@@ -332,6 +357,15 @@ def _format_roles(by_role: dict) -> str:
     parts = [f"{role} {v['cpu_percent']:.2f}% {v['rss_mib']:.0f} MiB" for role, v in
              by_role.items()]  # fmt: skip
     return "      idle per node, by process: " + " | ".join(parts)
+
+
+def _format_join(r: dict) -> str:
+    roles = " | ".join(f"{role} {cpu:.1f}" for role, cpu in sorted(r["join_cpu_by_role"].items()))
+    return (
+        f"      launch to agreement, CPU s of all nodes: {roles} "
+        f"({r['join_cores_busy']:.0%} of all cores); one node's start-up alone: "
+        f"{r['start_cpu_s']:.1f} CPU s"
+    )
 
 
 def main() -> int:
