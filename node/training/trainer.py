@@ -128,8 +128,11 @@ class SwarmTrainer:
         own, custody = config.stores()
         self.vault = Vault(own=own, custody=custody, params_of=self.params_of)
         self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
+        # The board hears whom the transport admits: a peer of the plan we serve still counts
+        # after it left the member list, or the state it handed over on its way out (frames
+        # still queued when its record goes) would be refused while we wait for it.
         self.board = Board(
-            shapes=shapes, is_member=view.is_member, on_copy=self._on_copy, on_want=self._on_want
+            shapes=shapes, is_member=self.admits, on_copy=self._on_copy, on_want=self._on_want
         )
         self._donated: set[tuple[str, Holding]] = set()
         self._placement = CorePlacement(enabled=config.pin_cores)

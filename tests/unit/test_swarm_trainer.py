@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import fusionllm.node.training.board as board_module
 import fusionllm.node.training.session as session_module
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
@@ -270,7 +271,21 @@ def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_p
     assert any(e["event"] == "copy_sent" for e in cluster.events["peer-c"])
 
 
-def test_a_polite_leave_hands_the_stage_over_without_rollback(cluster_of):
+@pytest.mark.parametrize("filing_delay_s", [0.0, 0.02])
+def test_a_polite_leave_hands_the_stage_over_without_rollback(
+    cluster_of, monkeypatch, filing_delay_s
+):
+    # 0.02 s: each frame of the handed-over copy is filed late, after the leaver is gone and
+    # out of every member list (as on a loaded machine); the keeper must still take it.
+    if filing_delay_s:
+        put = board_module.Board.put
+
+        def late_put(board, item):
+            if board_module.custody_index(item.header) is not None:
+                time.sleep(filing_delay_s)
+            return put(board, item)
+
+        monkeypatch.setattr(board_module.Board, "put", late_put)
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
