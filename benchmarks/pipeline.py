@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -59,16 +60,14 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
     config = _config(args, 1)
     times: list[float] = []
     last = [0.0]
-
-    cpu: list[float] = []
+    meter = _CpuMeter(config.steps, cpu_now=time.process_time)
 
     def on_step(step: int, _loss: float) -> None:
         now = time.perf_counter()
         if step > 0:
             times.append(now - last[0])
-            if step >= _WARMUP_STEPS - 1:
-                cpu.append(time.process_time())
         last[0] = now
+        meter.on_step({"step": step})
 
     last[0] = time.perf_counter()
     run = train_local(config, dataset=dataset, on_step=on_step)
@@ -82,27 +81,32 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
         "bubble": 0.0,
         "ideal_bubble": 0.0,
         "final_loss": run.losses[-1],
-        "cpu_s_per_step": (cpu[-1] - cpu[0]) / (len(cpu) - 1) if len(cpu) > 1 else math.nan,
+        "cpu_s_per_step": meter.per_step()[0],
         "cores_busy": math.nan,  # one process on one torch thread: one core at most
     }
 
 
-class _CpuMeter:
-    """CPU seconds of this process's children (the stage processes) between the first
-    measured step and the last: what the pipeline costs, beside the wall time it takes."""
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system, all threads) of this process's children so far."""
+    cpu = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that just exited
+            cpu += sum(child.cpu_times()[:2])
+    return cpu
 
-    def __init__(self, first_step: int, last_step: int) -> None:
-        self.first_step, self.last_step = first_step, last_step
-        self.marks: dict[int, tuple[float, float]] = {}  # step: (wall, CPU s of the children)
+
+class _CpuMeter:
+    """CPU seconds from the end of the warm-up (step ``_WARMUP_STEPS - 1``) to the end of the
+    last step: what a row costs, beside the wall time it takes."""
+
+    def __init__(self, steps: int, cpu_now: Callable[[], float] = _children_cpu_s) -> None:
+        self.first_step, self.last_step = min(_WARMUP_STEPS - 1, steps - 2), steps - 1
+        self._cpu_now = cpu_now
+        self.marks: dict[int, tuple[float, float]] = {}  # step: (wall, CPU s)
 
     def on_step(self, event: dict) -> None:
         if event["step"] in (self.first_step, self.last_step):
-            cpu = 0.0
-            for child in psutil.Process().children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    times = child.cpu_times()
-                    cpu += times.user + times.system
-            self.marks[event["step"]] = (time.perf_counter(), cpu)
+            self.marks[event["step"]] = (time.perf_counter(), self._cpu_now())
 
     def per_step(self) -> tuple[float, float]:
         """(CPU seconds per step, the share of all cores' time they took); NaN if unmeasured."""
@@ -115,7 +119,7 @@ class _CpuMeter:
 
 def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
     config = _config(args, stages)
-    meter = _CpuMeter(min(_WARMUP_STEPS, config.steps - 2), config.steps - 1)
+    meter = _CpuMeter(config.steps)
     result = run_swarm(
         config, threads=args.threads, pin_cores=not args.no_pin, on_step=meter.on_step
     )

@@ -176,8 +176,8 @@ class SwarmTrainer:
         return session.runner.expectations.expect(header) if session is not None else _NEVER
 
     def admits(self, peer: str) -> bool:
-        """The transport's admission hook: only the plan we serve and the swarm's members
-        (ready announcements, state transfers) may open tensor streams to this node."""
+        """The transport's and the board's admission: only the plan we serve and the swarm's
+        members (ready announcements, state transfers) may send this node tensors."""
         session = self._session
         if session is not None and peer in session.runner.peer_of.values():
             return True
