@@ -1,5 +1,6 @@
 """Lanes' pure parts: sealed chunks, offers, tickets, and both ends over a local socket pair."""
 
+import itertools
 import os
 import socket
 import threading
@@ -190,6 +191,51 @@ def test_frames_cross_a_lane_whole_at_any_size(warm_buffer):
     trio.run(writer.close)
     reader.set_timeout(5)
     assert reader.read(1) == b""  # a clean end between chunks
+
+
+class PiecewiseSocket:
+    """A socket whose reads return the given byte stream in pieces of the given sizes (in turn),
+    whatever a read asks for beyond them: chunks then straddle reads and the reader's buffer."""
+
+    def __init__(self, data: bytes, pieces: list[int]) -> None:
+        self._data = memoryview(data)
+        self._pieces = itertools.cycle(pieces)
+        self.reads = 0
+
+    def settimeout(self, timeout: float | None) -> None:
+        pass
+
+    def recv_into(self, into: memoryview, nbytes: int = 0, flags: int = 0) -> int:
+        count = min(len(into), next(self._pieces), len(self._data))
+        into[:count] = self._data[:count]
+        self._data = self._data[count:]
+        self.reads += 1
+        return count
+
+
+def _read_to_end(sock: socket.socket) -> bytes:
+    data = bytearray()
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return bytes(data)
+
+
+@pytest.mark.parametrize("pieces", [[1], [LENGTH_BYTES + 3, 70_000], [300_000], [262_000, 9]])
+def test_frames_read_whole_however_the_socket_cuts_the_stream(pieces):
+    frames = [os.urandom(size) for size in (5, MAX_CHUNK_BYTES + 17, 4 * MAX_CHUNK_BYTES, 1, 900)]
+    left, right = socket.socketpair()
+    writer = LaneWriter(trio.socket.from_stdlib_socket(left), KEY)
+    with ThreadPoolExecutor(1) as pool:  # the writer's real output, read off the other end
+        wire = pool.submit(_read_to_end, right)
+        for frame in frames:
+            writer.write_frame((frame[:3], frame[3:]), 5)
+        left.shutdown(socket.SHUT_WR)
+        stream = wire.result(timeout=5)
+    reader = BlockingLaneReader(PiecewiseSocket(stream, pieces), KEY)  # type: ignore[arg-type]
+    reader.set_timeout(5)
+    got = [bytes(read_exactly_blocking(reader, len(f), stall_timeout_s=5)) for f in frames]
+    assert got == frames
+    assert reader.read(1) == b""  # the stream ended between chunks: a clean end
 
 
 def test_a_lane_that_ends_inside_a_chunk_is_a_frame_error():

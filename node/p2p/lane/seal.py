@@ -24,6 +24,8 @@ MAX_CHUNK_BYTES = 64 << 10
 TAG_BYTES = 16
 LENGTH = struct.Struct(">I")
 LENGTH_BYTES = LENGTH.size
+# What a chunk adds to the bytes it carries: its length before them, its tag after.
+CHUNK_OVERHEAD = LENGTH_BYTES + TAG_BYTES
 # A lane is closed long before its counter could wrap (2^64 chunks of 64 KiB).
 _MAX_CHUNKS = 1 << 63
 _NONCE = struct.Struct("<Q4x")
@@ -55,21 +57,28 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = _aead(key)
         self._sealed = 0
-        self._buffer = bytearray(LENGTH_BYTES + MAX_CHUNK_BYTES + TAG_BYTES)
+        self._buffer = bytearray(CHUNK_OVERHEAD + MAX_CHUNK_BYTES)
 
     def seal(self, plain: bytes | bytearray | memoryview) -> memoryview:
         """The chunk carrying ``plain`` (1..MAX_CHUNK_BYTES bytes), ready to send; the view is
         valid until the next call."""
+        view = memoryview(self._buffer)
+        return view[: self.seal_into(plain, view)]
+
+    def seal_into(self, plain: bytes | bytearray | memoryview, out: memoryview) -> int:
+        """Write the chunk carrying ``plain`` at the start of ``out`` (which has room for
+        ``len(plain) + CHUNK_OVERHEAD`` bytes); returns the chunk's length."""
         size = len(plain)
         if not 1 <= size <= MAX_CHUNK_BYTES:
             raise ValueError(f"a chunk carries 1..{MAX_CHUNK_BYTES} bytes, got {size}")
-        view = memoryview(self._buffer)
-        LENGTH.pack_into(self._buffer, 0, size)
-        end = LENGTH_BYTES + size + TAG_BYTES
+        end = size + CHUNK_OVERHEAD
+        if len(out) < end:
+            raise ValueError(f"a chunk of {end} bytes does not fit in {len(out)}")
+        LENGTH.pack_into(out, 0, size)
         nonce = _nonce(self._sealed)
-        self._aead.encrypt_into(nonce, plain, view[:LENGTH_BYTES], view[LENGTH_BYTES:end])
+        self._aead.encrypt_into(nonce, plain, out[:LENGTH_BYTES], out[LENGTH_BYTES:end])
         self._sealed += 1
-        return view[:end]
+        return end
 
 
 class Opener:

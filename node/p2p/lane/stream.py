@@ -21,6 +21,7 @@ import trio
 from fusionllm.common.errors import FrameError
 from fusionllm.node.errors import DeadlineError, TransportError
 from fusionllm.node.p2p.lane.seal import (
+    CHUNK_OVERHEAD,
     LENGTH_BYTES,
     MAX_CHUNK_BYTES,
     TAG_BYTES,
@@ -50,6 +51,9 @@ async def recv_exactly(sock: trio.socket.SocketType, into: memoryview) -> int:
 
 # A send is never given less than this to finish (a zero timeout would mean "don't block").
 _MIN_WAIT_S = 0.001
+# Sealed chunks go out this many at a time, in one send: on loopback each send is a delivery
+# and a wake-up of the reader, and a 128 KiB activation (3 chunks) then costs one, not three.
+_BATCH_CHUNKS = 4
 
 
 def _send_now(sock: socket.socket, data: memoryview) -> int:
@@ -61,6 +65,14 @@ def _send_now(sock: socket.socket, data: memoryview) -> int:
         except BlockingIOError:
             break
     return sent
+
+
+def _pieces(parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
+    """The frame's parts cut into pieces of at most a chunk (views, no copies)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), MAX_CHUNK_BYTES):
+            yield view[start : start + MAX_CHUNK_BYTES]
 
 
 def tune(sock: trio.socket.SocketType) -> None:
@@ -82,6 +94,7 @@ class LaneWriter:
         # makes Python wait in poll() between sends without clearing that flag for trio.
         self._blocking = socket.socket(fileno=os.dup(sock.fileno()))
         self._sealer = Sealer(key)
+        self._batch = bytearray(_BATCH_CHUNKS * (CHUNK_OVERHEAD + MAX_CHUNK_BYTES))
         self.lock = threading.Lock()
         self.broken = False
 
@@ -94,7 +107,7 @@ class LaneWriter:
         try:
             if self.broken:
                 raise TransportError("the lane is broken")
-            self._finish(memoryview(b""), self._chunks(parts), deadline)
+            self._finish(memoryview(b""), self._batches(parts), deadline)
         finally:
             self.lock.release()
 
@@ -104,27 +117,34 @@ class LaneWriter:
         blocking; the lock must stay held until that has run."""
         if self.broken:
             raise TransportError("the lane is broken")
-        chunks = self._chunks(parts)
+        batches = self._batches(parts)
         try:
             self._blocking.settimeout(0.0)  # a full socket raises BlockingIOError, never waits
-            for sealed in chunks:
+            for sealed in batches:
                 sent = _send_now(self._blocking, sealed)
                 if sent < len(sealed):
-                    rest = sealed[sent:]  # the sealer's buffer: valid until the next chunk
-                    return lambda deadline: self._finish(rest, chunks, deadline)
+                    rest = sealed[sent:]  # the batch buffer: valid until the next batch
+                    return lambda deadline: self._finish(rest, batches, deadline)
         except BaseException as exc:
             self._fail(exc)
         return None
 
-    def _chunks(self, parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
-        for part in parts:
-            view = memoryview(part).cast("B")
-            for start in range(0, len(view), MAX_CHUNK_BYTES):
-                yield self._sealer.seal(view[start : start + MAX_CHUNK_BYTES])
+    def _batches(self, parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
+        """The frame's sealed chunks, up to ``_BATCH_CHUNKS`` at a time in one buffer (each
+        batch valid until the next is asked for)."""
+        view = memoryview(self._batch)
+        used = 0
+        for piece in _pieces(parts):
+            if used + CHUNK_OVERHEAD + len(piece) > len(view):
+                yield view[:used]
+                used = 0
+            used += self._sealer.seal_into(piece, view[used:])
+        if used:
+            yield view[:used]
 
-    def _finish(self, rest: memoryview, chunks: Iterator[memoryview], deadline: float) -> None:
+    def _finish(self, rest: memoryview, batches: Iterator[memoryview], deadline: float) -> None:
         try:
-            for sealed in itertools.chain((rest,), chunks):
+            for sealed in itertools.chain((rest,), batches):
                 if sealed:
                     self._blocking.settimeout(max(deadline - time.monotonic(), _MIN_WAIT_S))
                     self._blocking.sendall(sealed)
@@ -163,13 +183,12 @@ class LaneWriter:
 
 
 class _Chunks:
-    """What both reader ends share: opening a chunk (its length in ``prefix``) and handing out
-    its plaintext, straight into the caller's buffer where the whole chunk fits there."""
+    """The reader's chunks: opening one (its length in ``prefix``) and handing out its
+    plaintext, straight into the caller's buffer where the whole chunk fits there."""
 
     def __init__(self, key: bytes) -> None:
         self._opener = Opener(key)
         self.prefix = bytearray(LENGTH_BYTES)
-        self._sealed = bytearray(MAX_CHUNK_BYTES + TAG_BYTES)
         self._plain = bytearray(MAX_CHUNK_BYTES)
         self._start = 0
         self._end = 0
@@ -179,12 +198,9 @@ class _Chunks:
     def empty(self) -> bool:
         return self._start == self._end
 
-    def sealed_view(self) -> memoryview:
-        """Where the chunk announced by ``prefix`` goes (its sealed bytes and tag)."""
-        return memoryview(self._sealed)[: chunk_length(self.prefix) + TAG_BYTES]
-
     def check_prefix(self, got: int) -> bool:
-        """After reading ``got`` prefix bytes: False at a clean end, FrameError inside one."""
+        """After ``got`` bytes came for a chunk's length: False at a clean end, FrameError
+        inside one."""
         if got == 0:
             self.broken = False
             return False
@@ -192,9 +208,10 @@ class _Chunks:
             raise FrameError(f"the lane ended inside a chunk's length ({got} bytes)")
         return True
 
-    def check_sealed(self, got: int, sealed: memoryview) -> None:
-        if got < len(sealed):
-            raise FrameError(f"the lane ended after {got} of a chunk's {len(sealed)} bytes")
+    def check_sealed(self, got: int, length: int) -> None:
+        """After ``got`` bytes came for a chunk of ``length`` sealed bytes."""
+        if got < length:
+            raise FrameError(f"the lane ended after {got} of a chunk's {length} bytes")
         self.broken = False
 
     def take(self, sealed: memoryview | None, max_bytes: int) -> bytes:
@@ -237,6 +254,7 @@ class BlockingLaneReader:
     def __init__(self, sock: socket.socket, key: bytes) -> None:
         self._sock = sock
         self._chunks = _Chunks(key)
+        self._inbox = _Inbox(sock, _INBOX_CHUNKS * (CHUNK_OVERHEAD + MAX_CHUNK_BYTES))
         self._timeout: float | None = None
 
     def set_timeout(self, timeout: float | None) -> None:
@@ -262,31 +280,69 @@ class BlockingLaneReader:
         return self._chunks.take_into(sealed, into)
 
     def _receive_chunk(self) -> memoryview | None:
-        chunks = self._chunks
+        """The next chunk's sealed bytes and tag (its length in ``_chunks.prefix``), valid until
+        the next call; None at a clean end."""
+        chunks, inbox = self._chunks, self._inbox
         chunks.begin()
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        prefix = memoryview(chunks.prefix)
-        if not chunks.check_prefix(recv_exactly_blocking(self._sock, prefix, deadline)):
+        if not chunks.check_prefix(inbox.fill(LENGTH_BYTES, deadline)):
             return None
-        sealed = chunks.sealed_view()
-        chunks.check_sealed(recv_exactly_blocking(self._sock, sealed, deadline), sealed)
-        return sealed
+        chunks.prefix[:] = inbox.take(LENGTH_BYTES)
+        length = chunk_length(chunks.prefix) + TAG_BYTES
+        chunks.check_sealed(inbox.fill(length, deadline), length)
+        return inbox.take(length)
 
 
-def recv_exactly_blocking(sock: socket.socket, into: memoryview, deadline: float | None) -> int:
-    """``recv_exactly`` on a blocking socket, all of it by ``deadline`` (monotonic; None:
-    no limit) or TimeoutError."""
-    got = 0
-    while got < len(into):
-        if deadline is None:
-            sock.settimeout(None)
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{got} of {len(into)} bytes by the deadline")
-            sock.settimeout(left)
-        count = sock.recv_into(into[got:], 0, socket.MSG_WAITALL)
-        if count == 0:
-            break
-        got += count
-    return got
+# The reader's buffer holds this many whole chunks: a batch the writer sent at once is read at
+# once, instead of in two reads a chunk (its length, then its bytes).
+_INBOX_CHUNKS = 4
+
+
+class _Inbox:
+    """Bytes the lane's socket gave and the reader has not used yet: each read takes what the
+    socket holds, as much as fits, and waits in the kernel only for what a chunk still lacks.
+    A peer's announced length never sizes anything: the buffer is fixed, and a chunk (at most
+    ``CHUNK_OVERHEAD + MAX_CHUNK_BYTES``) always fits in it."""
+
+    def __init__(self, sock: socket.socket, size: int) -> None:
+        self._sock = sock
+        self._buffer = bytearray(size)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+
+    def fill(self, count: int, deadline: float | None) -> int:
+        """Have at least ``count`` bytes ready by ``deadline`` (monotonic; None: no limit), or
+        TimeoutError; fewer only where the peer closed. Returns how many are ready."""
+        if self._end - self._start >= count:
+            return self._end - self._start
+        if self._start + count > len(self._buffer):  # no room behind them: move them forward
+            ready = self._end - self._start
+            self._view[:ready] = self._view[self._start : self._end]
+            self._start, self._end = 0, ready
+        flags = 0  # the first read takes whatever is there; later ones wait for the rest
+        while self._end - self._start < count:
+            _set_timeout(self._sock, deadline, self._end - self._start, count)
+            stop = len(self._buffer) if not flags else self._start + count
+            got = self._sock.recv_into(self._view[self._end : stop], 0, flags)
+            if got == 0:
+                break
+            self._end += got
+            flags = socket.MSG_WAITALL
+        return self._end - self._start
+
+    def take(self, count: int) -> memoryview:
+        """The next ``count`` ready bytes (a view valid until the next ``fill``)."""
+        view = self._view[self._start : self._start + count]
+        self._start += count
+        return view
+
+
+def _set_timeout(sock: socket.socket, deadline: float | None, got: int, wanted: int) -> None:
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{got} of {wanted} bytes by the deadline")
+    sock.settimeout(left)
