@@ -12,7 +12,11 @@ bubble (S - 1) / (M + S - 1) for equal stages and free links. The first steps ar
 "CPU ms/step" is the CPU time of all the row's processes per measured step (every thread:
 compute, packing, the lanes' reading, the optimizer), and "cores busy" that time over all
 cores' time: near 100% the row is bound by CPU, not by waiting, and any work the pipeline
-machinery adds per frame comes straight off its throughput.
+machinery adds per frame comes straight off its throughput. "compute" is the part of that CPU
+spent in the stages' forward and backward (their threads' CPU time): what the rows add beyond
+the one-process row's CPU, less what compute itself grew by, is the machinery's. "cut ideal"
+is the bubble 1F1B would leave with free links and these stages' measured compute
+(``schedule.ideal_bubble``): above the 1F1B ideal by the cut's imbalance alone.
 The launcher gives each stage process its own core (processes share cores round robin when
 there are more of them than cores); ``--no-pin`` leaves placement to the OS, for comparison.
 
@@ -38,6 +42,7 @@ from fusionllm.common.cpus import available_cores
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.launcher import run_swarm
 from fusionllm.node.pipeline.local_train import train_local
+from fusionllm.node.pipeline.schedule import ideal_bubble
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 _WARMUP_STEPS = 3
@@ -80,6 +85,8 @@ def bench_local(args: argparse.Namespace, dataset: TokenDataset) -> dict:
         "tokens_per_s": config.tokens_per_step / step_s,
         "bubble": 0.0,
         "ideal_bubble": 0.0,
+        "cut_ideal_bubble": 0.0,
+        "compute_cpu_s_per_step": math.nan,  # all of the row's CPU is compute and the update
         "final_loss": run.losses[-1],
         "cpu_s_per_step": meter.per_step()[0],
         "cores_busy": math.nan,  # one process on one torch thread: one core at most
@@ -128,14 +135,16 @@ def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
     for event in result.steps:
         by_step.setdefault(event["step"], []).append(event)
     measured = [s for s in sorted(by_step) if s >= _WARMUP_STEPS] or sorted(by_step)
-    step_times, bubbles = [], []
+    step_times, bubbles, cut_bubbles, compute_cpu = [], [], [], []
+    m = config.micro_batches
     for step in measured:
         events = by_step[step]
         wall = max(e["seconds"] for e in events)
         step_times.append(wall)
         bubbles.append(1.0 - sum(e["busy_s"] for e in events) / (len(events) * wall))
+        cut_bubbles.append(ideal_bubble([e["busy_s"] for e in events], m))
+        compute_cpu.append(sum(e["busy_cpu_s"] for e in events))
     step_s = statistics.median(step_times)
-    m = config.micro_batches
     return {
         "name": f"{stages} stages",
         "stages": stages,
@@ -144,6 +153,8 @@ def bench_pipeline(args: argparse.Namespace, stages: int) -> dict:
         "tokens_per_s": config.tokens_per_step / step_s,
         "bubble": statistics.median(bubbles),
         "ideal_bubble": (stages - 1) / (m + stages - 1),
+        "cut_ideal_bubble": statistics.median(cut_bubbles),
+        "compute_cpu_s_per_step": statistics.median(compute_cpu),
         "final_loss": result.losses[-1],
         "bytes_out_per_step": sum(d["bytes_out"] for d in result.done) / config.steps,
         "cpu_s_per_step": cpu_s,
@@ -164,9 +175,13 @@ def _targets(rows: list[dict]) -> dict:
     if two is not None:
         out["speedup_2"] = two["tokens_per_s"] / local
         out["bubble_over_ideal_2"] = two["bubble"] / two["ideal_bubble"]
+        out["bubble_over_cut_ideal_2"] = two["bubble"] / two["cut_ideal_bubble"]
         out["lines"] += [
             f"2 stages / one process: {out['speedup_2']:.2f}x (target >= 1.4x)",
             f"2 stages bubble / 1F1B ideal: {out['bubble_over_ideal_2']:.2f}x (target <= 1.5x)",
+            f"  (the cut's own ideal is {two['cut_ideal_bubble']:.1%}: this cut's stages alone "
+            f"leave {two['cut_ideal_bubble'] / two['ideal_bubble']:.2f}x the 1F1B ideal; "
+            f"the measured bubble is {out['bubble_over_cut_ideal_2']:.2f}x the cut's)",
         ]
     if two is not None and four is not None:
         out["four_over_two"] = four["tokens_per_s"] / two["tokens_per_s"]
@@ -204,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'run':<10} {'step ms':>8} {'tokens/s':>9} {'bubble':>7} {'1F1B ideal':>10} "
-        f"{'CPU ms/step':>11} {'cores busy':>10} {'loss':>6}"
+        f"{'cut ideal':>9} {'CPU ms/step':>11} {'compute':>7} {'cores busy':>10} {'loss':>6}"
     )
     for row in rows:
+        compute_ms = row["compute_cpu_s_per_step"] * 1e3
+        compute = "-" if math.isnan(compute_ms) else f"{compute_ms:.1f}"
         print(
             f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['tokens_per_s']:9.0f} "
-            f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} "
-            f"{row['cpu_s_per_step'] * 1e3:11.1f} {_share(row['cores_busy']):>10} "
-            f"{row['final_loss']:6.3f}"
+            f"{row['bubble']:7.1%} {row['ideal_bubble']:10.1%} {row['cut_ideal_bubble']:9.1%} "
+            f"{row['cpu_s_per_step'] * 1e3:11.1f} {compute:>7} "
+            f"{_share(row['cores_busy']):>10} {row['final_loss']:6.3f}"
         )
     targets = _targets(rows)
     for line in targets["lines"]:

@@ -151,6 +151,9 @@ class StepReport:
     seconds: float  # wall time of the whole step
     busy_s: float  # forward + backward compute of this process
     wait_s: float  # blocked on frames during the schedule
+    # The CPU time of that compute (this thread's): below busy_s where the process shared its
+    # core (busy_s then counts the other's turns too), above where compute itself got slower.
+    busy_cpu_s: float = 0.0
     votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
 
 
@@ -213,6 +216,7 @@ class PipelineRunner:
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
         self._feedback = ErrorFeedback()
+        self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
         self.expectations = Expectations(config, layout, role)
         self.mailbox = Mailbox(
             ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != role},
@@ -276,6 +280,7 @@ class PipelineRunner:
         self.mailbox.advance(step)
         sends = _Sends()
         busy, wait = 0.0, 0.0
+        self._compute_cpu_s = 0.0
         loss_sum, loss_count = 0.0, 0
         s = self.role.stage
         order = replica_schedule(
@@ -314,6 +319,7 @@ class PipelineRunner:
             seconds=time.perf_counter() - started,
             busy_s=busy,
             wait_s=wait,
+            busy_cpu_s=self._compute_cpu_s,
             votes=votes,
         )
 
@@ -335,9 +341,10 @@ class PipelineRunner:
             )
             inputs = self.layout.links[s - 1].unpack(flat)
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time()
         out = worker.forward(step, mb, inputs, targets)
         computed = time.perf_counter() - t1
+        self._compute_cpu_s += time.thread_time() - cpu
         if worker.is_last:
             return computed, t1 - t0, out  # type: ignore[return-value]
         target = Role(s + 1, owner(mb, self.replicas[s + 1]))
@@ -364,9 +371,10 @@ class PipelineRunner:
                 sends,
             )
             grads = self.layout.links[s].unpack(flat)
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time()
         input_grads = worker.backward(step, mb, grads)
         computed = time.perf_counter() - t1
+        self._compute_cpu_s += time.thread_time() - cpu
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
             flat = self.layout.links[s - 1].pack(input_grads)

@@ -63,3 +63,15 @@ def replica_schedule(
 def owner(micro_batch: int, replicas: int) -> int:
     """The replica that processes a micro-batch."""
     return micro_batch % replicas
+
+
+def ideal_bubble(compute_s: list[float], micro_batches: int) -> float:
+    """The share of a 1F1B step its stages spend idle when links cost nothing, given each
+    stage's compute for the whole step (forwards and backwards). The first micro-batch crosses
+    every stage, the others follow at the slowest stage's pace; equal stages give the
+    textbook (S - 1) / (M + S - 1), unequal ones more: that excess is the cut's imbalance."""
+    if micro_batches < 1 or not compute_s or min(compute_s) < 0:
+        raise ConfigError("an ideal bubble needs micro-batches and stages' compute times >= 0")
+    per_micro_batch = [seconds / micro_batches for seconds in compute_s]
+    step = (micro_batches - 1) * max(per_micro_batch) + sum(per_micro_batch)
+    return 1.0 - sum(compute_s) / (len(compute_s) * step) if step > 0 else 0.0

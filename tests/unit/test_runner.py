@@ -76,6 +76,8 @@ def test_runners_match_one_process(dataset, stages, replicas) -> None:
     for role, run in swarm.results.items():  # every process saw the same global losses
         assert [r.loss for r in run.reports] == losses, role
         assert run.reports[0].grad_norm > config.max_grad_norm, "clipping is not exercised"
+        for report in run.reports:  # a thread's CPU time never exceeds its wall time
+            assert 0 < report.busy_cpu_s <= report.busy_s + 1e-4, (role, report)
     params = swarm.parameters()
     assert params.keys() == reference.parameters.keys()
     for name, value in reference.parameters.items():

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.pipeline.schedule import (
+    ideal_bubble,
     one_f_one_b,
     owner,
     replica_micro_batches,
@@ -135,3 +136,22 @@ def _runs_to_completion(
 )
 def test_replicated_stages_never_deadlock(replicas, extra, slack) -> None:
     assert _runs_to_completion(replicas, max(replicas) + extra, slack=slack)
+
+
+@given(stages=st.integers(1, 8), micro_batches=st.integers(1, 32), each_s=st.floats(0.001, 10))
+def test_equal_stages_leave_the_textbook_bubble(stages, micro_batches, each_s) -> None:
+    got = ideal_bubble([each_s] * stages, micro_batches)
+    assert got == pytest.approx((stages - 1) / (micro_batches + stages - 1), abs=1e-12)
+
+
+def test_an_uneven_cut_leaves_more_bubble_the_more_uneven_it_is() -> None:
+    # 8 micro-batches, 2 stages: per micro-batch 0.375 and 0.125; 7 x 0.375 + 0.5 = 3.125.
+    assert ideal_bubble([3.0, 1.0], 8) == pytest.approx(1 - 4.0 / (2 * 3.125))
+    even, mild, steep = (ideal_bubble(c, 8) for c in ([2.0, 2.0], [2.2, 1.8], [3.0, 1.0]))
+    assert even < mild < steep
+
+
+def test_an_ideal_bubble_needs_sane_inputs() -> None:
+    for compute, micro_batches in (([], 8), ([1.0], 0), ([1.0, -0.1], 8)):
+        with pytest.raises(ConfigError, match="ideal bubble"):
+            ideal_bubble(compute, micro_batches)
