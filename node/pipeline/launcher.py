@@ -23,8 +23,8 @@ from fusionllm.common.cpus import available_cores, spread
 from fusionllm.common.logs import get_logger
 from fusionllm.node.children import JsonChild
 from fusionllm.node.errors import PipelineError
+from fusionllm.node.pipeline.expectations import roles_of
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.pipeline.runner import roles_of
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)

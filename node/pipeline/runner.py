@@ -12,7 +12,9 @@ Per step a process (stage s, replica r) runs, in order:
 3. tied parameters (GPT-2's wte / lm_head): each holder sends its gradient to the other holder
    stages and every holder sums them in stage order, so the copies stay bit-identical;
 4. a control all-gather of (squared gradient norm, loss sum, loss count): every process gets
-   the global norm (a tied parameter counted once, replicas once) and the step's loss;
+   the global norm (a tied parameter counted once, replicas once) and the step's loss; a
+   process whose share does not depend on step 3 (all but the stage counting a tied
+   parameter) sends its part before step 3, so the step ends one link latency sooner;
 5. ``clip_and_step``.
 
 Why an all-gather over our own transport for steps 2 and 4 rather than hivemind's averager:
@@ -44,9 +46,16 @@ from fusionllm.common.logs import get_logger
 from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
 from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
-from fusionllm.node.p2p.transport import Received, TensorSpec, Transport
+from fusionllm.node.p2p.transport import Received, Transport
 from fusionllm.node.pipeline.data import TokenDataset
-from fusionllm.node.pipeline.layout import WIRE_DTYPE, PipelineLayout
+from fusionllm.node.pipeline.expectations import (
+    TAG_DP,
+    TAG_SUMMARY,
+    TAG_TIED,
+    Expectations,
+    roles_of,
+)
+from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
@@ -54,93 +63,12 @@ from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)
 
-# Control-frame tags (the header's micro_batch field).
-TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count, plan vote]
-TAG_DP = 1  # float32 flat gradients of the whole stage
-TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
-
-SUMMARY_LEN = 4
-
 # Forwards a stage runs ahead of plain 1F1B (schedule.one_f_one_b's slack): a frame's fixed
 # cost (~1-3 ms here) would otherwise stall every steady-state backward for a round trip to the
 # next stage; one more micro-batch in flight hides it. Measured (2 stages, GPT-2 tiny, 2 cores):
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
-
-_NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: refuses the frame
-
-
-def roles_of(config: TrainConfig) -> list[Role]:
-    """Every process of the run, in rank order (stage-major)."""
-    return [Role(s, r) for s, n in enumerate(config.stage_replicas) for r in range(n)]
-
-
-class Expectations:
-    """What each peer may send one process: the transport's ``expect`` hook and the mailbox's
-    admission check. Needs only the run's config and layout, so the transport can use it
-    before the runner (which needs the transport) exists.
-    """
-
-    def __init__(self, config: TrainConfig, layout: PipelineLayout, role: Role) -> None:
-        self.config = config
-        self.layout = layout
-        self.role = role
-        self.roles = roles_of(config)
-        self.replicas = config.stage_replicas
-        module = layout.stage_module(role.stage)
-        canonical = layout.stage_parameter_names(role.stage)
-        self._shapes = {canonical[n]: tuple(p.shape) for n, p in module.named_parameters()}
-        self._num_parameters = sum(p.numel() for _, p in module.named_parameters())
-
-    def expect(self, header: FrameHeader) -> TensorSpec | None:
-        """The transport's ``expect`` hook: dtype and shape by header, before we keep a frame."""
-        s = self.role.stage
-        if header.kind is FrameKind.ACTIVATION and header.stage == s - 1:
-            return TensorSpec(WIRE_DTYPE, (self.layout.links[s - 1].numel,))
-        if (
-            header.kind is FrameKind.GRADIENT
-            and header.stage == s + 1
-            and s + 1 < len(self.replicas)
-        ):
-            return TensorSpec(WIRE_DTYPE, (self.layout.links[s].numel,))
-        if header.kind is FrameKind.CONTROL:
-            if header.micro_batch == TAG_SUMMARY:
-                return TensorSpec(torch.float64, (SUMMARY_LEN,))
-            if header.micro_batch == TAG_DP and header.stage == s:
-                return TensorSpec(torch.float32, (self._num_parameters,))
-            tied = sorted(self.layout.tied)
-            i = header.micro_batch - TAG_TIED
-            if 0 <= i < len(tied) and tied[i] in self._shapes:
-                return TensorSpec(torch.float32, self._shapes[tied[i]])
-        return _NEVER
-
-    def admit(self, rank: int, header: FrameHeader) -> str | None:
-        """Why the process of ``rank`` may not send this frame, or None (the mailbox's check)."""
-        sender = self.roles[rank]
-        if header.stage != sender.stage:
-            return f"header says stage {header.stage}, the sender is stage {sender.stage}"
-        s, m = self.role.stage, self.config.micro_batches
-        if header.kind in (FrameKind.ACTIVATION, FrameKind.GRADIENT):
-            step_dir = -1 if header.kind is FrameKind.ACTIVATION else 1
-            if sender.stage != s + step_dir:
-                return f"{header.kind.value} from stage {sender.stage} to stage {s}"
-            mb = header.micro_batch
-            if not (mb < m and owner(mb, self.replicas[s]) == self.role.replica):
-                return f"micro-batch {mb} is not ours"
-            if owner(mb, self.replicas[sender.stage]) != sender.replica:
-                return f"micro-batch {mb} is not the sender's"
-            return None
-        tag = header.micro_batch
-        if tag == TAG_SUMMARY:
-            return None
-        if tag == TAG_DP:
-            return None if sender.stage == s else "gradients from another stage's replica"
-        tied = sorted(self.layout.tied)
-        i = tag - TAG_TIED
-        if 0 <= i < len(tied) and {s, sender.stage} <= set(self.layout.tied[tied[i]]):
-            return None
-        return f"unexpected control tag {tag}"
 
 
 @dataclass
@@ -302,8 +230,15 @@ class PipelineRunner:
             busy += computed
             wait += waited
         self._all_reduce_replicas(step, sends)
+        # Whose share of the norm does not wait on the tied sums sends its summary before
+        # them: the last stage's is then at stage 0 when stage 0's last backward ends, and the
+        # step ends one link latency after that, not two (the tied frame, then the summary).
+        early = self.role.replica != 0 or self._counts_no_tied()
+        mine = self._send_summary(step, sends, loss_sum, loss_count) if early else None
         self._sum_tied(step, sends)
-        sq, loss_sum, loss_count, votes = self._summary(step, sends, loss_sum, loss_count)
+        if mine is None:
+            mine = self._send_summary(step, sends, loss_sum, loss_count)
+        sq, loss_sum, loss_count, votes = self._gather_summary(step, sends, mine)
         if loss_count != self.config.micro_batches:  # before the step: never half-apply one
             raise PipelineError(
                 f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
@@ -429,10 +364,14 @@ class PipelineRunner:
                 total = part.clone() if total is None else total + part
             self.worker.set_grad(name, total)
 
-    def _summary(
+    def _counts_no_tied(self) -> bool:
+        """Whether every tied parameter we hold is counted in the norm by another stage."""
+        return set(self.tied_names) <= self.layout.counted_elsewhere(self.role.stage)
+
+    def _send_summary(
         self, step: int, sends: _Sends, loss_sum: float, loss_count: int
-    ) -> tuple[float, float, int, tuple[float, ...]]:
-        """All-gather of (squared norm, loss sum, loss count, vote); sums in rank order."""
+    ) -> torch.Tensor:
+        """Our (squared norm, loss sum, loss count, vote), sent to every other process."""
         sq = 0.0
         if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
             sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
@@ -442,6 +381,12 @@ class PipelineRunner:
         for other in self.roles:
             if other != self.role:
                 sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
+        return mine
+
+    def _gather_summary(
+        self, step: int, sends: _Sends, mine: torch.Tensor
+    ) -> tuple[float, float, int, tuple[float, ...]]:
+        """The all-gather's sums, in rank order: (squared norm, loss sum, loss count, votes)."""
         total = torch.zeros(3, dtype=torch.float64)
         votes = []
         for other in self.roles:

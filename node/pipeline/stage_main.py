@@ -29,8 +29,9 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.transport import Transport, TransportConfig
+from fusionllm.node.pipeline.expectations import Expectations
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.pipeline.runner import Expectations, PipelineRunner
+from fusionllm.node.pipeline.runner import PipelineRunner
 from fusionllm.node.pipeline.train_config import (
     TrainConfig,
     build_layout,

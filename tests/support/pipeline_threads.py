@@ -19,9 +19,10 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.expectations import Expectations, roles_of
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.pipeline.runner import Expectations, PipelineRunner, StepReport, roles_of
+from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.train_config import TrainConfig, build_layout, build_model
 from tests.support.memory_transport import (
     MemoryNetwork,

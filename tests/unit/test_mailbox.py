@@ -6,8 +6,14 @@ import torch
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received
+from fusionllm.node.pipeline.expectations import (
+    TAG_DP,
+    TAG_SUMMARY,
+    TAG_TIED,
+    Expectations,
+    roles_of,
+)
 from fusionllm.node.pipeline.mailbox import Mailbox, Role
-from fusionllm.node.pipeline.runner import TAG_DP, TAG_SUMMARY, TAG_TIED, Expectations, roles_of
 from fusionllm.node.pipeline.train_config import TrainConfig, build_layout, build_model
 
 CONFIG = TrainConfig(stages=3, replicas=(1, 2, 1), micro_batches=4, batch_size=2, seq_len=16)

@@ -18,10 +18,10 @@ from fusionllm.compression import pack_tensor, unpack_tensor
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.expectations import TAG_SUMMARY, TAG_TIED, Expectations
 from fusionllm.node.pipeline.layout import WIRE_DTYPE
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.pipeline.runner import TAG_SUMMARY, Expectations
 from fusionllm.node.pipeline.train_config import TrainConfig
 from tests.support.memory_transport import FrameMatch
 from tests.support.pipeline_threads import ThreadSwarm, peer_id_of
@@ -175,6 +175,31 @@ def test_a_missing_frame_is_named_by_the_runner_that_waits_for_it(dataset, fault
     refusals = swarm.transports[last].stats()[peer_id_of(first)].errors
     assert refusals == ({"FrameError": 1} if fault == "garble" else {})
     assert isinstance(swarm.errors().get(first), PipelineError)  # and stage 0 gives up too
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_last_stage_sends_its_summary_before_it_waits_for_the_tied_sum(dataset, stages):
+    """Its share of the norm leaves the tied embedding to stage 0, so stage 0 can end step 0
+    with the tied gradient it sent never arriving: the summary did not wait for it (the step
+    then ends one link latency after stage 0's last backward, not two)."""
+    config = _config(stages=stages, steps=2)
+    first, last = Role(0, 0), Role(stages - 1, 0)
+    swarm = ThreadSwarm(config, dataset, timeout_s=FAIL_TIMEOUT_S)
+    tied = FrameMatch(
+        src=peer_id_of(first), dst=peer_id_of(last), kind=FrameKind.CONTROL, step=0, tag=TAG_TIED
+    )
+    lost = swarm.network.drop(tied)
+    try:
+        swarm.run(join_timeout_s=30)
+    finally:
+        swarm.close()
+    assert lost.hits == 1
+    assert swarm.results[first].reports[0].step == 0  # the whole step, optimizer included
+    error = swarm.errors()[last]
+    assert isinstance(error, PipelineError)
+    assert re.search(
+        rf"control frame \(step 0, tag {TAG_TIED}\) from {re.escape(str(first))}", str(error)
+    )
 
 
 def _with_first_value(value: float):
