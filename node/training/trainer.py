@@ -269,6 +269,8 @@ class SwarmTrainer:
     def _follow_plans(self) -> None:
         parted_from = None  # a plan some member left: wait for the one without it
         while not (self._stop.is_set() or self._leaving.is_set()):
+            if self.view.run_finished():  # the members reached the end without us
+                return self._finish(None)
             current = self.view.adopted()
             if current is None:
                 self._stop.wait(_IDLE_POLL_S)
@@ -317,8 +319,12 @@ class SwarmTrainer:
     def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
         digest = plan_of.digest
         self._connect(plan_of)
+        # A plan whose members never all meet (one of them followed another plan, which then
+        # ran to the end and left) is given up once the members' records say the run is over.
         current = lambda: (  # noqa: E731
-            (self.view.adopted() or ("",))[0] == digest and not self._leaving.is_set()
+            (self.view.adopted() or ("",))[0] == digest
+            and not self._leaving.is_set()
+            and not self.view.run_finished()
         )
         start = session.meet(current=current, stop=self._stop)
         if start is None:

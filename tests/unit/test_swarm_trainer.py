@@ -238,6 +238,24 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
 
 
+def test_a_node_whose_plan_never_meets_sees_the_end_of_the_run_it_missed(cluster_of):
+    """Views differed: b and c adopted a plan of their own and trained it to the end, while a
+    adopted one with c, which c never came to meet. Once the members' records say the run is
+    over, a stops waiting at the READY barrier and ends, as a backup does."""
+    peers = ["peer-a", "peer-b", "peer-c"]
+    cluster = cluster_of(peers)
+    cluster.adopt(_plan(["peer-b", "peer-c"], 2), ["peer-b", "peer-c"])
+    cluster.adopt(_plan(["peer-a", "peer-c"], 2), ["peer-a"])
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    cluster.wait_finished(["peer-b", "peer-c"])
+    assert not cluster.trainers["peer-a"].finished.is_set()  # still waiting for c to meet
+    cluster.views["peer-a"].finished = True  # as the daemon learns from b's and c's records
+    cluster.wait(lambda: cluster.trainers["peer-a"].finished.is_set(), "a to see the end")
+    assert not cluster.losses("peer-a")
+    assert sorted(cluster.losses("peer-b")) == list(range(RUN.steps))
+
+
 def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_path):
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
