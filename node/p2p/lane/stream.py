@@ -52,7 +52,8 @@ async def recv_exactly(sock: trio.socket.SocketType, into: memoryview) -> int:
 # A send is never given less than this to finish (a zero timeout would mean "don't block").
 _MIN_WAIT_S = 0.001
 # Sealed chunks go out this many at a time, in one send: on loopback each send is a delivery
-# and a wake-up of the reader, and a 128 KiB activation (3 chunks) then costs one, not three.
+# and a wake-up of the reader, and a 128 KiB activation (its head, two full chunks and the
+# body's last bytes) then costs one, not four.
 _BATCH_CHUNKS = 4
 
 
