@@ -71,6 +71,15 @@ _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
 
 
+def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
+    """Whether this process's share of the norm does not wait on the tied sums, so it sends
+    its summary before them: the last stage's is then at stage 0 when stage 0's last backward
+    ends, and the step ends one link latency after that, not two (the tied frame, then the
+    summary). Replicas but the first send a norm of 0, and a stage whose tied copies another
+    stage counts leaves them out of its share."""
+    return role.replica != 0 or set(tied_names) <= layout.counted_elsewhere(role.stage)
+
+
 @dataclass
 class StepReport:
     step: int
@@ -145,6 +154,7 @@ class PipelineRunner:
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
         self._feedback = ErrorFeedback()
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
+        self._summary_first = _summary_first(role, self.tied_names, layout)
         self.expectations = Expectations(config, layout, role)
         self.mailbox = Mailbox(
             ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != role},
@@ -230,13 +240,10 @@ class PipelineRunner:
             busy += computed
             wait += waited
         self._all_reduce_replicas(step, sends)
-        # Whose share of the norm does not wait on the tied sums sends its summary before
-        # them: the last stage's is then at stage 0 when stage 0's last backward ends, and the
-        # step ends one link latency after that, not two (the tied frame, then the summary).
-        early = self.role.replica != 0 or self._counts_no_tied()
-        mine = self._send_summary(step, sends, loss_sum, loss_count) if early else None
+        if self._summary_first:
+            mine = self._send_summary(step, sends, loss_sum, loss_count)
         self._sum_tied(step, sends)
-        if mine is None:
+        if not self._summary_first:
             mine = self._send_summary(step, sends, loss_sum, loss_count)
         sq, loss_sum, loss_count, votes = self._gather_summary(step, sends, mine)
         if loss_count != self.config.micro_batches:  # before the step: never half-apply one
@@ -363,10 +370,6 @@ class PipelineRunner:
                     part = self._take(FrameKind.CONTROL, step, tag, sender, sends)
                 total = part.clone() if total is None else total + part
             self.worker.set_grad(name, total)
-
-    def _counts_no_tied(self) -> bool:
-        """Whether every tied parameter we hold is counted in the norm by another stage."""
-        return set(self.tied_names) <= self.layout.counted_elsewhere(self.role.stage)
 
     def _send_summary(
         self, step: int, sends: _Sends, loss_sum: float, loss_count: int

@@ -283,8 +283,7 @@ class SwarmTrainer:
             if plan_of is None or plan_of.role is None or plan_of.digest == parted_from:
                 if plan_of is not None and plan_of.role is None:
                     self.view.publish(None, self.step, self.loss, False)
-                if self._wait_for_other_plan(current[0]):
-                    return self._finish(None)
+                self._wait_for_other_plan(current[0])
                 continue
             ending = self._serve(plan_of)
             if ending.outcome is Outcome.FINISHED:
@@ -379,16 +378,13 @@ class SwarmTrainer:
         except ConfigError:
             return None
 
-    def _wait_for_other_plan(self, digest: str) -> bool:
-        """Idle until the adopted plan changes; True if the run finished meanwhile."""
-        while not (self._stop.is_set() or self._leaving.is_set()):
-            if self.view.run_finished():
-                return True
+    def _wait_for_other_plan(self, digest: str) -> None:
+        """Idle until the adopted plan changes or the run finished (``_follow_plans`` ends)."""
+        while not (self._stop.is_set() or self._leaving.is_set() or self.view.run_finished()):
             current = self.view.adopted()
             if current is None or current[0] != digest:
-                return False
+                return
             self._stop.wait(_IDLE_POLL_S)
-        return False
 
     # ----- peers ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ LENGTH = struct.Struct(">I")
 LENGTH_BYTES = LENGTH.size
 # What a chunk adds to the bytes it carries: its length before them, its tag after.
 CHUNK_OVERHEAD = LENGTH_BYTES + TAG_BYTES
+MAX_SEALED_CHUNK = CHUNK_OVERHEAD + MAX_CHUNK_BYTES  # the longest chunk on the wire
 # A lane is closed long before its counter could wrap (2^64 chunks of 64 KiB).
 _MAX_CHUNKS = 1 << 63
 _NONCE = struct.Struct("<Q4x")
@@ -57,13 +58,13 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = _aead(key)
         self._sealed = 0
-        self._buffer = bytearray(CHUNK_OVERHEAD + MAX_CHUNK_BYTES)
 
-    def seal(self, plain: bytes | bytearray | memoryview) -> memoryview:
-        """The chunk carrying ``plain`` (1..MAX_CHUNK_BYTES bytes), ready to send; the view is
-        valid until the next call."""
-        view = memoryview(self._buffer)
-        return view[: self.seal_into(plain, view)]
+    def seal(self, plain: bytes | bytearray | memoryview) -> bytearray:
+        """The chunk carrying ``plain`` (1..MAX_CHUNK_BYTES bytes) in a buffer of its own;
+        lanes seal into their batch buffer instead (``seal_into``)."""
+        out = bytearray(len(plain) + CHUNK_OVERHEAD)
+        self.seal_into(plain, memoryview(out))
+        return out
 
     def seal_into(self, plain: bytes | bytearray | memoryview, out: memoryview) -> int:
         """Write the chunk carrying ``plain`` at the start of ``out`` (which has room for

@@ -24,6 +24,7 @@ from fusionllm.node.p2p.lane.seal import (
     CHUNK_OVERHEAD,
     LENGTH_BYTES,
     MAX_CHUNK_BYTES,
+    MAX_SEALED_CHUNK,
     TAG_BYTES,
     Opener,
     Sealer,
@@ -95,7 +96,7 @@ class LaneWriter:
         # makes Python wait in poll() between sends without clearing that flag for trio.
         self._blocking = socket.socket(fileno=os.dup(sock.fileno()))
         self._sealer = Sealer(key)
-        self._batch = bytearray(_BATCH_CHUNKS * (CHUNK_OVERHEAD + MAX_CHUNK_BYTES))
+        self._batch = bytearray(_BATCH_CHUNKS * MAX_SEALED_CHUNK)
         self.lock = threading.Lock()
         self.broken = False
 
@@ -255,7 +256,7 @@ class BlockingLaneReader:
     def __init__(self, sock: socket.socket, key: bytes) -> None:
         self._sock = sock
         self._chunks = _Chunks(key)
-        self._inbox = _Inbox(sock, _INBOX_CHUNKS * (CHUNK_OVERHEAD + MAX_CHUNK_BYTES))
+        self._inbox = _Inbox(sock, _INBOX_CHUNKS * MAX_SEALED_CHUNK)
         self._timeout: float | None = None
 
     def set_timeout(self, timeout: float | None) -> None:
@@ -303,7 +304,7 @@ class _Inbox:
     """Bytes the lane's socket gave and the reader has not used yet: each read takes what the
     socket holds, as much as fits, and waits in the kernel only for what a chunk still lacks.
     A peer's announced length never sizes anything: the buffer is fixed, and a chunk (at most
-    ``CHUNK_OVERHEAD + MAX_CHUNK_BYTES``) always fits in it."""
+    ``MAX_SEALED_CHUNK``) always fits in it."""
 
     def __init__(self, sock: socket.socket, size: int) -> None:
         self._sock = sock
