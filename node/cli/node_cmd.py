@@ -9,7 +9,13 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, add_swarm_address, run_spec_from
+from fusionllm.node.cli.options import (
+    add_data_options,
+    add_run_options,
+    add_swarm_address,
+    load_data,
+    run_spec_from,
+)
 
 
 def add_parser(commands) -> None:
@@ -55,6 +61,7 @@ def add_parser(commands) -> None:
         "allow one port only)",
     )
     add_run_options(node)
+    add_data_options(node)
     _add_plan_options(node)
     _add_probe_options(node)
     _add_compute_options(node)
@@ -162,7 +169,7 @@ def _node_config(args: argparse.Namespace):
 
     settings = SwarmSettings(
         swarm=args.swarm,
-        run=run_spec_from(args),
+        run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
@@ -265,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_pause_s=args.checkpoint_pause,
         train=not args.no_train,
         pin_cores=args.pin_cores,
+        data_path=Path(args.data).expanduser() if args.data else None,
+        data_dtype=args.data_dtype,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

@@ -44,8 +44,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0  # 0 or inf: no clipping
     seed: int = 0
-    data_path: str | None = None  # a uint16/uint32 token file; None: stdlib source bytes
-    data_dtype: str = "uint16"
+    # A uint16/uint32 token file or a ``fusionllm prepare`` directory; None: stdlib bytes.
+    data_path: str | None = None
+    data_dtype: str | None = None  # a token file's (default uint16); a directory's manifest says
     vocab_size: int = 256  # byte-level for the stdlib text; a token file's ids must be below it
     stdlib_bytes: int = 2 << 20
     # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32. A ratio
@@ -101,7 +102,12 @@ class TrainConfig:
 
     @property
     def batch(self) -> BatchConfig:
-        return BatchConfig(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
+        return BatchConfig(
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            seed=self.seed,
+            micro_batches=self.micro_batches,
+        )
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -135,8 +141,11 @@ class TrainConfig:
         replicas: tuple[int, ...],
         activation_ratios: tuple[float, ...] = (),
         gradient_ratios: tuple[float, ...] = (),
+        data_path: str | None = None,
+        data_dtype: str | None = None,
     ) -> "TrainConfig":
-        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios)."""
+        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios), with
+        this node's copy of the data (the spec names it by digest, not by path)."""
         return cls(
             model=run.model,
             stages=len(cuts) + 1,
@@ -152,6 +161,9 @@ class TrainConfig:
             max_grad_norm=run.max_grad_norm,
             seed=run.seed,
             stdlib_bytes=run.stdlib_bytes,
+            data_path=data_path,
+            data_dtype=data_dtype,
+            vocab_size=run.vocab_size,
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
             gradient_codec=run.gradient_codec,
@@ -194,10 +206,11 @@ def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
 
 
 def load_dataset(config: TrainConfig) -> TokenDataset:
-    if config.data_path is None:
-        return TokenDataset.from_stdlib(max_bytes=config.stdlib_bytes)
-    return TokenDataset.from_file(
-        config.data_path, dtype=config.data_dtype, vocab_size=config.vocab_size
+    return TokenDataset.load(
+        config.data_path,
+        dtype=config.data_dtype,
+        vocab_size=config.vocab_size,
+        stdlib_bytes=config.stdlib_bytes,
     )
 
 
