@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_data_options, add_run_options, load_data, run_spec_from
 
 _POLL_S = 0.25
 
@@ -26,12 +26,13 @@ def add_parser(commands) -> None:
         help="start N node daemons on this machine and watch them train together",
         description="Starts --nodes `fusionllm node` processes on 127.0.0.1 (the first is the "
         "bootstrap, each has its own key and work directory). They find each other on the "
-        "DHT, agree on a plan without a coordinator and train a byte-level GPT-2 on the "
-        "Python standard library's source. Shows progress, then a summary. Ctrl-C stops "
-        "every process it started.",
+        "DHT, agree on a plan without a coordinator and train a GPT-2 on --data (default: "
+        "the bytes of the Python standard library's source). Shows progress, then a summary. "
+        "Ctrl-C stops every process it started.",
     )
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
+    add_data_options(swarm)
     swarm.add_argument(
         "--min-stages",
         type=int,
@@ -113,6 +114,9 @@ def _options(args: argparse.Namespace) -> dict:
         "lr": run.lr,
         "seed": run.seed,
         "gradient-codec": run.gradient_codec,
+        "data": str(Path(args.data).expanduser().resolve()) if args.data else None,
+        "data-dtype": args.data_dtype,
+        "vocab-size": args.vocab_size,
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
@@ -130,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("a local swarm needs an end: --steps must be >= 1")
     if args.min_stages > args.nodes:
         raise FusionError(f"--min-stages {args.min_stages} needs at least as many --nodes")
-    run_spec_from(args)  # validate before starting anything
+    run_spec_from(args, load_data(args))  # validate before starting anything
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="fusionllm-swarm-")).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print

@@ -4,7 +4,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_run_options, load_data, run_spec_from
 
 if TYPE_CHECKING:
     from fusionllm.node.pipeline.train_config import TrainConfig
@@ -28,18 +28,21 @@ def add_parser(commands) -> None:
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
     add_run_options(train)
-    train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
+    train.add_argument(
+        "--data",
+        help="uint16/uint32 token file or a `fusionllm prepare` directory (default: stdlib "
+        "source bytes)",
+    )
     train.add_argument(
         "--data-dtype",
-        default="uint16",
         choices=["uint16", "uint32"],
-        help="element type of --data (default: %(default)s)",
+        help="element type of a --data file (default: uint16; a directory's manifest says)",
     )
     train.add_argument(
         "--vocab-size",
         type=int,
-        default=256,
-        help="model vocabulary; --data token ids must be below it (default: %(default)s, bytes)",
+        help="model vocabulary; --data token ids must be below it (default: the data's: "
+        "256 for bytes, a manifest's, a token file's largest id + 1)",
     )
     train.add_argument(
         "--topk-ratio",
@@ -101,7 +104,7 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
 
     links = args.stages - 1
     ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
-    run = run_spec_from(args)
+    run = run_spec_from(args, load_data(args))  # checked here, not in every stage process
     return TrainConfig(
         model=run.model,
         stages=args.stages,
@@ -114,7 +117,7 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         seed=run.seed,
         data_path=args.data,
         data_dtype=args.data_dtype,
-        vocab_size=args.vocab_size,
+        vocab_size=run.vocab_size,
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
         gradient_codec=run.gradient_codec,

@@ -92,6 +92,9 @@ class StepReport:
     # core (busy_s then counts the other's turns too), above where compute itself got slower.
     busy_cpu_s: float = 0.0
     votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
+    # The windows (sample ids) this process fed as inputs, on the first stage (else empty):
+    # what a test or a log reads to see that no sample is repeated or skipped.
+    samples: tuple[int, ...] = ()
 
 
 @dataclass
@@ -263,7 +266,14 @@ class PipelineRunner:
             wait_s=wait,
             busy_cpu_s=self._compute_cpu_s,
             votes=votes,
+            samples=self._samples_read(step, order),
         )
+
+    def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
+        if not self.worker.is_first:
+            return ()
+        config, owned = self.config.batch, [mb for kind, mb in order if kind == "F"]
+        return tuple(w for mb in owned for w in self.dataset.samples(config, step, mb))
 
     def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to

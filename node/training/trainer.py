@@ -411,6 +411,7 @@ class SwarmTrainer:
                     "grad_norm": report.grad_norm, "seconds": report.seconds,
                     "tokens_per_s": tokens / max(report.seconds, 1e-9),
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
+                    "samples": list(report.samples),
                     "bytes_out": self._bytes_out()})  # fmt: skip
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
