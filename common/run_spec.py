@@ -40,6 +40,9 @@ class RunSpec:
     # that build a RunSpec by hand); every node the command line starts pins it.
     data_digest: str = ""
     vocab_size: int = STDLIB_VOCAB  # the data's; token ids are below it
+    # Validation loss on the held-out split at the start of every this many steps (0: never):
+    # every stage takes part, so every node must agree.
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -52,6 +55,8 @@ class RunSpec:
         for name in ("seq_len", "micro_batch_size", "micro_batches", "stdlib_bytes", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every must be an integer >= 0, got {self.eval_every!r}")
         if not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"steps must be an integer >= 0 (0: no end), got {self.steps!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:

@@ -51,10 +51,21 @@ class DaemonView:
     def is_member(self, peer: str) -> bool:
         return peer in self._daemon.members
 
-    def publish(self, replica: int | None, step: int, loss: float | None, finished: bool) -> None:
+    def publish(
+        self,
+        replica: int | None,
+        step: int,
+        loss: float | None,
+        finished: bool,
+        evaluation: tuple[int, float] | None = None,
+    ) -> None:
         if loss is not None and not (math.isfinite(loss) and 0 <= loss <= 1e6):
             loss = None  # a diverged run still reports its step; the record refuses NaN
-        self._daemon.progress = TrainingProgress(replica, step, loss, finished)
+        if evaluation is not None and not (
+            math.isfinite(evaluation[1]) and 0 <= evaluation[1] <= 1e6
+        ):
+            evaluation = None
+        self._daemon.progress = TrainingProgress(replica, step, loss, finished, evaluation)
 
     def run_finished(self) -> bool:
         return self._daemon.run_finished

@@ -37,6 +37,14 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
         "--seed", type=int, default=0, help="model init and data order (%(default)s)"
     )
     group.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, the loss on a held-out split of the data (its last 1%%), shown "
+        "in the events, `fusionllm status` and the summary; 0: never (%(default)s)",
+    )
+    group.add_argument(
         "--gradient-codec",
         choices=GRADIENT_CODECS,
         default="topk",
@@ -99,7 +107,7 @@ def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None
 def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> RunSpec:
     """The run the options name; with ``corpus``, pinned to its digest and vocabulary."""
     data = {} if corpus is None else {"data_digest": corpus.digest, "vocab_size": corpus.vocab_size}
-    return RunSpec(
+    run = RunSpec(
         model=args.model,
         steps=args.steps,
         seq_len=args.seq_len,
@@ -108,5 +116,19 @@ def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> R
         lr=args.lr,
         seed=args.seed,
         gradient_codec=args.gradient_codec,
+        eval_every=args.eval_every,
         **data,
     )
+    if corpus is not None:  # enough data for a step, and for a validation batch
+        from fusionllm.data.sampler import Sampler
+
+        sampler = Sampler(
+            tokens=len(corpus),
+            seq_len=run.seq_len,
+            seed=run.seed,
+            batch_size=run.micro_batch_size,
+            micro_batches=run.micro_batches,
+        )
+        if run.eval_every:
+            sampler.eval_batch(0)
+    return run

@@ -80,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_s = config.tokens_per_step / max(event["seconds"], 1e-9)
         if args.json:
             print(json.dumps({"step": event["step"], "loss": event["loss"],
+                              "eval_loss": event.get("eval_loss"),
                               "tokens_per_s": tokens_per_s}), flush=True)  # fmt: skip
-        elif event["step"] % args.every == 0 or event["step"] == config.steps - 1:
+            return
+        if event.get("eval_loss") is not None:
+            print(f"step {event['step']:>5}  validation loss {event['eval_loss']:.4f}", flush=True)
+        if event["step"] % args.every == 0 or event["step"] == config.steps - 1:
             print(
                 f"step {event['step']:>5}  loss {event['loss']:.4f}  "
                 f"grad norm {event['grad_norm']:.3f}  {tokens_per_s:,.0f} tokens/s",
@@ -121,4 +125,5 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
         gradient_codec=run.gradient_codec,
+        eval_every=run.eval_every,
     )

@@ -56,6 +56,7 @@ class TrainConfig:
     activation_ratios: tuple[float, ...] = ()
     gradient_ratios: tuple[float, ...] = ()
     gradient_codec: str = "topk"
+    eval_every: int = 0  # steps; 0: no validation (evaluation.py)
 
     def __post_init__(self) -> None:
         for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
@@ -66,6 +67,8 @@ class TrainConfig:
             raise ConfigError(
                 f"the stdlib text is bytes: vocab_size must be 256, not {self.vocab_size}"
             )
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         for name in ("stages", "micro_batches", "batch_size", "seq_len", "steps", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -167,6 +170,7 @@ class TrainConfig:
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
             gradient_codec=run.gradient_codec,
+            eval_every=run.eval_every,
         )
 
     def to_json(self) -> str:
