@@ -73,6 +73,8 @@ class TokenStore:
         """Tokens [start, stop) as one array (a copy where the range spans shards)."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"token range [{start}, {stop}) outside [0, {len(self)})")
+        if start == stop:
+            return self.parts[0][:0]
         first = int(np.searchsorted(self._ends, start, side="right"))
         pieces, at = [], start
         for i in range(first, len(self.parts)):
