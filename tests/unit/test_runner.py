@@ -309,16 +309,19 @@ def test_frames_from_strangers_and_impostors_are_refused_and_counted(dataset) ->
     assert max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)) < ATOL
 
 
-def test_validation_loss_matches_one_process_and_every_process_learns_it(dataset) -> None:
+@pytest.mark.parametrize(("stages", "replicas"), [(3, (1, 2, 1)), (1, (2,))])
+def test_validation_loss_matches_one_process_and_every_process_learns_it(
+    dataset, stages, replicas
+) -> None:
     """--eval-every: at the start of every 2nd step the held-out micro-batches run forward
     through the stages (replicas splitting them, as in training); every process ends the step
     with the loss a single process computes on the same parameters, and training itself is
     unchanged."""
-    config = _config(stages=3, replicas=(1, 2, 1), steps=5, eval_every=2)
+    config = _config(stages=stages, replicas=replicas, steps=5, eval_every=2)
     reference = train_local(config, dataset=dataset)
     assert sorted(reference.eval_losses) == [0, 2, 4]
     assert reference.eval_losses[4] < reference.eval_losses[0]
-    plain = train_local(_config(stages=3, replicas=(1, 2, 1), steps=5), dataset=dataset)
+    plain = train_local(_config(stages=stages, replicas=replicas, steps=5), dataset=dataset)
     assert plain.losses == reference.losses  # evaluating changes no parameter
     swarm = _run(config, dataset)
     assert swarm.errors() == {}
