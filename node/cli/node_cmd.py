@@ -241,11 +241,13 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
             f"training plan {event['digest'][:12]} from step {event['start_step']}: "
             f"this node serves stage {event['stage']} replica {event['replica']}"
         )
-    if kind == "step" and event["step"] % every == 0:
-        return (
+    if kind == "step" and (event["step"] % every == 0 or event.get("eval_loss") is not None):
+        line = (
             f"step {event['step']:>5}  loss {event['loss']:.4f}  "
             f"{event['tokens_per_s']:,.0f} tokens/s"
         )
+        held_out = event.get("eval_loss")
+        return line if held_out is None else f"{line}  validation loss {held_out:.4f}"
     if kind == "plan_end" and event["outcome"] in ("failed", "parted"):
         return f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}"
     if kind in ("saved", "finished"):
