@@ -111,3 +111,21 @@ def test_batch_config_is_validated() -> None:
         BatchConfig(batch_size=1, seq_len=1, micro_batches=0)
     with pytest.raises(ConfigError, match="seed"):
         BatchConfig(batch_size=1, seq_len=1, seed=-1)
+
+
+def test_a_node_refuses_data_that_is_not_the_runs(tmp_path) -> None:
+    """The run names its data by digest; a node whose file changed since it started (or was
+    swapped) refuses to build its workload rather than train on other tokens."""
+    from fusionllm.common.run_spec import RunSpec
+    from fusionllm.node.swarm_training import build_workload
+
+    path = tmp_path / "tokens.bin"
+    (np.arange(5000) % 256).astype("<u2").tofile(path)
+    pinned = TokenDataset.from_file(path)
+    run = RunSpec(seq_len=16, data_digest=pinned.digest, vocab_size=256)
+    graph, dataset = build_workload(run, path)
+    assert dataset.digest == pinned.digest
+    assert graph.node_ids
+    (np.arange(5000) % 255).astype("<u2").tofile(path)
+    with pytest.raises(DataError, match="changed since this node started"):
+        build_workload(run, path)
