@@ -79,9 +79,18 @@ def file_name(holding: Holding) -> str:
 class CheckpointStore:
     """The checkpoints of one run lineage in one directory."""
 
-    def __init__(self, directory: Path, *, pause_before_rename_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        pause_before_rename_s: float = 0.0,
+        data: tuple[int, str] | None = None,
+    ) -> None:
+        """``data``: (the run's global batch, its data digest or "" if unpinned): a file whose
+        data cursor says another place in the data than its step's is refused on load."""
         self.directory = Path(directory)
         self.pause_before_rename_s = pause_before_rename_s
+        self.data = data
 
     def holdings(self) -> list[Holding]:
         """What the directory holds, newest step first (by file name; loading checks more)."""
@@ -125,7 +134,19 @@ class CheckpointStore:
             raise CheckpointError(f"{path} is not a stage checkpoint: {exc}") from exc
         if stage.holding != holding:
             raise CheckpointError(f"{path} holds {stage.holding}, its name says {holding}")
+        self._check_cursor(path, stage)
         return stage
+
+    def _check_cursor(self, path: Path, stage: StageState) -> None:
+        if self.data is None or stage.data is None:
+            return
+        batch, digest = self.data
+        at, expected = stage.data, stage.holding.step * batch
+        if at.position != expected or (digest and at.digest != digest):
+            raise CheckpointError(
+                f"{path} stands at sample {at.position} of data {at.digest[:16]}; its step "
+                f"is at sample {expected} of {digest[:16] or 'this run'}"
+            )
 
     def prune(self) -> None:
         held = self.holdings()

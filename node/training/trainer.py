@@ -99,8 +99,11 @@ class TrainerConfig:
         """(own checkpoints, copies kept for others), in a directory per run lineage."""
         lineage = self.run.lineage()
         pause = self.checkpoint_pause_s
+        data = (self.run.global_batch, self.run.data_digest)
         return (
-            CheckpointStore(self.work_dir / "checkpoints" / lineage, pause_before_rename_s=pause),
+            CheckpointStore(
+                self.work_dir / "checkpoints" / lineage, pause_before_rename_s=pause, data=data
+            ),
             CheckpointStore(self.work_dir / "custody" / lineage),
         )
 

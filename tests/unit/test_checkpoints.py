@@ -407,3 +407,19 @@ def test_the_data_cursor_round_trips_and_a_resume_reads_on_from_it(tmp_path) -> 
     assert (resume_at, rest) == (k, 0)
     assert read(data, range(k)) + read(restarted, range(resume_at, 60)) == straight
     assert len(set(straight)) == len(straight) == 480  # all within the first pass (2,027 windows)
+
+
+def test_a_file_whose_data_cursor_is_not_its_steps_is_refused(tmp_path) -> None:
+    digest = "ab" * 32
+    stage = _stage(5)
+    stage.data = DataCursor(5 * 8, digest)
+    CheckpointStore(tmp_path).save(stage)
+    assert CheckpointStore(tmp_path, data=(8, digest)).load(Holding(5, 0, 4)).data == stage.data
+    assert CheckpointStore(tmp_path, data=(8, "")).load(Holding(5, 0, 4)).data == stage.data
+    with pytest.raises(CheckpointError, match=r"stands at sample 40 .* is at sample 30"):
+        CheckpointStore(tmp_path, data=(6, digest)).load(Holding(5, 0, 4))
+    with pytest.raises(CheckpointError, match="of data abababababababab"):
+        CheckpointStore(tmp_path, data=(8, "cd" * 32)).load(Holding(5, 0, 4))
+    stage.data = None  # a copy a peer sent: its step is its place in the data
+    CheckpointStore(tmp_path).save(stage)
+    assert CheckpointStore(tmp_path, data=(6, digest)).load(Holding(5, 0, 4)).data is None
