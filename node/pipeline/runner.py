@@ -2,6 +2,8 @@
 
 Per step a process (stage s, replica r) runs, in order:
 
+0. on a validation step (``--eval-every``), its held-out micro-batches forward only
+   (evaluation.py);
 1. its schedule: a forward takes the micro-batch from the data (stage 0) or an activation
    frame from stage s - 1, and sends its outgoing link's values to the replica of stage s + 1
    that owns the micro-batch; a backward takes the gradient frame from stage s + 1 (or the
@@ -11,8 +13,9 @@ Per step a process (stage s, replica r) runs, in order:
    step's micro-batches, so that sum is the average of the replicas' mean-loss gradients);
 3. tied parameters (GPT-2's wte / lm_head): each holder sends its gradient to the other holder
    stages and every holder sums them in stage order, so the copies stay bit-identical;
-4. a control all-gather of (squared gradient norm, loss sum, loss count): every process gets
-   the global norm (a tied parameter counted once, replicas once) and the step's loss; a
+4. a control all-gather of (squared gradient norm, loss sum, loss count, and the validation's
+   sums): every process gets the global norm (a tied parameter counted once, replicas once),
+   the step's loss and the validation loss; a
    process whose share does not depend on step 3 (all but the stage counting a tied
    parameter) sends its part before step 3, so the step ends one link latency sooner;
 5. ``clip_and_step``.
