@@ -3,12 +3,15 @@
 One spec, one meaning: ``micro_batch_size`` sequences of ``seq_len`` tokens per micro-batch,
 ``micro_batches`` per step, so a step trains ``global_batch`` sequences whatever the plan
 (replicas split the micro-batches, stages split the model). It is part of the swarm settings'
-digest: nodes that run another spec are never planned together.
+digest: nodes that run another spec are never planned together. The data is in it by its
+digest (``fusionllm.data.corpus``), never by its path: nodes may keep it anywhere, but must
+hold the same tokens.
 """
 
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 
 from fusionllm.common.errors import ConfigError
@@ -16,6 +19,7 @@ from fusionllm.common.errors import ConfigError
 MODELS = ("tiny", "small", "medium", "large", "xl")
 GRADIENT_CODECS = ("topk", "ternary")
 STDLIB_VOCAB = 256  # the built-in corpus is bytes
+_DATA_DIGEST = re.compile(r"^([0-9a-f]{64})?$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +36,27 @@ class RunSpec:
     max_grad_norm: float = 1.0  # 0: no clipping
     gradient_codec: str = "topk"  # on links the plan compresses (error feedback either way)
     stdlib_bytes: int = 2 << 20  # how much of the standard library's source to train on
+    # The corpus's digest (corpus.CorpusHasher). Empty: not pinned (library callers and tests
+    # that build a RunSpec by hand); every node the command line starts pins it.
+    data_digest: str = ""
+    vocab_size: int = STDLIB_VOCAB  # the data's; token ids are below it
+    # Validation loss on the held-out split at the start of every this many steps (0: never):
+    # every stage takes part, so every node must agree.
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.model not in MODELS:
             raise ConfigError(f"model must be one of {MODELS}, got {self.model!r}")
-        for name in ("seq_len", "micro_batch_size", "micro_batches", "stdlib_bytes"):
+        if not isinstance(self.data_digest, str) or not _DATA_DIGEST.match(self.data_digest):
+            raise ConfigError(
+                f"data_digest must be 64 hex digits or empty, got {self.data_digest!r}"
+            )
+        for name in ("seq_len", "micro_batch_size", "micro_batches", "stdlib_bytes", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every must be an integer >= 0, got {self.eval_every!r}")
         if not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"steps must be an integer >= 0 (0: no end), got {self.steps!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:

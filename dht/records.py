@@ -204,20 +204,33 @@ class TrainingProgress:
     step: int  # optimizer steps the swarm completed, as this node last saw them
     loss: float | None  # that step's mean loss (every stage learns it from the step's summary)
     finished: bool = False  # the run reached its last step
+    # (step, loss) of the newest validation on the held-out split, if the run evaluates
+    evaluation: tuple[int, float] | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.replica, self.step, self.loss, self.finished]
+        wire = [self.replica, self.step, self.loss, self.finished]
+        # A fifth field only when there is one: nodes that know four still read the rest.
+        return wire if self.evaluation is None else [*wire, list(self.evaluation)]
 
     @classmethod
     def from_wire(cls, wire: Any) -> "TrainingProgress":
-        items = _list(wire, "training", 4)
-        if len(items) != 4:
-            raise RecordError(f"training must have 4 fields, got {len(items)}")
+        items = _list(wire, "training", 5)
+        if len(items) not in (4, 5):
+            raise RecordError(f"training must have 4 or 5 fields, got {len(items)}")
+        evaluation = None
+        if len(items) == 5:
+            pair = _list(items[4], "evaluation", 2)
+            if len(pair) != 2:
+                raise RecordError(f"evaluation must be (step, loss), got {len(pair)} fields")
+            evaluation = (
+                _int(pair[0], "eval step", 0, 1 << 62),
+                _float(pair[1], "eval loss", 0.0, 1e6),
+            )
         replica = None if items[0] is None else _int(items[0], "replica", 0, 1 << 16)
         loss = None if items[2] is None else _float(items[2], "loss", 0.0, 1e6)
         if not isinstance(items[3], bool):
             raise RecordError("training finished must be a bool")
-        return cls(replica, _int(items[1], "step", 0, 1 << 62), loss, items[3])
+        return cls(replica, _int(items[1], "step", 0, 1 << 62), loss, items[3], evaluation)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,9 @@ class SwarmNodeConfig:
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
+    # This node's copy of the data (RunSpec names it by digest); None: the stdlib source.
+    data_path: Path | None = None
+    data_dtype: str | None = None  # a token file's element type (default uint16)
 
     @property
     def run(self) -> RunSpec:

@@ -7,11 +7,12 @@ The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView
 import math
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import gpt2
 from fusionllm.dag.planner import Plan
@@ -19,7 +20,7 @@ from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport
-from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.data import DataError, TokenDataset
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 from fusionllm.node.swarm_node import SwarmNodeConfig
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
@@ -50,10 +51,21 @@ class DaemonView:
     def is_member(self, peer: str) -> bool:
         return peer in self._daemon.members
 
-    def publish(self, replica: int | None, step: int, loss: float | None, finished: bool) -> None:
+    def publish(
+        self,
+        replica: int | None,
+        step: int,
+        loss: float | None,
+        finished: bool,
+        evaluation: tuple[int, float] | None = None,
+    ) -> None:
         if loss is not None and not (math.isfinite(loss) and 0 <= loss <= 1e6):
             loss = None  # a diverged run still reports its step; the record refuses NaN
-        self._daemon.progress = TrainingProgress(replica, step, loss, finished)
+        if evaluation is not None and not (
+            math.isfinite(evaluation[1]) and 0 <= evaluation[1] <= 1e6
+        ):
+            evaluation = None
+        self._daemon.progress = TrainingProgress(replica, step, loss, finished, evaluation)
 
     def run_finished(self) -> bool:
         return self._daemon.run_finished
@@ -66,21 +78,36 @@ class DaemonView:
         return max((i.training.step for i in records if i.training is not None), default=0)
 
 
-def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
+def build_workload(
+    run: RunSpec, data_path: Path | None = None, data_dtype: str | None = None
+) -> tuple[OpGraph, TokenDataset]:
     """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
-    every node (seconds of CPU: done when a node first serves, not at start)."""
-    config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
+    every node (seconds of CPU: done when a node first serves, not at start). A corpus whose
+    digest is not the run's (the file changed since the node started) is refused."""
+    config = TrainConfig.for_run(
+        run,
+        cuts=(),
+        replicas=(1,),
+        data_path=None if data_path is None else str(data_path),
+        data_dtype=data_dtype,
+    )
     example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
         model = build_model(config)
         graph = trace(model, (example,), meta=False)
-    return graph, load_dataset(config)
+    dataset = load_dataset(config)
+    if run.data_digest and dataset.digest != run.data_digest:
+        raise DataError(
+            f"{dataset.source} has digest {dataset.digest[:16]}, the run's data "
+            f"{run.data_digest[:16]}: it changed since this node started"
+        )
+    return graph, dataset
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
     """Every canonical parameter's shape, from a model that allocates nothing."""
     with torch.device("meta"):
-        model = gpt2(run.model, vocab_size=STDLIB_VOCAB)
+        model = gpt2(run.model, vocab_size=run.vocab_size)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
@@ -122,7 +149,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
         ),
         peer_id=daemon.peer_id,
         transport=transport,
-        workload=lambda: build_workload(config.run),
+        workload=lambda: build_workload(config.run, config.data_path, config.data_dtype),
         shapes=parameter_shapes(config.run),
         view=DaemonView(daemon),
         on_event=on_event,

@@ -9,7 +9,13 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, add_swarm_address, run_spec_from
+from fusionllm.node.cli.options import (
+    add_data_options,
+    add_run_options,
+    add_swarm_address,
+    load_data,
+    run_spec_from,
+)
 
 
 def add_parser(commands) -> None:
@@ -55,6 +61,7 @@ def add_parser(commands) -> None:
         "allow one port only)",
     )
     add_run_options(node)
+    add_data_options(node)
     _add_plan_options(node)
     _add_probe_options(node)
     _add_compute_options(node)
@@ -162,7 +169,7 @@ def _node_config(args: argparse.Namespace):
 
     settings = SwarmSettings(
         swarm=args.swarm,
-        run=run_spec_from(args),
+        run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
@@ -234,11 +241,13 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
             f"training plan {event['digest'][:12]} from step {event['start_step']}: "
             f"this node serves stage {event['stage']} replica {event['replica']}"
         )
-    if kind == "step" and event["step"] % every == 0:
-        return (
+    if kind == "step" and (event["step"] % every == 0 or event.get("eval_loss") is not None):
+        line = (
             f"step {event['step']:>5}  loss {event['loss']:.4f}  "
             f"{event['tokens_per_s']:,.0f} tokens/s"
         )
+        held_out = event.get("eval_loss")
+        return line if held_out is None else f"{line}  validation loss {held_out:.4f}"
     if kind == "plan_end" and event["outcome"] in ("failed", "parted"):
         return f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}"
     if kind in ("saved", "finished"):
@@ -265,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_pause_s=args.checkpoint_pause,
         train=not args.no_train,
         pin_cores=args.pin_cores,
+        data_path=Path(args.data).expanduser() if args.data else None,
+        data_dtype=args.data_dtype,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

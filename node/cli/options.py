@@ -1,8 +1,16 @@
 """Options shared by the commands that train: one run spec, one meaning for every flag."""
 
 import argparse
+import time
+from typing import TYPE_CHECKING
 
+from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import GRADIENT_CODECS, MODELS, RunSpec
+
+if TYPE_CHECKING:
+    from fusionllm.data.corpus import Corpus
+
+logger = get_logger(__name__)
 
 
 def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> None:
@@ -29,11 +37,58 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
         "--seed", type=int, default=0, help="model init and data order (%(default)s)"
     )
     group.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, the loss on a held-out split of the data (its last 1%%), shown "
+        "in the events, `fusionllm status` and the summary; 0: never (%(default)s)",
+    )
+    group.add_argument(
         "--gradient-codec",
         choices=GRADIENT_CODECS,
         default="topk",
         help="gradient code on compressed links, with error feedback (%(default)s)",
     )
+
+
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "data",
+        "what is trained on; every node of a swarm needs the same tokens (their digest is "
+        "compared, not the path: a node whose data differs is never planned with the others)",
+    )
+    group.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a flat token file (little-endian uint16/uint32 ids, as nanoGPT's prepare scripts "
+        "write) or a directory written by `fusionllm prepare` (default: the bytes of this "
+        "Python's standard library source)",
+    )
+    group.add_argument(
+        "--data-dtype",
+        choices=["uint16", "uint32"],
+        help="element type of a --data token file (default: uint16; a prepared directory's "
+        "manifest says)",
+    )
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary of the data, token ids below it (default: a prepared directory's "
+        "manifest, a token file's largest id + 1, 256 for the stdlib bytes)",
+    )
+
+
+def load_data(args: argparse.Namespace) -> "Corpus":
+    """The corpus the data options name, read through once: validated and digested."""
+    from fusionllm.data.corpus import load_corpus
+
+    started = time.monotonic()
+    corpus = load_corpus(args.data, dtype=args.data_dtype, vocab_size=args.vocab_size)
+    seconds = time.monotonic() - started
+    logger.info("data %s: %d tokens, vocabulary %d, digest %s (%.1f s)", corpus.source,
+                len(corpus), corpus.vocab_size, corpus.digest[:16], seconds)  # fmt: skip
+    return corpus
 
 
 def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None:
@@ -49,8 +104,10 @@ def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None
     )
 
 
-def run_spec_from(args: argparse.Namespace) -> RunSpec:
-    return RunSpec(
+def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> RunSpec:
+    """The run the options name; with ``corpus``, pinned to its digest and vocabulary."""
+    data = {} if corpus is None else {"data_digest": corpus.digest, "vocab_size": corpus.vocab_size}
+    run = RunSpec(
         model=args.model,
         steps=args.steps,
         seq_len=args.seq_len,
@@ -59,4 +116,19 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
         lr=args.lr,
         seed=args.seed,
         gradient_codec=args.gradient_codec,
+        eval_every=args.eval_every,
+        **data,
     )
+    if corpus is not None:  # enough data for a step, and for a validation batch
+        from fusionllm.data.sampler import Sampler
+
+        sampler = Sampler(
+            tokens=len(corpus),
+            seq_len=run.seq_len,
+            seed=run.seed,
+            batch_size=run.micro_batch_size,
+            micro_batches=run.micro_batches,
+        )
+        if run.eval_every:
+            sampler.eval_batch(0)
+    return run

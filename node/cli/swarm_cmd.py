@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_data_options, add_run_options, load_data, run_spec_from
 
 _POLL_S = 0.25
+# The summary's last loss is the mean over this many final steps (a quarter of the run at
+# most): one step's loss scatters by ~0.3 around the curve at these batch sizes.
+_LAST_STEPS = 10
 
 
 def add_parser(commands) -> None:
@@ -26,12 +29,13 @@ def add_parser(commands) -> None:
         help="start N node daemons on this machine and watch them train together",
         description="Starts --nodes `fusionllm node` processes on 127.0.0.1 (the first is the "
         "bootstrap, each has its own key and work directory). They find each other on the "
-        "DHT, agree on a plan without a coordinator and train a byte-level GPT-2 on the "
-        "Python standard library's source. Shows progress, then a summary. Ctrl-C stops "
-        "every process it started.",
+        "DHT, agree on a plan without a coordinator and train a GPT-2 on --data (default: "
+        "the bytes of the Python standard library's source). Shows progress, then a summary. "
+        "Ctrl-C stops every process it started.",
     )
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
+    add_data_options(swarm)
     swarm.add_argument(
         "--min-stages",
         type=int,
@@ -56,6 +60,7 @@ class Progress:
     """What the nodes' event streams say, merged: one loss per step, the plan, the ends."""
 
     losses: dict[int, float] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
     step_seconds: dict[int, float] = field(default_factory=dict)
     plan: dict | None = None
     serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> its last role
@@ -75,6 +80,8 @@ class Progress:
         kind = event.get("event")
         if kind == "step":
             self.losses.setdefault(event["step"], event["loss"])
+            if event.get("eval_loss") is not None:
+                self.eval_losses.setdefault(event["step"], event["eval_loss"])
             self.step_seconds.setdefault(event["step"], event["seconds"])
             self.bytes_out[name] = event.get("bytes_out", 0)
             if self.first_step_at is None:
@@ -113,6 +120,10 @@ def _options(args: argparse.Namespace) -> dict:
         "lr": run.lr,
         "seed": run.seed,
         "gradient-codec": run.gradient_codec,
+        "eval-every": run.eval_every or None,
+        "data": str(Path(args.data).expanduser().resolve()) if args.data else None,
+        "data-dtype": args.data_dtype,
+        "vocab-size": args.vocab_size,
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
@@ -130,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("a local swarm needs an end: --steps must be >= 1")
     if args.min_stages > args.nodes:
         raise FusionError(f"--min-stages {args.min_stages} needs at least as many --nodes")
-    run_spec_from(args)  # validate before starting anything
+    run_spec_from(args, load_data(args))  # validate before starting anything
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="fusionllm-swarm-")).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print
@@ -203,10 +214,15 @@ def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
     tokens_per_step = run_spec_from(args).tokens_per_step
     steady = [progress.step_seconds[s] for s in steps[len(steps) // 4 :]]
     seconds = sorted(steady)[len(steady) // 2] if steady else float("nan")
+    last = steps[-min(_LAST_STEPS, max(1, len(steps) // 4)) :]
+    evals = sorted(progress.eval_losses)
     summary = {
         "steps": len(steps),
         "loss_first": progress.losses[steps[0]] if steps else None,
-        "loss_last": progress.losses[steps[-1]] if steps else None,
+        "loss_last": sum(progress.losses[s] for s in last) / len(last) if last else None,
+        "loss_last_steps": len(last),  # loss_last is their mean
+        "eval_losses": {str(s): progress.eval_losses[s] for s in evals},
+        "eval_loss_last": progress.eval_losses[evals[-1]] if evals else None,
         "tokens_per_s": tokens_per_step / seconds if steady else None,
         "nodes": args.nodes,
         "plan_digest": progress.plan["digest"] if progress.plan else None,
@@ -219,9 +235,12 @@ def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
     plan = progress.plan or {}
     say(
         f"done: {summary['steps']} steps, loss {summary['loss_first']:.4f} -> "
-        f"{summary['loss_last']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s (median of the "
-        f"last 3/4), first step {progress.first_step_at - launched:.1f}s after launch"
+        f"{summary['loss_last']:.4f} (mean of the last {len(last)}), "
+        f"{summary['tokens_per_s']:,.0f} tokens/s (median of the last 3/4), first step "
+        f"{progress.first_step_at - launched:.1f}s after launch"
     )
+    if evals:
+        say(f"validation loss {summary['eval_loss_last']:.4f} at step {evals[-1]} (held-out)")
     say(f"plan {str(plan.get('digest'))[:12]}: node ranges per stage {plan.get('ranges')}")
     for name, (stage, replica) in sorted(progress.serving.items()):
         say(

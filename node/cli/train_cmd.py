@@ -4,7 +4,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_run_options, load_data, run_spec_from
 
 if TYPE_CHECKING:
     from fusionllm.node.pipeline.train_config import TrainConfig
@@ -28,18 +28,21 @@ def add_parser(commands) -> None:
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
     add_run_options(train)
-    train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
+    train.add_argument(
+        "--data",
+        help="uint16/uint32 token file or a `fusionllm prepare` directory (default: stdlib "
+        "source bytes)",
+    )
     train.add_argument(
         "--data-dtype",
-        default="uint16",
         choices=["uint16", "uint32"],
-        help="element type of --data (default: %(default)s)",
+        help="element type of a --data file (default: uint16; a directory's manifest says)",
     )
     train.add_argument(
         "--vocab-size",
         type=int,
-        default=256,
-        help="model vocabulary; --data token ids must be below it (default: %(default)s, bytes)",
+        help="model vocabulary; --data token ids must be below it (default: the data's: "
+        "256 for bytes, a manifest's, a token file's largest id + 1)",
     )
     train.add_argument(
         "--topk-ratio",
@@ -77,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_s = config.tokens_per_step / max(event["seconds"], 1e-9)
         if args.json:
             print(json.dumps({"step": event["step"], "loss": event["loss"],
+                              "eval_loss": event.get("eval_loss"),
                               "tokens_per_s": tokens_per_s}), flush=True)  # fmt: skip
-        elif event["step"] % args.every == 0 or event["step"] == config.steps - 1:
+            return
+        if event.get("eval_loss") is not None:
+            print(f"step {event['step']:>5}  validation loss {event['eval_loss']:.4f}", flush=True)
+        if event["step"] % args.every == 0 or event["step"] == config.steps - 1:
             print(
                 f"step {event['step']:>5}  loss {event['loss']:.4f}  "
                 f"grad norm {event['grad_norm']:.3f}  {tokens_per_s:,.0f} tokens/s",
@@ -101,7 +108,7 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
 
     links = args.stages - 1
     ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
-    run = run_spec_from(args)
+    run = run_spec_from(args, load_data(args))  # checked here, not in every stage process
     return TrainConfig(
         model=run.model,
         stages=args.stages,
@@ -114,8 +121,9 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         seed=run.seed,
         data_path=args.data,
         data_dtype=args.data_dtype,
-        vocab_size=args.vocab_size,
+        vocab_size=run.vocab_size,
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
         gradient_codec=run.gradient_codec,
+        eval_every=run.eval_every,
     )

@@ -74,6 +74,9 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "replica": m.training.replica if m.training else None,
                 "step": m.training.step if m.training else None,
                 "loss": m.training.loss if m.training else None,
+                "eval": list(m.training.evaluation)
+                if m.training and m.training.evaluation
+                else None,
                 "device": m.device.name,
                 "kind": m.device.kind,
                 "gflops": round(m.device.flops / 1e9, 2),
@@ -140,12 +143,19 @@ def _plan_summary(plan, members: dict[str, NodeInfo], serving: set[str]) -> dict
 
 
 def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
-    """The swarm's step (the furthest any node reports) and that step's loss."""
+    """The swarm's step (the furthest any node reports), that step's loss, and the newest
+    validation (step, loss) any node reports."""
     progress = [m.training for m in members.values() if m.training is not None]
     if not progress:
-        return {"step": None, "loss": None, "finished": False}
+        return {"step": None, "loss": None, "finished": False, "eval": None}
     newest = max(progress, key=lambda p: (p.step, p.loss is not None))
-    return {"step": newest.step, "loss": newest.loss, "finished": any(p.finished for p in progress)}
+    evals = [p.evaluation for p in progress if p.evaluation is not None]
+    return {
+        "step": newest.step,
+        "loss": newest.loss,
+        "finished": any(p.finished for p in progress),
+        "eval": list(max(evals)) if evals else None,
+    }
 
 
 def _short(peer: str) -> str:
@@ -158,6 +168,9 @@ def format_status(status: dict[str, Any]) -> str:
         loss = "" if status["loss"] is None else f", loss {status['loss']:.4f}"
         done = " (finished)" if status.get("finished") else ""
         lines.append(f"training: step {status['step']}{loss}{done}")
+    if status.get("eval") is not None:
+        step, loss = status["eval"]
+        lines.append(f"validation: loss {loss:.4f} at step {step} (held-out split)")
     lines.append(
         f"  {'peer':<15} {'state':<8} {'stage':>5} {'device':<22} {'GFLOP/s':>8} "
         f"{'mem GiB':>8} {'up MB/s':>8} {'down MB/s':>9} {'age s':>6}"

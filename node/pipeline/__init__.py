@@ -1,6 +1,6 @@
 """The stage runtime: one process's part of synchronous 1F1B training steps.
 
-- data.py:          ``TokenDataset`` (stdlib source bytes or a token file), ``BatchConfig``
+- data.py:          ``TokenDataset`` (batches from a ``fusionllm.data`` corpus), ``BatchConfig``
 - train_config.py:  ``TrainConfig`` (one run, JSON round-trip), ``build_model``,
                     ``build_layout``, ``load_dataset``
 - layout.py:        ``PipelineLayout`` (stages, ``LinkSpec`` per cut, tied parameters)
@@ -8,6 +8,7 @@
 - stage.py:         ``StageWorker`` (forward/backward per micro-batch, AdamW, clipping)
 - mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``
 - runner.py:        ``PipelineRunner`` (one process's steps over a transport), ``Expectations``
+- evaluation.py:    ``eval_pass``: validation micro-batches forward through the stages
 - local_train.py:   ``train_local``, the one-process reference run
 - launcher.py:      ``run_swarm``: every stage replica as a process (the launcher reference run)
 - stage_main.py:    one stage replica as a launcher's child process (JSON lines)

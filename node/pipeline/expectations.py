@@ -14,11 +14,13 @@ from fusionllm.node.pipeline.schedule import owner
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 # Control-frame tags (the header's micro_batch field).
-TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count, plan vote]
+TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count, plan vote, eval sum, eval count]
 TAG_DP = 1  # float32 flat gradients of the whole stage
 TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
 
-SUMMARY_LEN = 4
+SUMMARY_LEN = 6
+# Activation tags of validation micro-batches (evaluation.py): EVAL_TAG + micro-batch.
+EVAL_TAG = 1 << 24
 
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: refuses the frame
 
@@ -78,6 +80,11 @@ class Expectations:
             if sender.stage != s + step_dir:
                 return f"{header.kind.value} from stage {sender.stage} to stage {s}"
             mb = header.micro_batch
+            if header.kind is FrameKind.ACTIVATION and mb >= EVAL_TAG:
+                every = self.config.eval_every
+                if not every or header.step % every:
+                    return f"no evaluation at step {header.step}"
+                mb -= EVAL_TAG
             if not (mb < m and owner(mb, self.replicas[s]) == self.role.replica):
                 return f"micro-batch {mb} is not ours"
             if owner(mb, self.replicas[sender.stage]) != sender.replica:

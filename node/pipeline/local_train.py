@@ -1,19 +1,21 @@
 """The reference: the same run in one process on the whole model, no pipeline.
 
 What the pipeline must reproduce: same seeded init, same micro-batches, loss = mean over the
-micro-batches of each one's mean token cross-entropy, gradients clipped by their global norm
+micro-batches of each one's mean token cross-entropy (and the same validation loss at the
+same steps), gradients clipped by their global norm
 (torch's ``clip_grad_norm_``), one AdamW step per step.
 """
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.evaluation import is_eval_step
 from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 
@@ -25,6 +27,7 @@ class LocalRun:
     losses: list[float]  # per step
     parameters: dict[str, torch.Tensor]  # canonical names (a tied parameter once)
     seconds: float  # wall time of the steps (no setup)
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss before it
 
 
 def train_local(
@@ -39,7 +42,10 @@ def train_local(
     optimizer = build_adamw(model.parameters(), config.optimizer)
     losses: list[float] = []
     started = time.perf_counter()
+    eval_losses: dict[int, float] = {}
     for step in range(config.steps):
+        if is_eval_step(config, step):
+            eval_losses[step] = _validation_loss(model, dataset, config)
         total = 0.0
         for mb in range(config.micro_batches):
             idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
@@ -56,4 +62,19 @@ def train_local(
             on_step(step, losses[-1])
     seconds = time.perf_counter() - started
     parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return LocalRun(losses, parameters, seconds)
+    return LocalRun(losses, parameters, seconds, eval_losses)
+
+
+@torch.no_grad()
+def _validation_loss(model: torch.nn.Module, dataset: TokenDataset, config: TrainConfig) -> float:
+    """The mean loss over the validation micro-batches (evaluation.py), dropout off."""
+    model.eval()
+    try:
+        total = 0.0
+        for mb in range(config.micro_batches):
+            idx, targets = dataset.eval_batch(config.batch, mb)  # (B, T) each
+            logits = model(idx)  # (B, T, V)
+            total += float(functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        return total / config.micro_batches
+    finally:
+        model.train()

@@ -2,6 +2,8 @@
 
 Per step a process (stage s, replica r) runs, in order:
 
+0. on a validation step (``--eval-every``), its held-out micro-batches forward only
+   (evaluation.py);
 1. its schedule: a forward takes the micro-batch from the data (stage 0) or an activation
    frame from stage s - 1, and sends its outgoing link's values to the replica of stage s + 1
    that owns the micro-batch; a backward takes the gradient frame from stage s + 1 (or the
@@ -11,8 +13,9 @@ Per step a process (stage s, replica r) runs, in order:
    step's micro-batches, so that sum is the average of the replicas' mean-loss gradients);
 3. tied parameters (GPT-2's wte / lm_head): each holder sends its gradient to the other holder
    stages and every holder sums them in stage order, so the copies stay bit-identical;
-4. a control all-gather of (squared gradient norm, loss sum, loss count): every process gets
-   the global norm (a tied parameter counted once, replicas once) and the step's loss; a
+4. a control all-gather of (squared gradient norm, loss sum, loss count, and the validation's
+   sums): every process gets the global norm (a tied parameter counted once, replicas once),
+   the step's loss and the validation loss; a
    process whose share does not depend on step 3 (all but the stage counting a tied
    parameter) sends its part before step 3, so the step ends one link latency sooner;
 5. ``clip_and_step``.
@@ -48,7 +51,9 @@ from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
 from fusionllm.node.pipeline.expectations import (
+    SUMMARY_LEN,
     TAG_DP,
     TAG_SUMMARY,
     TAG_TIED,
@@ -92,6 +97,23 @@ class StepReport:
     # core (busy_s then counts the other's turns too), above where compute itself got slower.
     busy_cpu_s: float = 0.0
     votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
+    # The windows (sample ids) this process fed as inputs, on the first stage (else empty):
+    # what a test or a log reads to see that no sample is repeated or skipped.
+    samples: tuple[int, ...] = ()
+    eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
+
+
+@dataclass
+class _Summary:
+    """The all-gather's sums: squared norm, the step's and the validation's loss sums and
+    counts, and every process's vote in rank order."""
+
+    sq: float
+    loss_sum: float
+    loss_count: int
+    eval_sum: float
+    eval_count: int
+    votes: tuple[float, ...]
 
 
 @dataclass
@@ -159,7 +181,8 @@ class PipelineRunner:
         self.mailbox = Mailbox(
             ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != role},
             admit=self.expectations.admit,
-            max_frames=4 * (config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
+            # 4 steps' frames, validation activations (M) included
+            max_frames=4 * (2 * config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
         )
         self._stop = threading.Event()
         self._pump = (
@@ -220,6 +243,7 @@ class PipelineRunner:
         busy, wait = 0.0, 0.0
         self._compute_cpu_s = 0.0
         loss_sum, loss_count = 0.0, 0
+        eval_sum, eval_count = eval_pass(self, step, sends)  # before the step changes anything
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -240,30 +264,35 @@ class PipelineRunner:
             busy += computed
             wait += waited
         self._all_reduce_replicas(step, sends)
+        losses = (loss_sum, loss_count, eval_sum, eval_count)
         if self._summary_first:
-            mine = self._send_summary(step, sends, loss_sum, loss_count)
+            mine = self._send_summary(step, sends, losses)
         self._sum_tied(step, sends)
         if not self._summary_first:
-            mine = self._send_summary(step, sends, loss_sum, loss_count)
-        sq, loss_sum, loss_count, votes = self._gather_summary(step, sends, mine)
-        if loss_count != self.config.micro_batches:  # before the step: never half-apply one
-            raise PipelineError(
-                f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
-            )
-        norm = math.sqrt(sq)
+            mine = self._send_summary(step, sends, losses)
+        summary = self._gather_summary(step, sends, mine)  # checks the counts: never half-apply
+        norm = math.sqrt(summary.sq)
         self.worker.clip_and_step(norm)
         self.completed_steps = step + 1  # from here on the step counts, even if a send fails
         sends.wait(self.timeout_s)
         return StepReport(
             step=step,
-            loss=loss_sum / loss_count,
+            loss=summary.loss_sum / summary.loss_count,
             grad_norm=norm,
             seconds=time.perf_counter() - started,
             busy_s=busy,
             wait_s=wait,
             busy_cpu_s=self._compute_cpu_s,
-            votes=votes,
+            votes=summary.votes,
+            samples=self._samples_read(step, order),
+            eval_loss=summary.eval_sum / summary.eval_count if summary.eval_count else None,
         )
+
+    def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
+        if not self.worker.is_first:
+            return ()
+        config, owned = self.config.batch, [mb for kind, mb in order if kind == "F"]
+        return tuple(w for mb in owned for w in self.dataset.samples(config, step, mb))
 
     def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
@@ -372,25 +401,29 @@ class PipelineRunner:
             self.worker.set_grad(name, total)
 
     def _send_summary(
-        self, step: int, sends: _Sends, loss_sum: float, loss_count: int
+        self, step: int, sends: _Sends, losses: tuple[float, int, float, int]
     ) -> torch.Tensor:
-        """Our (squared norm, loss sum, loss count, vote), sent to every other process."""
+        """Our (squared norm, loss sum, loss count, vote, eval sum, eval count), sent to every
+        other process; ``losses``: (loss sum, loss count, eval sum, eval count)."""
         sq = 0.0
         if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
             sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
         vote = float(self._vote())
-        mine = torch.tensor([sq, loss_sum, float(loss_count), vote], dtype=torch.float64)
+        loss_sum, loss_count, eval_sum, eval_count = losses
+        mine = torch.tensor(
+            [sq, loss_sum, float(loss_count), vote, eval_sum, float(eval_count)],
+            dtype=torch.float64,
+        )  # (SUMMARY_LEN,)
         body = pack_tensor(mine)
         for other in self.roles:
             if other != self.role:
                 sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
         return mine
 
-    def _gather_summary(
-        self, step: int, sends: _Sends, mine: torch.Tensor
-    ) -> tuple[float, float, int, tuple[float, ...]]:
-        """The all-gather's sums, in rank order: (squared norm, loss sum, loss count, votes)."""
-        total = torch.zeros(3, dtype=torch.float64)
+    def _gather_summary(self, step: int, sends: _Sends, mine: torch.Tensor) -> _Summary:
+        """The all-gather's sums, in rank order; a step whose losses do not count every
+        micro-batch (and every validation one, on an evaluation step) is refused."""
+        total = torch.zeros(SUMMARY_LEN, dtype=torch.float64)
         votes = []
         for other in self.roles:
             part = (
@@ -398,11 +431,21 @@ class PipelineRunner:
                 if other == self.role
                 else self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends)
             )
-            if not torch.isfinite(part).all() or part[0] < 0 or part[2] < 0:
+            if not torch.isfinite(part).all() or min(part[0], part[2], part[5]) < 0:
                 raise PipelineError(f"step {step}: bad summary {part.tolist()} from {other}")
-            total += part[:3]
+            total += part
             votes.append(float(part[3]))
-        return float(total[0]), float(total[1]), round(float(total[2])), tuple(votes)
+        total[3] = 0.0  # the votes are not summed
+        m = self.config.micro_batches
+        summary = _Summary(float(total[0]), float(total[1]), round(float(total[2])),
+                           float(total[4]), round(float(total[5])), tuple(votes))  # fmt: skip
+        evals = m if is_eval_step(self.config, step) else 0
+        if summary.loss_count != m or summary.eval_count != evals:
+            raise PipelineError(
+                f"step {step}: {summary.loss_count} losses and {summary.eval_count} "
+                f"validation losses for {m} micro-batches"
+            )
+        return summary
 
     # ----- frames -----------------------------------------------------------------------------
 

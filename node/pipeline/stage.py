@@ -150,6 +150,27 @@ class StageWorker:
         self._saved[key] = _Saved(leaves, roots)
         return {name: value.detach() for name, value in roots.items()}
 
+    @torch.no_grad()
+    def evaluate(
+        self, inputs: dict[str, torch.Tensor], targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor] | float:
+        """``forward`` without autograd and without keeping anything: the outgoing link's
+        values, or on the last stage the mean loss over ``targets`` (B, T)."""
+        values: dict[str, torch.Tensor] = dict(inputs)
+        self.module.eval()  # dropout off (the presets have none; a user's model may)
+        try:
+            values.update(self.module(values))
+        finally:
+            self.module.train()
+        if not self.is_last:
+            assert self.out_link is not None
+            return {name: values[name] for name in self.out_link.names}
+        if targets is None:
+            raise PipelineError("the last stage needs the targets to compute the loss")
+        (output,) = self.layout.graph.output_names
+        logits = values[output]  # (B, T, V)
+        return float(functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
     def backward(
         self, step: int, micro_batch: int, output_grads: dict[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:

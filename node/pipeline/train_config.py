@@ -44,8 +44,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0  # 0 or inf: no clipping
     seed: int = 0
-    data_path: str | None = None  # a uint16/uint32 token file; None: stdlib source bytes
-    data_dtype: str = "uint16"
+    # A uint16/uint32 token file or a ``fusionllm prepare`` directory; None: stdlib bytes.
+    data_path: str | None = None
+    data_dtype: str | None = None  # a token file's (default uint16); a directory's manifest says
     vocab_size: int = 256  # byte-level for the stdlib text; a token file's ids must be below it
     stdlib_bytes: int = 2 << 20
     # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32. A ratio
@@ -55,6 +56,7 @@ class TrainConfig:
     activation_ratios: tuple[float, ...] = ()
     gradient_ratios: tuple[float, ...] = ()
     gradient_codec: str = "topk"
+    eval_every: int = 0  # steps; 0: no validation (evaluation.py)
 
     def __post_init__(self) -> None:
         for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
@@ -65,6 +67,8 @@ class TrainConfig:
             raise ConfigError(
                 f"the stdlib text is bytes: vocab_size must be 256, not {self.vocab_size}"
             )
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         for name in ("stages", "micro_batches", "batch_size", "seq_len", "steps", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -101,7 +105,12 @@ class TrainConfig:
 
     @property
     def batch(self) -> BatchConfig:
-        return BatchConfig(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
+        return BatchConfig(
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            seed=self.seed,
+            micro_batches=self.micro_batches,
+        )
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -135,8 +144,11 @@ class TrainConfig:
         replicas: tuple[int, ...],
         activation_ratios: tuple[float, ...] = (),
         gradient_ratios: tuple[float, ...] = (),
+        data_path: str | None = None,
+        data_dtype: str | None = None,
     ) -> "TrainConfig":
-        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios)."""
+        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios), with
+        this node's copy of the data (the spec names it by digest, not by path)."""
         return cls(
             model=run.model,
             stages=len(cuts) + 1,
@@ -152,9 +164,13 @@ class TrainConfig:
             max_grad_norm=run.max_grad_norm,
             seed=run.seed,
             stdlib_bytes=run.stdlib_bytes,
+            data_path=data_path,
+            data_dtype=data_dtype,
+            vocab_size=run.vocab_size,
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
             gradient_codec=run.gradient_codec,
+            eval_every=run.eval_every,
         )
 
     def to_json(self) -> str:
@@ -194,10 +210,11 @@ def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
 
 
 def load_dataset(config: TrainConfig) -> TokenDataset:
-    if config.data_path is None:
-        return TokenDataset.from_stdlib(max_bytes=config.stdlib_bytes)
-    return TokenDataset.from_file(
-        config.data_path, dtype=config.data_dtype, vocab_size=config.vocab_size
+    return TokenDataset.load(
+        config.data_path,
+        dtype=config.data_dtype,
+        vocab_size=config.vocab_size,
+        stdlib_bytes=config.stdlib_bytes,
     )
 
 

@@ -6,7 +6,9 @@ the holdings can be listed from names alone. The file is ``torch.save`` of plain
 numbers and strings, loaded with ``weights_only=True`` (no pickle code runs), and written by
 ``write_atomic``: a node killed while writing leaves the previous files whole. A content digest
 over the parameter states is stored and checked on load (a copy received from a peer is checked
-against the sender's digest before it is kept).
+against the sender's digest before it is kept). A stage's own checkpoint also records the
+data cursor (``DataCursor``: samples the run read before the step, and the corpus digest),
+so a file says where in the data its state stands.
 """
 
 import hashlib
@@ -25,13 +27,25 @@ from fusionllm.node.training.holdings import Holding
 
 logger = get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 KEEP_STEPS = 2  # files of the newest two checkpointed steps stay; older ones are removed
 _NAME = re.compile(r"^s(\d{9})-n(\d+)-(\d+)\.pt$")
 
 
 class CheckpointError(FusionError):
     """A checkpoint file (or a received copy) is missing, unreadable or inconsistent."""
+
+
+@dataclass(frozen=True)
+class DataCursor:
+    position: int  # samples the run read before the checkpoint's step (Sampler.position)
+    digest: str  # the corpus's (RunSpec.data_digest)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.position, int) or isinstance(self.position, bool):
+            raise CheckpointError(f"data position must be an integer, got {self.position!r}")
+        if self.position < 0 or not isinstance(self.digest, str) or len(self.digest) > 64:
+            raise CheckpointError(f"bad data cursor ({self.position!r}, {self.digest!r})")
 
 
 @dataclass
@@ -43,6 +57,7 @@ class StageState:
     plan: str = ""  # digest of the plan the stage ran
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback, by key
     rng: torch.Tensor | None = None  # torch's CPU generator state (uint8)
+    data: DataCursor | None = None  # own checkpoints; a copy's position is its step's
 
     def digest(self) -> str:
         return state_digest(self.state)
@@ -64,9 +79,18 @@ def file_name(holding: Holding) -> str:
 class CheckpointStore:
     """The checkpoints of one run lineage in one directory."""
 
-    def __init__(self, directory: Path, *, pause_before_rename_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        pause_before_rename_s: float = 0.0,
+        data: tuple[int, str] | None = None,
+    ) -> None:
+        """``data``: (the run's global batch, its data digest or "" if unpinned): a file whose
+        data cursor says another place in the data than its step's is refused on load."""
         self.directory = Path(directory)
         self.pause_before_rename_s = pause_before_rename_s
+        self.data = data
 
     def holdings(self) -> list[Holding]:
         """What the directory holds, newest step first (by file name; loading checks more)."""
@@ -110,7 +134,19 @@ class CheckpointStore:
             raise CheckpointError(f"{path} is not a stage checkpoint: {exc}") from exc
         if stage.holding != holding:
             raise CheckpointError(f"{path} holds {stage.holding}, its name says {holding}")
+        self._check_cursor(path, stage)
         return stage
+
+    def _check_cursor(self, path: Path, stage: StageState) -> None:
+        if self.data is None or stage.data is None:
+            return
+        batch, digest = self.data
+        at, expected = stage.data, stage.holding.step * batch
+        if at.position != expected or (digest and at.digest != digest):
+            raise CheckpointError(
+                f"{path} stands at sample {at.position} of data {at.digest[:16]}; its step "
+                f"is at sample {expected} of {digest[:16] or 'this run'}"
+            )
 
     def prune(self) -> None:
         held = self.holdings()
@@ -124,7 +160,7 @@ class CheckpointStore:
 
 
 def _to_file(stage: StageState) -> dict:
-    h = stage.holding
+    h, d = stage.holding, stage.data
     return {
         "format": FORMAT,
         "step": h.step,
@@ -135,11 +171,23 @@ def _to_file(stage: StageState) -> dict:
         "state": {n: t.detach().to(torch.float32).contiguous() for n, t in stage.state.items()},
         "residuals": {k: t.detach().contiguous() for k, t in stage.residuals.items()},
         "rng": stage.rng if stage.rng is not None else torch.zeros(0, dtype=torch.uint8),
+        "data": {} if stage.data is None else {"position": d.position, "digest": d.digest},
     }
 
 
 def _from_file(data: object, path: Path) -> StageState:
-    keys = {"format", "step", "start", "stop", "plan", "digest", "state", "residuals", "rng"}
+    keys = {
+        "format",
+        "step",
+        "start",
+        "stop",
+        "plan",
+        "digest",
+        "state",
+        "residuals",
+        "rng",
+        "data",
+    }
     if not isinstance(data, dict) or set(data) != keys or data["format"] != FORMAT:
         raise CheckpointError(f"{path} is not a format-{FORMAT} stage checkpoint")
     state, residuals = data["state"], data["residuals"]
@@ -156,8 +204,16 @@ def _from_file(data: object, path: Path) -> StageState:
         holding = Holding(int(data["step"]), int(data["start"]), int(data["stop"]))
     except (TypeError, ValueError, FusionError) as exc:
         raise CheckpointError(f"{path}: bad step or node range: {exc}") from exc
+    cursor = data["data"]
+    if not isinstance(cursor, dict) or set(cursor) not in (set(), {"position", "digest"}):
+        raise CheckpointError(f"{path}: malformed data cursor")
     stage = StageState(
-        holding, state, str(data["plan"]), residuals, data["rng"] if data["rng"].numel() else None
+        holding,
+        state,
+        str(data["plan"]),
+        residuals,
+        data["rng"] if data["rng"].numel() else None,
+        DataCursor(cursor["position"], cursor["digest"]) if cursor else None,
     )
     if stage.digest() != data["digest"]:
         raise CheckpointError(f"{path}: content does not match its digest")

@@ -16,7 +16,7 @@ import time
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.training.checkpoints import CheckpointError
+from fusionllm.node.training.checkpoints import CheckpointError, DataCursor
 from fusionllm.node.training.copies import delivered, send_copy, stage_state
 from fusionllm.node.training.holdings import Holding, checkpoint_custodian, parting_custodian
 
@@ -42,6 +42,9 @@ class Parting:
         holding = Holding(held.next_step, *assignment.ranges[role.stage])
         stage = stage_state(held.worker, holding, assignment.digest)
         stage.residuals = s.runner.residuals()
+        dataset = s.runner.dataset
+        position = dataset.sampler(assignment.config.batch).position(held.next_step)
+        stage.data = DataCursor(position, dataset.digest)
         keeper = checkpoint_custodian(role.stage, assignment.peers)
         if keeper is not None:
             # The copy first: until it lands, a crash of this node costs the previous interval;

@@ -63,7 +63,12 @@ class SwarmView(Protocol):
     def addrs(self, peer: str) -> list[str]: ...  # a member's data-plane addresses
     def is_member(self, peer: str) -> bool: ...
     def publish(
-        self, replica: int | None, step: int, loss: float | None, finished: bool
+        self,
+        replica: int | None,
+        step: int,
+        loss: float | None,
+        finished: bool,
+        evaluation: tuple[int, float] | None = None,  # the newest validation (step, loss)
     ) -> None: ...
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
     def members(self) -> list[str]: ...  # every live member's peer id
@@ -94,8 +99,11 @@ class TrainerConfig:
         """(own checkpoints, copies kept for others), in a directory per run lineage."""
         lineage = self.run.lineage()
         pause = self.checkpoint_pause_s
+        data = (self.run.global_batch, self.run.data_digest)
         return (
-            CheckpointStore(self.work_dir / "checkpoints" / lineage, pause_before_rename_s=pause),
+            CheckpointStore(
+                self.work_dir / "checkpoints" / lineage, pause_before_rename_s=pause, data=data
+            ),
             CheckpointStore(self.work_dir / "custody" / lineage),
         )
 
@@ -142,6 +150,7 @@ class SwarmTrainer:
         self.finished = threading.Event()
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
+        self.evaluation: tuple[int, float] | None = None  # newest validation (step, loss)
         self._thread = threading.Thread(target=self._main, name="node-train", daemon=True)
 
     @property
@@ -282,7 +291,7 @@ class SwarmTrainer:
                 plan_of = None
             if plan_of is None or plan_of.role is None or plan_of.digest == parted_from:
                 if plan_of is not None and plan_of.role is None:
-                    self.view.publish(None, self.step, self.loss, False)
+                    self.view.publish(None, self.step, self.loss, False, self.evaluation)
                 self._wait_for_other_plan(current[0])
                 continue
             ending = self._serve(plan_of)
@@ -404,13 +413,16 @@ class SwarmTrainer:
 
     def _on_step(self, report: StepReport) -> None:
         self.step, self.loss = report.step + 1, report.loss
+        if report.eval_loss is not None:
+            self.evaluation = (report.step, report.eval_loss)
         role = self._role
-        self.view.publish(role, self.step, self.loss, False)
+        self.view.publish(role, self.step, self.loss, False, self.evaluation)
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,
                     "tokens_per_s": tokens / max(report.seconds, 1e-9),
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
+                    "samples": list(report.samples), "eval_loss": report.eval_loss,
                     "bytes_out": self._bytes_out()})  # fmt: skip
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
@@ -447,7 +459,7 @@ class SwarmTrainer:
             )
             write_atomic(path, buffer.getvalue())
             self._emit({"event": "saved", "path": str(path), "step": held.next_step})
-        self.view.publish(self._role, self.step, self.loss, True)
+        self.view.publish(self._role, self.step, self.loss, True, self.evaluation)
         self._emit({"event": "finished", "step": self.step, "loss": self.loss,
                     "t": time.time()})  # fmt: skip
         self.finished.set()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fusionllm.common.run_spec import RunSpec
+from fusionllm.data.corpus import load_stdlib
 from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.local_swarm import last_step as _last_step
 from fusionllm.node.local_swarm import rollbacks as _rollbacks
@@ -22,7 +23,7 @@ from fusionllm.node.local_swarm import serving as _serving
 from fusionllm.node.local_swarm import trained_steps as _steps
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
-from fusionllm.node.training.checkpoints import CheckpointStore
+from fusionllm.node.training.checkpoints import CheckpointStore, DataCursor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -166,6 +167,8 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
         (kept,) = store.holdings()
         assert kept.step == EVERY
         assert store.load(kept).state, "the previous checkpoint does not load"
+        # It says where the run stands in the data: a global batch of 8 a step, in the stdlib.
+        assert store.load(kept).data == DataCursor(EVERY * 8, load_stdlib().digest)
 
         back = swarm.start("solo")  # same key and work dir, no pause
         wait_for(lambda: back.last("train_plan"), 120, "the restarted node to train")

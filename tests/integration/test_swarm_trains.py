@@ -163,13 +163,17 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "swarm",
          "--nodes", "2", "--steps", "6", "--seq-len", "16", "--work-dir", str(tmp_path / "w"),
+         "--eval-every", "3",
          "--json", "--plot", str(plot)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"steps", "loss_first", "loss_last", "tokens_per_s", "nodes",
-                            "plan_digest"}  # fmt: skip
+    assert set(summary) == {"steps", "loss_first", "loss_last", "loss_last_steps", "eval_losses",
+                            "eval_loss_last", "tokens_per_s", "nodes", "plan_digest"}  # fmt: skip
+    assert summary["loss_last_steps"] == 1  # a quarter of 6 steps, rounded down, at least 1
+    assert sorted(summary["eval_losses"]) == ["0", "3"]
+    assert summary["eval_loss_last"] == summary["eval_losses"]["3"] < summary["eval_losses"]["0"]
     assert summary["steps"] == 6
     assert summary["nodes"] == 2
     assert summary["tokens_per_s"] > 0

@@ -21,6 +21,7 @@ from fusionllm.node.training.checkpoints import (
     KEEP_STEPS,
     CheckpointError,
     CheckpointStore,
+    DataCursor,
     StageState,
     file_name,
     state_digest,
@@ -213,8 +214,10 @@ def _rewrite(path: Path, **changes) -> None:
 @pytest.mark.parametrize(
     ("changes", "why"),
     [
-        ({"format": 2}, "not a format-1"),
-        ({"extra": 1}, "not a format-1"),
+        ({"format": 1}, "not a format-2"),
+        ({"extra": 1}, "not a format-2"),
+        ({"data": {"position": 3}}, "malformed data cursor"),
+        ({"data": {"position": -1, "digest": "ab"}}, "bad data cursor"),
         ({"state": {"h.0.w": [1.0, 2.0]}}, "malformed tensor table"),
         ({"residuals": {3: torch.zeros(2)}}, "malformed tensor table"),
         ({"state": {"h.0.w": torch.zeros(3, 3)}}, "flat float32"),
@@ -238,7 +241,7 @@ def test_a_file_with_a_foreign_structure_is_refused(tmp_path, changes, why) -> N
 
 def test_a_plain_list_saved_under_a_checkpoint_name_is_refused(tmp_path) -> None:
     torch.save([1, 2, 3], tmp_path / file_name(Holding(2, 0, 4)))
-    with pytest.raises(CheckpointError, match="not a format-1"):
+    with pytest.raises(CheckpointError, match="not a format-2"):
         CheckpointStore(tmp_path).load(Holding(2, 0, 4))
 
 
@@ -377,3 +380,46 @@ def test_a_process_killed_between_write_and_rename_leaves_the_previous_checkpoin
     store.save(StageState(Holding(12, 0, 4), {"w": torch.ones(13)}))
     assert temp.exists()
     assert store.holdings() == [Holding(12, 0, 4), Holding(4, 0, 4)]
+
+
+def test_the_data_cursor_round_trips_and_a_resume_reads_on_from_it(tmp_path) -> None:
+    """A stage checkpointed at step k records where the run stands in the data; a fresh
+    process (a restarted node) that loads it reads on from there: the samples before and after
+    are exactly one uninterrupted run's, none repeated within a pass, none skipped."""
+    from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
+
+    config = BatchConfig(batch_size=2, seq_len=16, seed=3, micro_batches=4)
+    data = TokenDataset.from_stdlib(max_bytes=32 << 10)
+
+    def read(dataset: TokenDataset, steps: range) -> list[int]:
+        return [w for s in steps for mb in range(4) for w in dataset.samples(config, s, mb)]
+
+    straight = read(data, range(60))
+    k = 23
+    stage = _stage(k)
+    stage.data = DataCursor(data.sampler(config).position(k), data.digest)
+    CheckpointStore(tmp_path).save(stage)
+
+    restarted = TokenDataset.from_stdlib(max_bytes=32 << 10)
+    loaded = CheckpointStore(tmp_path).load(Holding(k, 0, 4))
+    assert loaded.data == DataCursor(k * 8, restarted.digest)
+    resume_at, rest = divmod(loaded.data.position, config.batch_size * config.micro_batches)
+    assert (resume_at, rest) == (k, 0)
+    assert read(data, range(k)) + read(restarted, range(resume_at, 60)) == straight
+    assert len(set(straight)) == len(straight) == 480  # all within the first pass (2,027 windows)
+
+
+def test_a_file_whose_data_cursor_is_not_its_steps_is_refused(tmp_path) -> None:
+    digest = "ab" * 32
+    stage = _stage(5)
+    stage.data = DataCursor(5 * 8, digest)
+    CheckpointStore(tmp_path).save(stage)
+    assert CheckpointStore(tmp_path, data=(8, digest)).load(Holding(5, 0, 4)).data == stage.data
+    assert CheckpointStore(tmp_path, data=(8, "")).load(Holding(5, 0, 4)).data == stage.data
+    with pytest.raises(CheckpointError, match=r"stands at sample 40 .* is at sample 30"):
+        CheckpointStore(tmp_path, data=(6, digest)).load(Holding(5, 0, 4))
+    with pytest.raises(CheckpointError, match="of data abababababababab"):
+        CheckpointStore(tmp_path, data=(8, "cd" * 32)).load(Holding(5, 0, 4))
+    stage.data = None  # a copy a peer sent: its step is its place in the data
+    CheckpointStore(tmp_path).save(stage)
+    assert CheckpointStore(tmp_path, data=(6, digest)).load(Holding(5, 0, 4)).data is None

@@ -7,6 +7,7 @@ from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received
 from fusionllm.node.pipeline.expectations import (
+    SUMMARY_LEN,
     TAG_DP,
     TAG_SUMMARY,
     TAG_TIED,
@@ -39,7 +40,11 @@ def test_expected_shapes_by_header(layout) -> None:
     assert activation.shape == (layout.links[0].numel,)
     gradient = middle.expect(_header(FrameKind.GRADIENT, tag=1, stage=2))
     assert gradient.shape == (layout.links[1].numel,)
-    assert middle.expect(_header(FrameKind.CONTROL, tag=TAG_SUMMARY, stage=2)).shape == (4,)
+    assert (
+        middle.expect(_header(FrameKind.CONTROL, tag=TAG_SUMMARY, stage=2)).shape
+        == (SUMMARY_LEN,)
+        == (6,)
+    )
     dp = middle.expect(_header(FrameKind.CONTROL, tag=TAG_DP, stage=1))
     assert dp.shape[0] > 0
     # Anything else matches no tensor: the transport refuses the frame.

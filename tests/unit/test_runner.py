@@ -307,3 +307,45 @@ def test_frames_from_strangers_and_impostors_are_refused_and_counted(dataset) ->
     assert swarm.transports[middle].stats()[peer_id_of(last)].errors == {"FrameError": 1}
     losses = swarm.losses()
     assert max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)) < ATOL
+
+
+@pytest.mark.parametrize(("stages", "replicas"), [(3, (1, 2, 1)), (1, (2,))])
+def test_validation_loss_matches_one_process_and_every_process_learns_it(
+    dataset, stages, replicas
+) -> None:
+    """--eval-every: at the start of every 2nd step the held-out micro-batches run forward
+    through the stages (replicas splitting them, as in training); every process ends the step
+    with the loss a single process computes on the same parameters, and training itself is
+    unchanged."""
+    config = _config(stages=stages, replicas=replicas, steps=5, eval_every=2)
+    reference = train_local(config, dataset=dataset)
+    assert sorted(reference.eval_losses) == [0, 2, 4]
+    assert reference.eval_losses[4] < reference.eval_losses[0]
+    plain = train_local(_config(stages=stages, replicas=replicas, steps=5), dataset=dataset)
+    assert plain.losses == reference.losses  # evaluating changes no parameter
+    swarm = _run(config, dataset)
+    assert swarm.errors() == {}
+    assert max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True)) < ATOL
+    for role, run in swarm.results.items():
+        evals = {r.step: r.eval_loss for r in run.reports if r.eval_loss is not None}
+        assert evals.keys() == reference.eval_losses.keys(), role
+        for step, loss in evals.items():
+            assert abs(loss - reference.eval_losses[step]) < ATOL, (role, step)
+    assert all(runner.mailbox.refused == 0 for runner in swarm.runners.values())
+
+
+def test_a_validation_frame_off_an_evaluation_step_is_refused(dataset) -> None:
+    from fusionllm.node.pipeline.expectations import EVAL_TAG
+
+    config = _config(stages=2, eval_every=3)
+    swarm = ThreadSwarm(config, dataset)
+    try:
+        expectations = Expectations(config, swarm.layout, Role(1, 0))
+        header = FrameHeader(step=4, micro_batch=EVAL_TAG + 1, kind=FrameKind.ACTIVATION, stage=0)
+        assert expectations.admit(0, header) == "no evaluation at step 4"
+        on_step = FrameHeader(step=6, micro_batch=EVAL_TAG + 1, kind=FrameKind.ACTIVATION, stage=0)
+        assert expectations.admit(0, on_step) is None
+        beyond = FrameHeader(step=6, micro_batch=EVAL_TAG + 4, kind=FrameKind.ACTIVATION, stage=0)
+        assert expectations.admit(0, beyond) == "micro-batch 4 is not ours"
+    finally:
+        swarm.close()

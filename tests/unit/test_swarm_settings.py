@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from fusionllm.common.errors import ConfigError
@@ -173,3 +174,51 @@ def test_run_spec_batch_arithmetic():
     assert run.global_batch == 15
     assert run.tokens_per_step == 105
     assert run.runs_forever()
+
+
+def test_nodes_on_different_data_are_never_members_together(tmp_path):
+    """The corpus's digest is part of the settings digest: two nodes whose data differs (here
+    two token files one token apart; the stdlib of two Pythons alike) publish different
+    digests, and a node counts as members only records with its own."""
+    from fusionllm.data.corpus import load_corpus, load_stdlib
+    from fusionllm.dht.records import DeviceInfo, NodeInfo, NodeState
+    from fusionllm.node.control.agreement import fresh_members
+
+    now = 1.7e9
+    device = DeviceInfo(name="cpu", kind="cpu", memory_bytes=1 << 30, flops=1e11,
+                        memory_bandwidth=1e10, op_overhead=0.0, cpu_cores=2,
+                        ram_bytes=1 << 30)  # fmt: skip
+
+    def member(peer: str, digest: str) -> NodeInfo:
+        return NodeInfo(peer_id=peer, swarm="default", addrs=(), dht_addrs=(), device=device,
+                        uplink=1e9, downlink=1e9, links=(), software="fusionllm 0.1.0",
+                        config_digest=digest, state=NodeState.BACKUP, stage=None, adopted=None,
+                        time=now)  # fmt: skip
+
+    ids = np.arange(4000, dtype=np.uint16) % 300
+    (tmp_path / "a.bin").write_bytes(ids.tobytes())
+    ids[1234] += 1
+    (tmp_path / "b.bin").write_bytes(ids.tobytes())
+    corpora = [load_corpus(tmp_path / n, vocab_size=300) for n in ("a.bin", "b.bin")]
+    corpora.append(load_stdlib(max_bytes=1 << 16))
+    corpora.append(load_stdlib(max_bytes=1 << 16))
+    settings = [
+        SwarmSettings(run=RunSpec(data_digest=c.digest, vocab_size=c.vocab_size)) for c in corpora
+    ]
+    digests = [s.digest() for s in settings]
+    assert digests[0] != digests[1]
+    assert digests[2] == digests[3]
+    assert len({digests[0], digests[1], digests[2]}) == 3
+    assert settings[0].run.lineage() != settings[1].run.lineage()  # checkpoints never mix
+    records = {peer: member(peer, digest) for peer, digest in zip("abcd", digests, strict=True)}
+    for peer, digest in zip("abcd", digests, strict=True):
+        fresh = fresh_members(records, digest=digest, now=now, suspect_after_s=15.0, max_skew_s=5.0)
+        assert sorted(fresh) == (["c", "d"] if peer in "cd" else [peer])
+
+
+def test_data_digest_and_vocab_are_validated():
+    with pytest.raises(ConfigError, match="data_digest"):
+        RunSpec(data_digest="abc")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        RunSpec(vocab_size=0)
+    assert RunSpec(data_digest="0" * 64).data_digest == "0" * 64

@@ -49,7 +49,7 @@ class FakeView:
     def is_member(self, peer: str) -> bool:
         return peer in self.alive
 
-    def publish(self, replica, step, loss, finished) -> None:
+    def publish(self, replica, step, loss, finished, evaluation=None) -> None:
         self.published.append((replica, step, loss, finished))
         self.finished = self.finished or finished
 
