@@ -13,14 +13,15 @@ from dataclasses import asdict, dataclass
 
 from fusionllm.common.errors import ConfigError
 
-MODELS = ("tiny", "small", "medium", "large", "xl")
+# The presets of dag/models/registry.py (common/ never imports torch; a unit test keeps them equal).
+MODELS = ("tiny", "small", "medium", "large", "xl", "llama-tiny", "llama-1b")
 GRADIENT_CODECS = ("topk", "ternary")
 STDLIB_VOCAB = 256  # the built-in corpus is bytes
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str = "tiny"  # a GPT-2 preset
+    model: str = "tiny"  # a preset of the model registry
     seq_len: int = 64
     micro_batch_size: int = 2  # sequences per micro-batch
     micro_batches: int = 4  # per step
