@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import gpt2
+from fusionllm.dag.models import registry
 from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
@@ -70,7 +70,7 @@ def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
     """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
     every node (seconds of CPU: done when a node first serves, not at start)."""
     config = TrainConfig.for_run(run, cuts=(), replicas=(1,))
-    example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
+    example = registry.example_input(run.micro_batch_size, run.seq_len)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
         model = build_model(config)
         graph = trace(model, (example,), meta=False)
@@ -78,9 +78,9 @@ def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
-    """Every canonical parameter's shape, from a model that allocates nothing."""
-    with torch.device("meta"):
-        model = gpt2(run.model, vocab_size=STDLIB_VOCAB)
+    """Every canonical parameter's shape, from the run's model built on meta (no memory)."""
+    with _ONE_BUILD_AT_A_TIME, torch.device("meta"):  # it seeds the global generator too
+        model = build_model(TrainConfig.for_run(run, cuts=(), replicas=(1,)))
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

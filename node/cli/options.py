@@ -9,7 +9,7 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
     group = parser.add_argument_group(
         "run", "what is trained; every node of a swarm needs the same values"
     )
-    group.add_argument("--model", default="tiny", choices=MODELS, help="GPT-2 preset (%(default)s)")
+    group.add_argument("--model", default="tiny", choices=MODELS, help="model preset (%(default)s)")
     group.add_argument(
         "--steps", type=int, default=steps, help="optimizer steps, 0: no end (%(default)s)"
     )

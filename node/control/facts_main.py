@@ -20,7 +20,7 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging
 from fusionllm.common.run_spec import STDLIB_VOCAB
 from fusionllm.dag.graph import GraphCosts, costs_to_json
-from fusionllm.dag.models import gpt2
+from fusionllm.dag.models import registry
 from fusionllm.dag.trace import trace
 from fusionllm.node.control.probe import local_device
 
@@ -29,8 +29,8 @@ def model_costs(model: str, seq_len: int) -> GraphCosts:
     """The run's model traced at one sequence of ``seq_len`` tokens, on meta: shapes only, so
     it allocates nothing even for gpt2-xl."""
     with torch.device("meta"):
-        module = gpt2(model, vocab_size=STDLIB_VOCAB)
-    example = torch.zeros(1, seq_len, dtype=torch.long)  # (B=1, T)
+        module = registry.build_preset(model, vocab_size=STDLIB_VOCAB)
+    example = registry.example_input(1, seq_len)  # (B=1, T)
     return trace(module, (example,)).costs()
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
@@ -44,7 +44,7 @@ def train_local(
         for mb in range(config.micro_batches):
             idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
             logits = model(idx)  # (B, T, V)
-            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = language_model_loss(logits, targets)
             (loss / config.micro_batches).backward()
             total += float(loss.detach())
         if 0 < config.max_grad_norm < float("inf"):

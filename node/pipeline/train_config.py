@@ -16,7 +16,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import gpt2
+from fusionllm.dag.models import registry
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.stage import OptimizerConfig
@@ -31,7 +31,7 @@ GRADIENT_CODECS = frozenset({"topk", "ternary"})
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: str = "tiny"  # a GPT-2 preset
+    model: str = "tiny"  # a preset of the model registry (dag/models/registry.py)
     stages: int = 2
     cuts: tuple[int, ...] | None = None  # node positions; None: balanced by forward FLOPs
     replicas: tuple[int, ...] | None = None  # per stage; None: one each
@@ -175,7 +175,7 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     """The model with the run's seeded initialisation (identical in every process)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        model = gpt2(config.model, vocab_size=config.vocab_size)
+        model = registry.build_preset(config.model, vocab_size=config.vocab_size)
     if config.seq_len > model.config.block_size:
         raise ConfigError(
             f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"
@@ -185,7 +185,7 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
     """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
-    example = torch.zeros(config.batch_size, config.seq_len, dtype=torch.int64)  # (B, T)
+    example = registry.example_input(config.batch_size, config.seq_len)  # (B, T)
     # A real forward of one micro-batch: the model is allocated anyway, and propagating meta
     # tensors first imports torch's meta kernels (~1.5 s per stage process here).
     graph: OpGraph = trace(model, (example,), meta=False)
