@@ -20,8 +20,14 @@ from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.data import TokenDataset
-from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.pipeline.train_config import (
+    TrainConfig,
+    build_model,
+    load_dataset,
+    model_config,
+)
 from fusionllm.node.swarm_node import SwarmNodeConfig
+from fusionllm.node.training.export import write_model_config
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
 logger = get_logger(__name__)
@@ -89,6 +95,9 @@ def start_training(
 ) -> tuple[Transport, SwarmTrainer]:
     """The node's transport (admitting only what the trainer expects) and its started trainer."""
     trainer: SwarmTrainer | None = None
+    # What ``fusionllm export`` reads this work dir's parameters and checkpoints back with.
+    run_model = model_config(TrainConfig.for_run(config.run, cuts=(), replicas=(1,)))
+    write_model_config(config.work_dir, run_model, config.run.lineage())
 
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER

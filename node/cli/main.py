@@ -6,6 +6,7 @@
 - node_cmd.py:   ``fusionllm node`` (one node of a swarm)
 - swarm_cmd.py:  ``fusionllm swarm`` (N node daemons on this machine)
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
+- export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - options.py:    the run options every training command shares
 """
 
@@ -17,7 +18,14 @@ from importlib import metadata
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
-from fusionllm.node.cli import demo_cmd, node_cmd, status_cmd, swarm_cmd, train_cmd
+from fusionllm.node.cli import (
+    demo_cmd,
+    export_cmd,
+    node_cmd,
+    status_cmd,
+    swarm_cmd,
+    train_cmd,
+)
 
 logger = get_logger(__name__)
 
@@ -61,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     version = commands.add_parser("version", help="print the installed version")
     version.add_argument("--json", action="store_true", help="machine-readable output")
     version.set_defaults(handler=_cmd_version)
-    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd):
+    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, export_cmd):
         command.add_parser(commands)
     return parser
 

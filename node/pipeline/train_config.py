@@ -8,7 +8,7 @@ exchange parameters start from identical weights.
 
 import json
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -171,11 +171,16 @@ class TrainConfig:
             raise ConfigError(f"bad TrainConfig: {exc}") from exc
 
 
+def model_config(config: TrainConfig) -> Any:
+    """The run's model: its registry preset with the run's vocabulary."""
+    return registry.preset_config(config.model, vocab_size=config.vocab_size)
+
+
 def build_model(config: TrainConfig) -> torch.nn.Module:
     """The model with the run's seeded initialisation (identical in every process)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        model = registry.build_preset(config.model, vocab_size=config.vocab_size)
+        model = registry.build(model_config(config))
     if config.seq_len > model.config.block_size:
         raise ConfigError(
             f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"
