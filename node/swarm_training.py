@@ -84,9 +84,10 @@ def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
-    """Every canonical parameter's shape, from the run's model built on meta (no memory)."""
-    with _ONE_BUILD_AT_A_TIME, torch.device("meta"):  # it seeds the global generator too
-        model = build_model(TrainConfig.for_run(run, cuts=(), replicas=(1,)))
+    """Every canonical parameter's shape, from the run's model built on meta (no memory, no
+    weights read)."""
+    with _ONE_BUILD_AT_A_TIME, torch.device("meta"):
+        model = registry.build(model_config(TrainConfig.for_run(run, cuts=(), replicas=(1,))))
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

@@ -107,7 +107,8 @@ def _options(args: argparse.Namespace) -> dict:
 
     run = run_spec_from(args)
     return {
-        "model": run.model,
+        "model": run.model if run.model_dir is None else None,
+        "model-dir": run.model_dir,  # each node hashes it again: their digests must agree
         "steps": run.steps,
         "seq-len": run.seq_len,
         "micro-batch-size": run.micro_batch_size,

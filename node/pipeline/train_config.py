@@ -14,9 +14,9 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import RunSpec
+from fusionllm.common.run_spec import FOLDER, RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import registry
+from fusionllm.dag.models import from_pretrained, read_config, registry
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.stage import OptimizerConfig
@@ -31,7 +31,8 @@ GRADIENT_CODECS = frozenset({"topk", "ternary"})
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: str = "tiny"  # a preset of the model registry (dag/models/registry.py)
+    model: str = "tiny"  # a preset of the model registry (dag/models/registry.py), or FOLDER
+    model_dir: str | None = None  # model FOLDER: the Hugging Face folder it starts from
     stages: int = 2
     cuts: tuple[int, ...] | None = None  # node positions; None: balanced by forward FLOPs
     replicas: tuple[int, ...] | None = None  # per stage; None: one each
@@ -151,6 +152,7 @@ class TrainConfig:
             betas=run.betas,
             max_grad_norm=run.max_grad_norm,
             seed=run.seed,
+            model_dir=run.model_dir,
             stdlib_bytes=run.stdlib_bytes,
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
@@ -172,15 +174,30 @@ class TrainConfig:
 
 
 def model_config(config: TrainConfig) -> Any:
-    """The run's model: its registry preset with the run's vocabulary."""
-    return registry.preset_config(config.model, vocab_size=config.vocab_size)
+    """The run's model: its registry preset with the run's vocabulary, or its folder's."""
+    if config.model != FOLDER:
+        return registry.preset_config(config.model, vocab_size=config.vocab_size)
+    if config.model_dir is None:
+        raise ConfigError(f"model {FOLDER!r} needs model_dir, the Hugging Face folder")
+    folder_config = read_config(config.model_dir)
+    if folder_config.vocab_size < config.vocab_size:
+        raise ConfigError(
+            f"{config.model_dir} has a vocabulary of {folder_config.vocab_size}; the data's "
+            f"token ids go up to {config.vocab_size - 1}"
+        )
+    return folder_config
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
-    """The model with the run's seeded initialisation (identical in every process)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = registry.build(model_config(config))
+    """The model with the run's seeded initialisation, or the folder's weights (identical in
+    every process)."""
+    if config.model == FOLDER:
+        model_config(config)  # the folder's vocabulary must cover the data's
+        model = from_pretrained(config.model_dir)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = registry.build(model_config(config))
     if config.seq_len > model.config.block_size:
         raise ConfigError(
             f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"

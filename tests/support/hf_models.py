@@ -44,6 +44,7 @@ def hf_llama(
     rope: dict | None = None,
     bias: bool = False,
     seed: int = 0,
+    vocab: int = VOCAB,
 ) -> LlamaForCausalLM:
     """4 query heads; ``kv_heads`` 4 is plain multi-head attention, 2 or 1 grouped-query."""
     config = LlamaConfig(
@@ -52,7 +53,7 @@ def hf_llama(
         num_key_value_heads=kv_heads,
         hidden_size=32,
         intermediate_size=56,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
