@@ -5,6 +5,7 @@ The work dirs are written as a training node writes them (``write_model_config``
 from a model cut into stages by the real ``PipelineLayout``.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,17 @@ def test_without_final_params_the_newest_covered_checkpoint_is_exported(tmp_path
             store.save(StageState(holding=holding, state=state, plan="p"))
     out = export([tmp_path], tmp_path / "out")
     _same_logits(out, model, LlamaForCausalLM)  # step 4: the newest both stages hold
+
+
+def test_the_export_command_writes_the_folder_or_names_the_missing_stage(tmp_path, capsys) -> None:
+    from fusionllm.node.cli.main import main
+
+    model, config, layout = _run("tiny", 2)
+    _swarm(tmp_path / "w", model, config, layout, skip=(1,))
+    assert main(["export", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")]) == 1
+    assert "error: the stage after stage 0 is in no work dir" in capsys.readouterr().err
+    _write_final(_node_dir(tmp_path / "w", "node1", config), _stage_params(model, layout, 1), 1)
+    assert main(["export", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"),
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out) == {"out": str(tmp_path / "o")}
+    _same_logits(tmp_path / "o", model, GPT2LMHeadModel)

@@ -128,6 +128,36 @@ def test_config_in_the_4x_form_reads_as_the_5x_form(tmp_path) -> None:
     assert not torch.allclose(_our_logits(from_pretrained(folder), idx), expected, atol=ATOL)
 
 
+def test_older_files_load_hub_gpt2_names_and_buffers_included(tmp_path) -> None:
+    """The hub's gpt2 has GPT2Model names (no ``transformer.``) and mask buffers; Llama files
+    from transformers < 4.31 carry ``rotary_emb.inv_freq``: both load, the buffers ignored."""
+    reference = hf_gpt2(tied=True)
+    folder = _saved(reference, tmp_path / "gpt2")
+
+    def as_hub(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        tensors["h.0.attn.bias"] = torch.tril(torch.ones(48, 48)).view(1, 1, 48, 48)
+        tensors["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+
+    _edit_tensors(folder, as_hub)
+    idx = token_ids()
+    model = from_pretrained(folder)
+    torch.testing.assert_close(
+        _our_logits(model, idx), hf_logits(reference, idx), atol=ATOL, rtol=0
+    )
+    reference = hf_llama(kv_heads=2)
+    folder = _saved(reference, tmp_path / "llama")
+    _edit_tensors(
+        folder,
+        lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}),
+    )
+    model = from_pretrained(folder)
+    torch.testing.assert_close(
+        _our_logits(model, idx), hf_logits(reference, idx), atol=ATOL, rtol=0
+    )
+
+
 def test_bf16_folder_loads_in_fp32(tmp_path) -> None:
     reference = hf_llama(kv_heads=2).to(torch.bfloat16)
     folder = _saved(reference, tmp_path)
