@@ -158,6 +158,17 @@ def test_older_files_load_hub_gpt2_names_and_buffers_included(tmp_path) -> None:
     )
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_folders_transformers_4_wrote_give_its_logits(name) -> None:
+    """Committed folders from transformers 4.57.6 (see tests/data/transformers4/README.md)."""
+    folder = Path(__file__).parents[1] / "data" / "transformers4" / name
+    config = json.loads((folder / "config.json").read_text())
+    assert config["transformers_version"].startswith("4.")
+    expected = load_file(folder / "expected_logits.safetensors")
+    logits = _our_logits(from_pretrained(folder), expected["idx"])
+    torch.testing.assert_close(logits, expected["logits"], atol=ATOL, rtol=0)
+
+
 def test_bf16_folder_loads_in_fp32(tmp_path) -> None:
     reference = hf_llama(kv_heads=2).to(torch.bfloat16)
     folder = _saved(reference, tmp_path)
