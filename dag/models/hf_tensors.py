@@ -185,6 +185,8 @@ def write_tensors(folder: Path, tensors: Mapping[str, torch.Tensor]) -> Path:
     try:
         plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         save_file(plain, tmp, metadata={"format": "pt"})
+        with open(tmp, "rb") as written:  # on disk before the rename, as write_atomic does
+            os.fsync(written.fileno())
         os.replace(tmp, folder / WEIGHTS)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
