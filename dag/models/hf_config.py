@@ -30,10 +30,10 @@ _MISSING = object()
 
 
 def family_of(raw: Mapping[str, Any]) -> str:
-    """ "gpt2" or "llama", from model_type (or, without one, the architectures list)."""
+    """The family, "gpt2" or "llama": model_type, or without one the architectures list."""
     model_type = raw.get("model_type")
     architectures = raw.get("architectures")
-    if model_type in FAMILIES:
+    if isinstance(model_type, str) and model_type in FAMILIES:
         return model_type
     if model_type is None and isinstance(architectures, list):
         for family, class_name in FAMILIES.items():
@@ -90,9 +90,7 @@ def _llama(raw: Mapping[str, Any]) -> LlamaConfig:
     heads = _int(raw, "num_attention_heads")
     kv_heads = raw.get("num_key_value_heads")
     head_dim = raw.get("head_dim")
-    if head_dim is not None and _int(raw, "head_dim") > _MAX_HEAD_DIM:
-        _refuse("head_dim", head_dim, f"at most {_MAX_HEAD_DIM}")
-    return LlamaConfig(
+    config = LlamaConfig(
         num_hidden_layers=_int(raw, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=heads if kv_heads is None else _int(raw, "num_key_value_heads"),
@@ -107,6 +105,9 @@ def _llama(raw: Mapping[str, Any]) -> LlamaConfig:
         attention_bias=_bool(raw, "attention_bias", False),
         mlp_bias=_bool(raw, "mlp_bias", False),
     )
+    if config.head_dim > _MAX_HEAD_DIM:  # given, or hidden_size / num_attention_heads
+        _refuse("head_dim", config.head_dim, f"at most {_MAX_HEAD_DIM}")
+    return config
 
 
 def rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:

@@ -6,11 +6,14 @@ unexpected keys, to the same logits. Every refusal names what is wrong.
 """
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
@@ -251,6 +254,21 @@ def llama_folder(tmp_path) -> Path:
     return _saved(hf_llama(kv_heads=2), tmp_path / "llama")
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz")
+    _saved(hf_llama(kv_heads=2, rope=LLAMA3), root / "base")
+    return root
+
+
+_LLAMA_KEYS = {
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "rope_parameters", "rope_theta", "rope_scaling", "hidden_act",
+}  # fmt: skip
+
+
 def _edit_config(folder: Path, **changes) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | changes))
@@ -290,6 +308,38 @@ def test_unknown_architectures_and_settings_are_refused(llama_folder) -> None:
     _edit_config(llama_folder, num_hidden_layers=10**6)
     with pytest.raises(TensorShapeError, match="asks for 1000000 layers"):
         from_pretrained(llama_folder)
+
+
+_JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**40), max_value=2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.sampled_from(["rope_type", "type", "factor", "rope_theta"]),
+                    st.one_of(st.text(max_size=8), st.floats(), st.integers()), max_size=3),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from(sorted(_LLAMA_KEYS)), _JSON_VALUES, max_size=3))
+def test_any_config_value_loads_or_is_refused_with_a_typed_error(llama_dir, changes) -> None:
+    """Whatever a hostile config.json holds: a model, or a CheckpointFolderError (never a
+    TypeError, a torch error, a huge allocation or a hang)."""
+    folder = llama_dir / "fuzz"
+    if not folder.exists():
+        shutil.copytree(llama_dir / "base", folder)
+    config = json.loads((llama_dir / "base" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+    try:
+        model = from_pretrained(folder)
+    except CheckpointFolderError as exc:
+        assert str(exc)  # noqa: PT017 (the refusal says what is wrong)
+    else:  # what loads runs
+        with torch.no_grad():
+            logits = model.eval()(token_ids(1, 8))
+        assert logits.shape == (1, 8, model.config.vocab_size)
 
 
 def test_config_that_is_not_a_json_object_is_refused(llama_folder) -> None:
