@@ -7,6 +7,7 @@ The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView
 import math
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import registry
+from fusionllm.dag.models.hf_tensors import CONFIG, MAX_CONFIG_BYTES, read_json
 from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
@@ -98,7 +100,9 @@ def start_training(
     trainer: SwarmTrainer | None = None
     # What ``fusionllm export`` reads this work dir's parameters and checkpoints back with.
     run_model = model_config(TrainConfig.for_run(config.run, cuts=(), replicas=(1,)))
-    write_model_config(config.work_dir, run_model, config.run.lineage())
+    source = config.run.model_dir
+    like = read_json(Path(source) / CONFIG, limit=MAX_CONFIG_BYTES) if source else None
+    write_model_config(config.work_dir, run_model, config.run.lineage(), like=like)
 
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER

@@ -27,6 +27,8 @@ FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 _MAX_SIZE = 1 << 31  # no dimension of a real model comes near; bigger is a hostile file
 _MAX_HEAD_DIM = 1 << 14  # the rotary table (head_dim / 2 floats) is allocated before any check
 _MISSING = object()
+# Keys of a source config.json that describe its file, not the model: never carried over.
+_NOT_KEPT = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
 
 
 def family_of(raw: Mapping[str, Any]) -> str:
@@ -139,8 +141,19 @@ def rope_from_hf(raw: Mapping[str, Any]) -> RopeConfig:
         raise UnsupportedModelError(f"config.json rope settings {merged}: {exc}") from exc
 
 
-def hf_config_of(config: ModelConfig) -> dict[str, Any]:
-    """The config.json for a model of this config (with ``dtype`` float32: what we save)."""
+def hf_config_of(config: ModelConfig, *, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json for a model of this config (with ``dtype`` float32: what we save).
+
+    ``like``: the config.json the model was loaded from; its other keys (token ids, names a
+    tokenizer needs) are kept, except those about the stored dtype and the writer.
+    """
+    ours = _fields_of(config)
+    if like is None:
+        return ours
+    return {k: v for k, v in like.items() if k not in _NOT_KEPT} | ours
+
+
+def _fields_of(config: ModelConfig) -> dict[str, Any]:
     if isinstance(config, GPT2Config):
         return {
             "architectures": [FAMILIES["gpt2"]],

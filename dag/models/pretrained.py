@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,9 +83,14 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> Path:
 
 
 def save_state(
-    config: ModelConfig, state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
+    config: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    like: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write parameters under our names (= Hugging Face's) as a folder for ``config``.
+    """Write parameters under our names (= Hugging Face's) as a folder for ``config``
+    (``like``: the config.json it came from, whose other keys are kept; ``hf_config_of``).
 
     Refuses a state that does not fit the config (missing, unexpected or misshapen tensors)
     or holds non-finite values: an export should fail loudly, not write what cannot load.
@@ -110,7 +116,7 @@ def save_state(
         if not torch.isfinite(tensor).all():
             raise TensorValueError(f"{name} holds NaN or infinity; refusing to export it")
     write_tensors(folder, tensors)
-    text = json.dumps(hf_config_of(config), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(hf_config_of(config, like=like), indent=2, sort_keys=True) + "\n"
     write_atomic(folder / CONFIG, text.encode())
     logger.info("wrote %d tensors and %s to %s", len(tensors), CONFIG, folder)
     return folder

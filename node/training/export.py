@@ -46,9 +46,13 @@ class StageParams:
     params: dict[str, torch.Tensor]
 
 
-def write_model_config(work_dir: Path, config: ModelConfig, lineage: str) -> Path:
-    """What ``export`` needs to read this node's files back (written when training starts)."""
-    text = json.dumps({"lineage": lineage, "config": hf_config_of(config)}, sort_keys=True)
+def write_model_config(
+    work_dir: Path, config: ModelConfig, lineage: str, *, like: dict | None = None
+) -> Path:
+    """What ``export`` needs to read this node's files back (written when training starts);
+    ``like``: the config.json of the folder the run started from (its token ids are kept)."""
+    fields = {"lineage": lineage, "config": hf_config_of(config, like=like)}
+    text = json.dumps(fields, sort_keys=True)
     return write_atomic(Path(work_dir) / MODEL_FILE, text.encode())
 
 
@@ -69,8 +73,8 @@ def node_dirs(work_dirs: list[Path]) -> list[Path]:
     return found
 
 
-def model_of(dirs: list[Path]) -> tuple[ModelConfig, str]:
-    """The model config and lineage the nodes trained; they must all agree."""
+def model_of(dirs: list[Path]) -> tuple[ModelConfig, str, dict]:
+    """The model config, lineage and config.json the nodes trained; they must all agree."""
     seen = {}
     for folder in dirs:
         data = read_json(folder / MODEL_FILE, limit=1 << 20)
@@ -80,7 +84,7 @@ def model_of(dirs: list[Path]) -> tuple[ModelConfig, str]:
     data = next(iter(seen.values()))[1]
     if not isinstance(data.get("lineage"), str) or not isinstance(data.get("config"), dict):
         raise ExportError(f"{MODEL_FILE} needs a lineage string and a config object")
-    return config_from_hf(data["config"]), data["lineage"]
+    return config_from_hf(data["config"]), data["lineage"], data["config"]
 
 
 def read_final_params(folder: Path) -> StageParams | None:
@@ -167,7 +171,7 @@ def _from_checkpoints(dirs: list[Path], lineage: str, shapes: dict) -> list[Stag
 def export(work_dirs: list[Path], out: Path) -> Path:
     """Write the run's model as a Hugging Face folder ``out``; returns ``out``."""
     dirs = node_dirs([Path(d) for d in work_dirs])
-    config, lineage = model_of(dirs)
+    config, lineage, raw = model_of(dirs)
     with torch.device("meta"):
         model = registry.build(config)
     names = {n for n, _ in model.named_parameters()}  # a tied parameter under its first name
@@ -178,4 +182,4 @@ def export(work_dirs: list[Path], out: Path) -> Path:
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[registry.architecture_of(config).embedding]
     logger.info("exporting step %d from %d parts to %s", parts[0].step, len(parts), out)
-    return save_state(config, state, out)
+    return save_state(config, state, out, like=raw)

@@ -40,6 +40,8 @@ def test_a_swarm_trains_a_hugging_face_folder_and_exports_it(tmp_path):
     assert set(final) == set(ours.state_dict())  # untied: every parameter under its own name
     assert not torch.equal(final["model.norm.weight"], ours.model.norm.weight)  # it trained
     ours.load_state_dict(final)
+    exported = json.loads((work / "export" / "config.json").read_text())
+    assert exported["bos_token_id"] == exported["eos_token_id"] == 0  # the source's, kept
     loaded, info = LlamaForCausalLM.from_pretrained(work / "export", output_loading_info=True)
     assert not info["missing_keys"]
     assert not info["unexpected_keys"]

@@ -165,3 +165,23 @@ def test_the_export_command_writes_the_folder_or_names_the_missing_stage(tmp_pat
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out) == {"out": str(tmp_path / "o")}
     _same_logits(tmp_path / "o", model, GPT2LMHeadModel)
+
+
+def test_a_folder_runs_export_keeps_the_source_config_keys(tmp_path) -> None:
+    """Token ids and other keys of the config.json the run started from survive the export;
+    what described the source file (its dtype, its writer) does not."""
+    model, config, layout = _run("llama-tiny", 2)
+    source = {"bos_token_id": 5, "eos_token_id": 6, "torch_dtype": "bfloat16",
+              "transformers_version": "4.40.0", "my_key": "kept"}  # fmt: skip
+    for stage in range(2):
+        folder = tmp_path / f"node{stage}"
+        write_model_config(folder, model_config(config), "L", like=source)
+        _write_final(folder, _stage_params(model, layout, stage), stage)
+    out = export([tmp_path], tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"], written["my_key"]) == (5, 6, "kept")
+    assert written["dtype"] == "float32"
+    assert "torch_dtype" not in written
+    assert "transformers_version" not in written
+    assert written["hidden_size"] == 64  # ours, not the source's
+    _same_logits(out, model, LlamaForCausalLM)
