@@ -52,6 +52,11 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def num_hidden_layers(self) -> int:
+        """n_layer under the name every registered config has (HF's GPT2Config aliases it too)."""
+        return self.n_layer
+
 
 PRESETS: dict[str, GPT2Config] = {
     # Byte-level: vocabulary 256, so it trains on raw text with no tokenizer.

@@ -49,7 +49,7 @@ def from_pretrained(path: str | os.PathLike[str]) -> nn.Module:
     """The folder's model in float32 on the CPU: ``model(idx)`` -> logits (B, T, vocab)."""
     folder = Path(path)
     config = read_config(folder)
-    layers = getattr(config, "n_layer", None) or config.num_hidden_layers
+    layers = config.num_hidden_layers
     tensors_in_folder = tensor_count(folder)
     if layers > tensors_in_folder:  # checked before building: a module per layer costs time
         raise TensorShapeError(

@@ -2,11 +2,12 @@
 
 Everything that builds a model goes through here (the stage runtime, the swarm's trainer, the
 facts child that costs a model for the planner, ``from_pretrained``), so a new architecture
-plugs in at one place: write its module (a kw-only config with ``vocab_size``, ``block_size``
-and ``tie_word_embeddings``; an nn.Module ``forward(idx (B, T) int64) -> logits (B, T, V)``
-that traces with torch.fx; named presets; ``from_hf_name``), add an ``Architecture`` to
-``ARCHITECTURES``, and its config.json fields to ``hf_config.py``. Preset names are global:
-``common.run_spec.MODELS`` lists the same names (a unit test keeps them equal).
+plugs in at one place: write its module (a kw-only config with ``vocab_size``,
+``block_size``, ``num_hidden_layers`` and ``tie_word_embeddings``; an nn.Module
+``forward(idx (B, T) int64) -> logits (B, T, V)`` that traces with torch.fx; named presets;
+``from_hf_name``), add an ``Architecture`` to ``ARCHITECTURES``, and its config.json fields
+to ``hf_config.py``. Preset names are global: ``common.run_spec.MODELS`` lists the same names
+(a unit test keeps them equal).
 """
 
 from collections.abc import Callable, Mapping
