@@ -16,15 +16,18 @@ from dataclasses import asdict, dataclass
 
 from fusionllm.common.errors import ConfigError
 
-MODELS = ("tiny", "small", "medium", "large", "xl")
+# The presets of dag/models/registry.py (common/ never imports torch; a unit test keeps them equal).
+MODELS = ("tiny", "small", "medium", "large", "xl", "llama-tiny", "llama-1b")
 GRADIENT_CODECS = ("topk", "ternary")
 STDLIB_VOCAB = 256  # the built-in corpus is bytes
 _DATA_DIGEST = re.compile(r"^([0-9a-f]{64})?$")
+FOLDER = "folder"  # the model of a run that trains a Hugging Face folder (--model-dir)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str = "tiny"  # a GPT-2 preset
+    model: str = "tiny"  # a preset of the model registry
     seq_len: int = 64
     micro_batch_size: int = 2  # sequences per micro-batch
     micro_batches: int = 4  # per step
@@ -44,10 +47,23 @@ class RunSpec:
     # every stage takes part, so every node must agree.
     eval_every: int = 0
 
+    # A Hugging Face folder instead of a preset (model FOLDER, --model-dir): the digest of its
+    # files is shared by every node; where the folder lies is this node's own business.
+    model_digest: str = ""
+    model_dir: str | None = None  # never in a digest: see shared_fields
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        if self.model not in MODELS:
-            raise ConfigError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model not in (*MODELS, FOLDER):
+            raise ConfigError(f"model must be one of {MODELS} or {FOLDER!r}, got {self.model!r}")
+        digest_ok = isinstance(self.model_digest, str) and _SHA256.match(self.model_digest)
+        if (self.model == FOLDER) != bool(digest_ok):
+            raise ConfigError(
+                f"model {FOLDER!r} and only it needs a model_digest (sha256 hex of the folder's "
+                f"files); got model {self.model!r}, model_digest {self.model_digest!r}"
+            )
+        if self.model_dir is not None and self.model != FOLDER:
+            raise ConfigError(f"model_dir is for model {FOLDER!r}, not {self.model!r}")
         if not isinstance(self.data_digest, str) or not _DATA_DIGEST.match(self.data_digest):
             raise ConfigError(
                 f"data_digest must be 64 hex digits or empty, got {self.data_digest!r}"
@@ -88,9 +104,23 @@ class RunSpec:
     def runs_forever(self) -> bool:
         return self.steps == 0
 
+    @property
+    def model_key(self) -> str:
+        """The preset's name, or the folder's digest: what a cache of the model's costs is for."""
+        return self.model if self.model != FOLDER else f"{FOLDER}-{self.model_digest[:16]}"
+
+    def shared_fields(self) -> dict:
+        """Every field but the node's own (``model_dir``): what digests of the run cover. A
+        preset's run leaves out the empty ``model_digest`` too, so its digests stay as they
+        were before folders existed (checkpoints written then are still found)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "model_dir"}
+        if not self.model_digest:
+            del fields["model_digest"]
+        return fields
+
     def lineage(self) -> str:
-        """What makes two runs' states interchangeable: every field but ``steps`` (a run given
-        more steps continues the same trajectory), as a short digest."""
-        fields = {k: v for k, v in asdict(self).items() if k != "steps"}
+        """What makes two runs' states interchangeable: every shared field but ``steps`` (a
+        run given more steps continues the same trajectory), as a short digest."""
+        fields = {k: v for k, v in self.shared_fields().items() if k != "steps"}
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -4,7 +4,8 @@
 - trace.py:   ``trace`` (nn.Module -> OpGraph via torch.fx + shape propagation), ``TraceFailure``
 - opgraph.py: ``OpGraph``: node ids, costs, shared parameters, ``stage_module`` sub-graphs
 - flops.py:   per-operator FLOP / saved-activation rules, ``leaf_module`` for custom layers
-- models/:    ``gpt2`` (Hugging Face names), ``resnet`` (torchvision names); random init
+- models/:    ``gpt2``, ``llama`` (Hugging Face names), ``resnet`` (torchvision names); the
+              model registry; ``from_pretrained`` / ``save_pretrained`` (Hugging Face folders)
 """
 
 from fusionllm.common.lazy_exports import lazy_exports

@@ -14,15 +14,22 @@ import torch
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import gpt2
+from fusionllm.dag.models import registry
+from fusionllm.dag.models.hf_tensors import CONFIG, MAX_CONFIG_BYTES, read_json
 from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.data import DataError, TokenDataset
-from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.pipeline.train_config import (
+    TrainConfig,
+    build_model,
+    load_dataset,
+    model_config,
+)
 from fusionllm.node.swarm_node import SwarmNodeConfig
+from fusionllm.node.training.export import write_model_config
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
 logger = get_logger(__name__)
@@ -91,7 +98,7 @@ def build_workload(
         data_path=None if data_path is None else str(data_path),
         data_dtype=data_dtype,
     )
-    example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
+    example = registry.example_input(run.micro_batch_size, run.seq_len)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
         model = build_model(config)
         graph = trace(model, (example,), meta=False)
@@ -105,9 +112,10 @@ def build_workload(
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
-    """Every canonical parameter's shape, from a model that allocates nothing."""
-    with torch.device("meta"):
-        model = gpt2(run.model, vocab_size=run.vocab_size)
+    """Every canonical parameter's shape, from the run's model built on meta (no memory, no
+    weights read)."""
+    with _ONE_BUILD_AT_A_TIME, torch.device("meta"):
+        model = registry.build(model_config(TrainConfig.for_run(run, cuts=(), replicas=(1,))))
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
@@ -116,6 +124,11 @@ def start_training(
 ) -> tuple[Transport, SwarmTrainer]:
     """The node's transport (admitting only what the trainer expects) and its started trainer."""
     trainer: SwarmTrainer | None = None
+    # What ``fusionllm export`` reads this work dir's parameters and checkpoints back with.
+    run_model = model_config(TrainConfig.for_run(config.run, cuts=(), replicas=(1,)))
+    source = config.run.model_dir
+    like = read_json(Path(source) / CONFIG, limit=MAX_CONFIG_BYTES) if source else None
+    write_model_config(config.work_dir, run_model, config.run.lineage(), like=like)
 
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER

@@ -4,13 +4,12 @@ forward(idx) -> logits; the loss is left to whoever holds the last pipeline stag
 no data-dependent control flow: attention is ``scaled_dot_product_attention(is_causal=True)``
 and position ids come from a wrapped helper, so each is one node of the OP-DAG.
 
-Checkpoints: ``load_hf_state_dict`` accepts a GPT2LMHeadModel or GPT2Model state_dict (with or
-without the ``transformer.`` prefix, with or without the tied ``lm_head.weight``, with the old
-``attn.bias`` / ``attn.masked_bias`` mask buffers, which we do not need and drop).
+Checkpoints: ``from_hf_name`` maps a GPT2LMHeadModel's or GPT2Model's tensor names to ours
+(with or without the ``transformer.`` prefix; the old ``attn.bias`` / ``attn.masked_bias`` mask
+buffers, which we do not need, are dropped); ``pretrained.py`` reads and writes the folders.
 """
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,6 +35,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     # HF trains GPT-2 with 0.1; 0 keeps a step deterministic and is what pretraining at scale uses.
     dropout: float = 0.0
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
@@ -51,6 +51,11 @@ class GPT2Config:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """n_layer under the name every registered config has (HF's GPT2Config aliases it too)."""
+        return self.n_layer
 
 
 PRESETS: dict[str, GPT2Config] = {
@@ -174,8 +179,9 @@ class Transformer(nn.Module):
 class GPT2(nn.Module):
     """GPT-2 language model: idx (B, T) int64 -> logits (B, T, vocab_size).
 
-    ``lm_head.weight`` is ``transformer.wte.weight`` (tied, as in HF); a pipeline that puts them
-    in different stages must keep the two copies equal by summing their gradients.
+    ``lm_head.weight`` is ``transformer.wte.weight`` (tied, as in HF) unless the config unties
+    them; a pipeline that puts them in different stages must keep the two copies equal by
+    summing their gradients.
     """
 
     def __init__(self, config: GPT2Config) -> None:
@@ -183,8 +189,8 @@ class GPT2(nn.Module):
         self.config = config
         self.transformer = Transformer(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight
         self._init_weights()
+        self.tie_weights()
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -195,6 +201,14 @@ class GPT2(nn.Module):
         for block in self.transformer.h:
             nn.init.normal_(block.attn.c_proj.weight, std=std)
             nn.init.normal_(block.mlp.c_proj.weight, std=std)
+        if not self.config.tie_word_embeddings:
+            # Last, so a tied model draws what it always drew from a seed.
+            nn.init.normal_(self.lm_head.weight, std=0.02)
+
+    def tie_weights(self) -> None:
+        """Make the head the embedding again (loading with ``assign=True`` unties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer(idx))  # (B, T, vocab_size)
@@ -232,22 +246,14 @@ def gpt2(
 _DROPPED_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
-def load_hf_state_dict(model: GPT2, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Load a Hugging Face GPT-2 checkpoint (GPT2LMHeadModel or GPT2Model keys) into ``model``.
+def from_hf_name(name: str) -> str | None:
+    """Our name for a tensor of a Hugging Face GPT-2 file; None for the old mask buffers.
 
-    Strict about everything that matters: a missing or unexpected parameter, or a shape that
-    differs, raises (torch's RuntimeError lists them all).
+    GPT2LMHeadModel files say ``transformer.h.0...``; GPT2Model files (the hub's ``gpt2``
+    among them) have no prefix.
     """
-    cleaned: dict[str, torch.Tensor] = {}
-    dropped = 0
-    for key, value in state_dict.items():
-        if key.endswith(_DROPPED_BUFFERS):
-            dropped += 1
-            continue
-        if not key.startswith(("transformer.", "lm_head.")):
-            key = f"transformer.{key}"  # GPT2Model checkpoints have no prefix
-        cleaned[key] = value
-    if "lm_head.weight" not in cleaned and "transformer.wte.weight" in cleaned:
-        cleaned["lm_head.weight"] = cleaned["transformer.wte.weight"]  # tied; often not saved
-    logger.debug("loading %d tensors, dropped %d mask buffers", len(cleaned), dropped)
-    model.load_state_dict(cleaned, strict=True)
+    if name.endswith(_DROPPED_BUFFERS):
+        return None
+    if name.startswith(("transformer.", "lm_head.")):
+        return name
+    return f"transformer.{name}"

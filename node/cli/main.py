@@ -7,6 +7,7 @@
 - swarm_cmd.py:  ``fusionllm swarm`` (N node daemons on this machine)
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
+- export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - options.py:    the run options every training command shares
 """
 
@@ -20,6 +21,7 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.cli import (
     demo_cmd,
+    export_cmd,
     node_cmd,
     prepare_cmd,
     status_cmd,
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     version = commands.add_parser("version", help="print the installed version")
     version.add_argument("--json", action="store_true", help="machine-readable output")
     version.set_defaults(handler=_cmd_version)
-    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, prepare_cmd):
+    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, prepare_cmd, export_cmd):
         command.add_parser(commands)
     return parser
 

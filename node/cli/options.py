@@ -1,11 +1,18 @@
 """Options shared by the commands that train: one run spec, one meaning for every flag."""
 
 import argparse
+import functools
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import GRADIENT_CODECS, MODELS, RunSpec
+from fusionllm.common.model_folder import model_folder_digest
+from fusionllm.common.run_spec import FOLDER, GRADIENT_CODECS, MODELS, RunSpec
+
+# A command reads its run spec more than once; a folder's bytes are hashed once.
+_folder_digest = functools.cache(model_folder_digest)
 
 if TYPE_CHECKING:
     from fusionllm.data.corpus import Corpus
@@ -17,7 +24,13 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
     group = parser.add_argument_group(
         "run", "what is trained; every node of a swarm needs the same values"
     )
-    group.add_argument("--model", default="tiny", choices=MODELS, help="GPT-2 preset (%(default)s)")
+    group.add_argument("--model", choices=MODELS, help="model preset (default: tiny)")
+    group.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="train this Hugging Face folder (config.json + model.safetensors, GPT-2 or Llama) "
+        "instead of a preset; every node needs the same files (their digest is compared)",
+    )
     group.add_argument(
         "--steps", type=int, default=steps, help="optimizer steps, 0: no end (%(default)s)"
     )
@@ -107,8 +120,16 @@ def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None
 def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> RunSpec:
     """The run the options name; with ``corpus``, pinned to its digest and vocabulary."""
     data = {} if corpus is None else {"data_digest": corpus.digest, "vocab_size": corpus.vocab_size}
+    model, digest, model_dir = args.model or "tiny", "", None
+    if args.model_dir is not None:
+        if args.model is not None:
+            raise ConfigError("give --model or --model-dir, not both")
+        model_dir = str(Path(args.model_dir).expanduser().resolve())
+        model, digest = FOLDER, _folder_digest(model_dir)
     run = RunSpec(
-        model=args.model,
+        model=model,
+        model_digest=digest,
+        model_dir=model_dir,
         steps=args.steps,
         seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size,

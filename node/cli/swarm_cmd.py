@@ -2,7 +2,8 @@
 
 It starts N node processes on 127.0.0.1 (own key and work directory each, the first as the
 bootstrap) and only watches: the daemons find each other on the DHT, agree on a plan and
-train. It hands out no stage and no address. Ctrl-C stops every process it started.
+train. It hands out no stage and no address. Ctrl-C stops every process it started. At the
+end it writes the trained model to WORK_DIR/export/ as a Hugging Face folder.
 """
 
 import argparse
@@ -29,9 +30,10 @@ def add_parser(commands) -> None:
         help="start N node daemons on this machine and watch them train together",
         description="Starts --nodes `fusionllm node` processes on 127.0.0.1 (the first is the "
         "bootstrap, each has its own key and work directory). They find each other on the "
-        "DHT, agree on a plan without a coordinator and train a GPT-2 on --data (default: "
-        "the bytes of the Python standard library's source). Shows progress, then a summary. "
-        "Ctrl-C stops every process it started.",
+        "DHT, agree on a plan without a coordinator and train a model (default: a byte-level "
+        "GPT-2 tiny) on --data (default: the bytes of the Python standard library's source). "
+        "Shows progress, then a summary, and writes the trained model to WORK_DIR/export/ "
+        "(config.json + model.safetensors). Ctrl-C stops every process it started.",
     )
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
@@ -112,7 +114,8 @@ def _options(args: argparse.Namespace) -> dict:
 
     run = run_spec_from(args)
     return {
-        "model": run.model,
+        "model": run.model if run.model_dir is None else None,
+        "model-dir": run.model_dir,  # each node hashes it again: their digests must agree
         "steps": run.steps,
         "seq-len": run.seq_len,
         "micro-batch-size": run.micro_batch_size,
@@ -153,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for node in swarm.nodes:  # politely: a node that still runs leaves the swarm
             node.kill(signal.SIGTERM)
-    return _report(progress, args, root, launched, say)
+    exported = _export(root)
+    say(f"the trained model, as a Hugging Face folder: {exported}")
+    return _report(progress, args, root, launched, say, exported)
+
+
+def _export(root: Path) -> Path:
+    from fusionllm.node.training.export import export
+
+    return export([root], root / "export")
 
 
 def _print(*parts) -> None:
@@ -209,7 +220,7 @@ def _check_alive(swarm, deadline: float, progress: Progress | None = None) -> No
                 )
 
 
-def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
+def _report(progress: Progress, args, root: Path, launched: float, say, exported: Path) -> int:
     steps = sorted(progress.losses)
     tokens_per_step = run_spec_from(args).tokens_per_step
     steady = [progress.step_seconds[s] for s in steps[len(steps) // 4 :]]
@@ -226,6 +237,7 @@ def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
         "tokens_per_s": tokens_per_step / seconds if steady else None,
         "nodes": args.nodes,
         "plan_digest": progress.plan["digest"] if progress.plan else None,
+        "export": str(exported),
     }
     if args.plot:
         _plot(progress, Path(args.plot))

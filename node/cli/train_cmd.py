@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
     processes = sum(config.stage_replicas)
     if not args.json:
         print(
-            f"training GPT-2 {config.model} in {config.stages} stages ({processes} processes on "
-            f"127.0.0.1), {config.micro_batches} micro-batches x {config.batch_size} x "
-            f"{config.seq_len} tokens per step, data: {config.data_path or 'stdlib source'}",
+            f"training {config.model_dir or config.model} in {config.stages} stages "
+            f"({processes} processes on 127.0.0.1), {config.micro_batches} micro-batches x "
+            f"{config.batch_size} x {config.seq_len} tokens per step, "
+            f"data: {config.data_path or 'stdlib source'}",
             flush=True,
         )
 
@@ -111,6 +112,7 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
     run = run_spec_from(args, load_data(args))  # checked here, not in every stage process
     return TrainConfig(
         model=run.model,
+        model_dir=run.model_dir,
         stages=args.stages,
         replicas=tuple(args.replicas) if args.replicas else None,
         micro_batches=run.micro_batches,

@@ -107,8 +107,9 @@ class NodeDaemon:
         key_pair = load_or_create_identity(cfg.key_path)
         self.peer_id = peer_id_of(key_pair)
         facts = learn_local_facts(
-            settings.run.model,
+            settings.run.model_key,
             settings.run.seq_len,
+            model_dir=settings.run.model_dir,
             device_cache=cfg.device_cache,
             measure_device=cfg.device is None,
         )

@@ -46,14 +46,19 @@ def learn_local_facts(
     device_cache: Path | None,
     measure_device: bool,
     timeout_s: float = _FIRST_PROBE_S,
+    model_dir: str | None = None,
 ) -> LocalFacts:
-    """The model's costs (cached) and, if ``measure_device``, this machine's device."""
+    """The model's costs (cached) and, if ``measure_device``, this machine's device.
+
+    ``model`` names the cache (``RunSpec.model_key``: a folder's digest, not its path);
+    ``model_dir`` is the Hugging Face folder whose config.json the child costs.
+    """
     cache_dir = device_cache.parent if device_cache else Path.home() / ".cache" / "fusionllm"
     costs_path = cache_dir / costs_file_name(model, seq_len)
     cached = _read_costs(costs_path)
     if cached is not None and not measure_device:
         return LocalFacts(device=None, costs=cached)
-    facts = _ask_child(model, seq_len, device_cache, measure_device, timeout_s)
+    facts = _ask_child(model, seq_len, device_cache, measure_device, timeout_s, model_dir)
     if cached is None:
         try:
             write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
@@ -87,11 +92,18 @@ def _read_costs(path: Path) -> GraphCosts | None:
 
 
 def _ask_child(
-    model: str, seq_len: int, device_cache: Path | None, measure_device: bool, timeout_s: float
+    model: str,
+    seq_len: int,
+    device_cache: Path | None,
+    measure_device: bool,
+    timeout_s: float,
+    model_dir: str | None,
 ) -> LocalFacts:
     """Run the facts child (node/control/facts_main.py) and check what it says."""
     argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]
     argv += ["--model", model, "--seq-len", str(seq_len)]
+    if model_dir is not None:
+        argv += ["--model-dir", model_dir]
     if device_cache is not None:
         argv += ["--device-cache", str(device_cache)]
     if not measure_device:

@@ -73,7 +73,8 @@ class SwarmSettings:
         return min(self.ttl_s, 3 * self.heartbeat_s)
 
     def digest(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self) | {"run": self.run.shared_fields()}  # not where a folder lies
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def plan_config(self) -> PlanConfig:

@@ -1,8 +1,9 @@
 """The stage runtime: one process's part of synchronous 1F1B training steps.
 
 - data.py:          ``TokenDataset`` (batches from a ``fusionllm.data`` corpus), ``BatchConfig``
-- train_config.py:  ``TrainConfig`` (one run, JSON round-trip), ``build_model``,
-                    ``build_layout``, ``load_dataset``
+- train_config.py:  ``TrainConfig`` (one run, JSON round-trip), ``model_config``,
+                    ``build_model`` (a preset or a Hugging Face folder), ``build_layout``,
+                    ``load_dataset``
 - layout.py:        ``PipelineLayout`` (stages, ``LinkSpec`` per cut, tied parameters)
 - schedule.py:      ``one_f_one_b``, ``replica_schedule``, ``owner``
 - stage.py:         ``StageWorker`` (forward/backward per micro-batch, AdamW, clipping)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import is_eval_step
 from fusionllm.node.pipeline.stage import build_adamw
@@ -50,7 +50,7 @@ def train_local(
         for mb in range(config.micro_batches):
             idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
             logits = model(idx)  # (B, T, V)
-            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = language_model_loss(logits, targets)
             (loss / config.micro_batches).backward()
             total += float(loss.detach())
         if 0 < config.max_grad_norm < float("inf"):
@@ -74,7 +74,7 @@ def _validation_loss(model: torch.nn.Module, dataset: TokenDataset, config: Trai
         for mb in range(config.micro_batches):
             idx, targets = dataset.eval_batch(config.batch, mb)  # (B, T) each
             logits = model(idx)  # (B, T, V)
-            total += float(functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+            total += float(language_model_loss(logits, targets))
         return total / config.micro_batches
     finally:
         model.train()

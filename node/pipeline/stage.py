@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.layout import PipelineLayout
 
@@ -142,7 +142,7 @@ class StageWorker:
                 raise PipelineError("the last stage needs the targets to compute the loss")
             (output,) = self.layout.graph.output_names
             logits = values[output]  # (B, T, V)
-            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = language_model_loss(logits, targets)
             self._saved[key] = _Saved(leaves, {"loss": loss / self.micro_batches})
             return float(loss.detach())
         assert self.out_link is not None
@@ -169,7 +169,7 @@ class StageWorker:
             raise PipelineError("the last stage needs the targets to compute the loss")
         (output,) = self.layout.graph.output_names
         logits = values[output]  # (B, T, V)
-        return float(functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        return float(language_model_loss(logits, targets))
 
     def backward(
         self, step: int, micro_batch: int, output_grads: dict[str, torch.Tensor] | None = None

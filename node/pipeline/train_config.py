@@ -8,15 +8,15 @@ exchange parameters start from identical weights.
 
 import json
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import RunSpec
+from fusionllm.common.run_spec import FOLDER, RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import gpt2
+from fusionllm.dag.models import from_pretrained, read_config, registry
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.stage import OptimizerConfig
@@ -31,7 +31,8 @@ GRADIENT_CODECS = frozenset({"topk", "ternary"})
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: str = "tiny"  # a GPT-2 preset
+    model: str = "tiny"  # a preset of the model registry (dag/models/registry.py), or FOLDER
+    model_dir: str | None = None  # model FOLDER: the Hugging Face folder it starts from
     stages: int = 2
     cuts: tuple[int, ...] | None = None  # node positions; None: balanced by forward FLOPs
     replicas: tuple[int, ...] | None = None  # per stage; None: one each
@@ -47,7 +48,9 @@ class TrainConfig:
     # A uint16/uint32 token file or a ``fusionllm prepare`` directory; None: stdlib bytes.
     data_path: str | None = None
     data_dtype: str | None = None  # a token file's (default uint16); a directory's manifest says
-    vocab_size: int = 256  # byte-level for the stdlib text; a token file's ids must be below it
+    # The data's (256: the stdlib's bytes); loading the data checks its ids against it. Set
+    # without data_path where only the model's shapes are wanted.
+    vocab_size: int = 256
     stdlib_bytes: int = 2 << 20
     # Top-k ratio per link (len stages - 1) and direction; 1.0 sends dense float32. A ratio
     # is a byte budget: that of top-k at the ratio. Activations spend it as
@@ -63,10 +66,6 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
-        if self.data_path is None and self.vocab_size != 256:
-            raise ConfigError(
-                f"the stdlib text is bytes: vocab_size must be 256, not {self.vocab_size}"
-            )
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         for name in ("stages", "micro_batches", "batch_size", "seq_len", "steps", "vocab_size"):
@@ -163,6 +162,7 @@ class TrainConfig:
             betas=run.betas,
             max_grad_norm=run.max_grad_norm,
             seed=run.seed,
+            model_dir=run.model_dir,
             stdlib_bytes=run.stdlib_bytes,
             data_path=data_path,
             data_dtype=data_dtype,
@@ -187,11 +187,31 @@ class TrainConfig:
             raise ConfigError(f"bad TrainConfig: {exc}") from exc
 
 
+def model_config(config: TrainConfig) -> Any:
+    """The run's model: its registry preset with the run's vocabulary, or its folder's."""
+    if config.model != FOLDER:
+        return registry.preset_config(config.model, vocab_size=config.vocab_size)
+    if config.model_dir is None:
+        raise ConfigError(f"model {FOLDER!r} needs model_dir, the Hugging Face folder")
+    folder_config = read_config(config.model_dir)
+    if folder_config.vocab_size < config.vocab_size:
+        raise ConfigError(
+            f"{config.model_dir} has a vocabulary of {folder_config.vocab_size}; the data's "
+            f"token ids go up to {config.vocab_size - 1}"
+        )
+    return folder_config
+
+
 def build_model(config: TrainConfig) -> torch.nn.Module:
-    """The model with the run's seeded initialisation (identical in every process)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = gpt2(config.model, vocab_size=config.vocab_size)
+    """The model with the run's seeded initialisation, or the folder's weights (identical in
+    every process)."""
+    if config.model == FOLDER:
+        model_config(config)  # the folder's vocabulary must cover the data's
+        model = from_pretrained(config.model_dir)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = registry.build(model_config(config))
     if config.seq_len > model.config.block_size:
         raise ConfigError(
             f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"
@@ -201,7 +221,7 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
     """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
-    example = torch.zeros(config.batch_size, config.seq_len, dtype=torch.int64)  # (B, T)
+    example = registry.example_input(config.batch_size, config.seq_len)  # (B, T)
     # A real forward of one micro-batch: the model is allocated anyway, and propagating meta
     # tensors first imports torch's meta kernels (~1.5 s per stage process here).
     graph: OpGraph = trace(model, (example,), meta=False)

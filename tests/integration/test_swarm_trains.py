@@ -15,7 +15,7 @@ import torch
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.pipeline.local_train import train_local
-from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.pipeline.train_config import TrainConfig, build_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -170,7 +170,8 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {"steps", "loss_first", "loss_last", "loss_last_steps", "eval_losses",
-                            "eval_loss_last", "tokens_per_s", "nodes", "plan_digest"}  # fmt: skip
+                            "eval_loss_last", "tokens_per_s", "nodes", "plan_digest",
+                            "export"}  # fmt: skip
     assert summary["loss_last_steps"] == 1  # a quarter of 6 steps, rounded down, at least 1
     assert sorted(summary["eval_losses"]) == ["0", "3"]
     assert summary["eval_loss_last"] == summary["eval_losses"]["3"] < summary["eval_losses"]["0"]
@@ -180,5 +181,24 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     assert summary["loss_last"] < summary["loss_first"]
     assert len(summary["plan_digest"]) == 64
     assert plot.stat().st_size > 1000
+    final = {}
     for name in ("node0", "node1"):
-        assert (tmp_path / "w" / name / "final-params.pt").exists()
+        saved = torch.load(tmp_path / "w" / name / "final-params.pt", weights_only=True)
+        final.update(saved["params"])  # a tied copy is identical in both stages
+    assert summary["export"] == str(tmp_path / "w" / "export")
+    _check_export(tmp_path / "w" / "export", final)
+
+
+def _check_export(folder, final: dict) -> None:
+    """transformers loads the export with no missing or unexpected keys, and computes what our
+    model computes with the stages' final parameters (assembled here, not by export)."""
+    from transformers import GPT2LMHeadModel
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    ours = build_model(TrainConfig(model="tiny", seq_len=16))
+    ours.load_state_dict(final | {"lm_head.weight": final["transformer.wte.weight"]})
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(idx).logits, ours.eval()(idx), atol=1e-4, rtol=0)

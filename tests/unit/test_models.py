@@ -1,14 +1,17 @@
-"""The model zoo: sizes, checkpoint names/layouts of Hugging Face GPT-2 and torchvision ResNet."""
+"""The model zoo: sizes and parameter names of Hugging Face GPT-2 and torchvision ResNet.
 
-import math
+Logits against transformers' own models are in test_pretrained.py; Llama is in test_llama.py.
+"""
+
+from dataclasses import replace
 
 import pytest
 import torch
-from torch.nn import functional
+import transformers
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag import trace
-from fusionllm.dag.models import GPT2Config, gpt2, load_hf_state_dict, resnet
+from fusionllm.dag.models import GPT2, GPT2Config, gpt2, resnet
 from fusionllm.dag.models.gpt2 import Conv1D
 
 # --- GPT-2 ----------------------------------------------------------------------------------
@@ -30,93 +33,37 @@ def test_gpt2_sizes_match_the_released_models(name: str, n_params: int) -> None:
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
-def _hf_checkpoint(config: GPT2Config, *, seed: int) -> dict[str, torch.Tensor]:
-    """A GPT2Model state_dict as HF saves it: no prefix, Conv1D (in, out) weights, mask buffers."""
-    g = torch.Generator().manual_seed(seed)
-    c, t = config.n_embd, config.block_size
-
-    def rnd(*shape: int, scale: float = 0.05) -> torch.Tensor:
-        return torch.randn(shape, generator=g) * scale
-
-    state = {"wte.weight": rnd(config.vocab_size, c), "wpe.weight": rnd(t, c)}
-    for i in range(config.n_layer):
-        p = f"h.{i}."
-        state |= {
-            p + "ln_1.weight": 1 + rnd(c),
-            p + "ln_1.bias": rnd(c),
-            p + "attn.bias": torch.tril(torch.ones(t, t, dtype=torch.bool)).view(1, 1, t, t),
-            p + "attn.masked_bias": torch.tensor(-1e4),
-            p + "attn.c_attn.weight": rnd(c, 3 * c),
-            p + "attn.c_attn.bias": rnd(3 * c),
-            p + "attn.c_proj.weight": rnd(c, c),
-            p + "attn.c_proj.bias": rnd(c),
-            p + "ln_2.weight": 1 + rnd(c),
-            p + "ln_2.bias": rnd(c),
-            p + "mlp.c_fc.weight": rnd(c, 4 * c),
-            p + "mlp.c_fc.bias": rnd(4 * c),
-            p + "mlp.c_proj.weight": rnd(4 * c, c),
-            p + "mlp.c_proj.bias": rnd(c),
-        }
-    state |= {"ln_f.weight": 1 + rnd(c), "ln_f.bias": rnd(c)}
-    return state
-
-
-def _hf_reference_logits(state, idx, config: GPT2Config) -> torch.Tensor:
-    """HF's GPT-2 forward written out: explicit masked softmax attention, gelu_new."""
-    c, nh = config.n_embd, config.n_head
-    hs = c // nh
-    t = idx.shape[1]
-
-    def ln(x, p):
-        return functional.layer_norm(x, (c,), state[p + ".weight"], state[p + ".bias"], 1e-5)
-
-    def gelu_new(x):
-        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-    x = state["wte.weight"][idx] + state["wpe.weight"][:t]  # (B, T, C)
-    for i in range(config.n_layer):
-        p = f"h.{i}."
-        qkv = ln(x, p + "ln_1") @ state[p + "attn.c_attn.weight"] + state[p + "attn.c_attn.bias"]
-        q, k, v = (z.view(*z.shape[:2], nh, hs).transpose(1, 2) for z in qkv.split(c, dim=2))
-        w = q @ k.transpose(-1, -2) / math.sqrt(hs)  # (B, nh, T, T)
-        w = torch.where(state[p + "attn.bias"][:, :, :t, :t], w, torch.finfo(w.dtype).min)
-        a = (w.softmax(-1) @ v).transpose(1, 2).reshape(*x.shape)
-        x = x + a @ state[p + "attn.c_proj.weight"] + state[p + "attn.c_proj.bias"]
-        h = gelu_new(ln(x, p + "ln_2") @ state[p + "mlp.c_fc.weight"] + state[p + "mlp.c_fc.bias"])
-        x = x + h @ state[p + "mlp.c_proj.weight"] + state[p + "mlp.c_proj.bias"]
-    return ln(x, "ln_f") @ state["wte.weight"].T  # (B, T, vocab)
-
-
-def test_gpt2_loads_a_hugging_face_checkpoint_and_computes_what_hf_computes() -> None:
-    model = gpt2("tiny")
-    config = model.config
-    state = _hf_checkpoint(config, seed=0)
-    load_hf_state_dict(model, state)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    idx = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model(idx), _hf_reference_logits(state, idx, config), atol=1e-5, rtol=1e-5
-        )
+def _hf_gpt2_names(config: GPT2Config) -> set[str]:
+    """What transformers' GPT2LMHeadModel of this size holds (its mask buffers aside)."""
+    hf = transformers.GPT2Config(
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+    )
+    with torch.device("meta"):
+        names = set(transformers.GPT2LMHeadModel(hf).state_dict())
+    return {n for n in names if not n.endswith((".attn.bias", ".attn.masked_bias"))}
 
 
 def test_gpt2_state_dict_names_are_gpt2lmheadmodel_names() -> None:
     model = gpt2("tiny")
-    hf_keys = {
-        f"transformer.{k}"
-        for k in _hf_checkpoint(model.config, seed=0)
-        if not k.endswith((".attn.bias", ".attn.masked_bias"))
-    } | {"lm_head.weight"}
-    assert set(model.state_dict()) == hf_keys
-    # A GPT2LMHeadModel checkpoint (prefixed, lm_head included) loads with plain load_state_dict.
+    assert set(model.state_dict()) == _hf_gpt2_names(model.config)
+    # A GPT2LMHeadModel state_dict (prefixed, lm_head included) loads with plain load_state_dict.
     model.load_state_dict(gpt2("tiny").state_dict(), strict=True)
 
 
-def test_load_hf_state_dict_refuses_wrong_shapes() -> None:
-    model = gpt2("tiny")
-    state = _hf_checkpoint(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256), seed=0)
-    with pytest.raises(RuntimeError, match="size mismatch"):
-        load_hf_state_dict(model, state)
+def test_gpt2_untied_has_its_own_head() -> None:
+    torch.manual_seed(0)
+    tied = gpt2("tiny")
+    torch.manual_seed(0)
+    untied = GPT2(replace(tied.config, tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    assert untied.num_parameters() == tied.num_parameters() + 256 * 64
+    # Untying draws the head last: every other weight is what the tied model drew.
+    for name, p in tied.named_parameters():
+        torch.testing.assert_close(untied.get_parameter(name), p, atol=0, rtol=0)
 
 
 def test_conv1d_is_a_linear_layer_with_transposed_weight() -> None:

@@ -86,6 +86,22 @@ def test_runners_match_one_process(dataset, stages, replicas) -> None:
     assert all(runner.mailbox.pending() == [] for runner in swarm.runners.values())
 
 
+def test_a_llama_pipeline_matches_one_process(dataset) -> None:
+    """An untied head (nothing to keep equal across stages), GQA and rotary in the stages."""
+    config = _config(model="llama-tiny", stages=3, replicas=(1, 2, 1))
+    reference = train_local(config, dataset=dataset)
+    assert reference.losses[-1] < reference.losses[0]
+    swarm = _run(config, dataset)
+    assert swarm.errors() == {}
+    assert swarm.layout.tied == {}
+    losses = swarm.losses()
+    assert max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)) < ATOL
+    params = swarm.parameters()
+    assert params.keys() == reference.parameters.keys()
+    for name, value in reference.parameters.items():
+        torch.testing.assert_close(params[name], value, atol=ATOL, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("gradient_codec", ["topk", "ternary"])
 def test_a_compressed_link_still_converges(dataset, gradient_codec) -> None:
     """Both directions of the one link at ratio 0.1: it learns about as fast as the dense run

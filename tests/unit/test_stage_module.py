@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import gpt2, resnet
+from fusionllm.dag.models import gpt2, llama, resnet
 
 ATOL = 1e-6
 
@@ -35,6 +35,13 @@ def gpt2_case() -> Case:
     torch.manual_seed(0)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))  # (B, T)
     return _case(gpt2("tiny"), {"idx": idx})
+
+
+@pytest.fixture(scope="module")
+def llama_case() -> Case:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))  # (B, T)
+    return _case(llama("llama-tiny"), {"idx": idx})
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +142,27 @@ def _check_cuts(case: Case, cuts: list[int]) -> None:
         torch.testing.assert_close(outputs[name], ref_outputs[name], atol=ATOL, rtol=0)
     assert set(grads) == set(ref_grads)
     for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, atol=ATOL, rtol=0, msg=name)
+        # fp32 sums in another order: error relative to the largest element (Llama-tiny's
+        # embedding gradient reaches ~75, and whole model and stages are each ~4e-5 from fp64).
+        atol = ATOL * max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(grads[name], grad, atol=atol, rtol=0, msg=name)
 
 
-def test_gpt2_every_two_stage_cut_matches_the_whole_model(gpt2_case) -> None:
-    graph = gpt2_case.graph
-    for cut in range(1, len(graph.node_ids)):
-        _check_cuts(gpt2_case, [cut])
+# Llama: GQA, rotary and RMSNorm nodes and an untied head; GPT-2: a tied head.
+_LANGUAGE_MODELS = pytest.mark.parametrize("case_name", ["gpt2_case", "llama_case"])
 
 
-def test_gpt2_one_node_per_stage_matches_the_whole_model(gpt2_case) -> None:
-    graph = gpt2_case.graph
-    _check_cuts(gpt2_case, list(range(1, len(graph.node_ids))))
+@_LANGUAGE_MODELS
+def test_every_two_stage_cut_matches_the_whole_model(request, case_name) -> None:
+    case = request.getfixturevalue(case_name)
+    for cut in range(1, len(case.graph.node_ids)):
+        _check_cuts(case, [cut])
+
+
+@_LANGUAGE_MODELS
+def test_one_node_per_stage_matches_the_whole_model(request, case_name) -> None:
+    case = request.getfixturevalue(case_name)
+    _check_cuts(case, list(range(1, len(case.graph.node_ids))))
 
 
 @settings(max_examples=10, deadline=None)
