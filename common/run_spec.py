@@ -15,6 +15,7 @@ from fusionllm.common.errors import ConfigError
 
 MODELS = ("tiny", "small", "medium", "large", "xl")
 GRADIENT_CODECS = ("topk", "ternary")
+PRECISIONS = ("fp32", "bf16", "fp16")  # compute precision; weights and optimizer stay fp32
 STDLIB_VOCAB = 256  # the built-in corpus is bytes
 
 
@@ -32,6 +33,7 @@ class RunSpec:
     max_grad_norm: float = 1.0  # 0: no clipping
     gradient_codec: str = "topk"  # on links the plan compresses (error feedback either way)
     stdlib_bytes: int = 2 << 20  # how much of the standard library's source to train on
+    precision: str = "fp32"  # autocast dtype of every stage's compute (PRECISIONS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -58,6 +60,8 @@ class RunSpec:
             raise ConfigError(
                 f"gradient_codec must be one of {GRADIENT_CODECS}, got {self.gradient_codec!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
     @property
     def global_batch(self) -> int:

@@ -31,6 +31,7 @@ class SwarmNodeConfig:
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
+    device: str = "cpu"  # where the stages this node serves compute (--device)
 
     @property
     def run(self) -> RunSpec:

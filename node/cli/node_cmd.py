@@ -9,7 +9,12 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, add_swarm_address, run_spec_from
+from fusionllm.node.cli.options import (
+    add_device_option,
+    add_run_options,
+    add_swarm_address,
+    run_spec_from,
+)
 
 
 def add_parser(commands) -> None:
@@ -55,6 +60,7 @@ def add_parser(commands) -> None:
         "allow one port only)",
     )
     add_run_options(node)
+    add_device_option(node)
     _add_plan_options(node)
     _add_probe_options(node)
     _add_compute_options(node)
@@ -265,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_pause_s=args.checkpoint_pause,
         train=not args.no_train,
         pin_cores=args.pin_cores,
+        device=args.device,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

@@ -2,7 +2,7 @@
 
 import argparse
 
-from fusionllm.common.run_spec import GRADIENT_CODECS, MODELS, RunSpec
+from fusionllm.common.run_spec import GRADIENT_CODECS, MODELS, PRECISIONS, RunSpec
 
 
 def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> None:
@@ -34,6 +34,24 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
         default="topk",
         help="gradient code on compressed links, with error feedback (%(default)s)",
     )
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="compute precision (autocast); weights and optimizer state stay fp32. bf16 needs "
+        "a recent GPU or runs slowly on CPUs (%(default)s)",
+    )
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """--device: where this machine's stages compute (each node's own choice)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where stages compute; auto: the first CUDA GPU if torch sees one, else the CPU "
+        "(%(default)s)",
+    )
 
 
 def add_swarm_address(parser: argparse.ArgumentParser, *, joining: bool) -> None:
@@ -59,4 +77,5 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
         lr=args.lr,
         seed=args.seed,
         gradient_codec=args.gradient_codec,
+        precision=args.precision,
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_device_option, add_run_options, run_spec_from
 
 _POLL_S = 0.25
 
@@ -32,6 +32,7 @@ def add_parser(commands) -> None:
     )
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
+    add_device_option(swarm)
     swarm.add_argument(
         "--min-stages",
         type=int,
@@ -113,6 +114,8 @@ def _options(args: argparse.Namespace) -> dict:
         "lr": run.lr,
         "seed": run.seed,
         "gradient-codec": run.gradient_codec,
+        "precision": run.precision,
+        "device": args.device,  # every node of this machine's swarm on the same device
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores

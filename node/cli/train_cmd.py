@@ -4,7 +4,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fusionllm.node.cli.options import add_run_options, run_spec_from
+from fusionllm.node.cli.options import add_device_option, add_run_options, run_spec_from
 
 if TYPE_CHECKING:
     from fusionllm.node.pipeline.train_config import TrainConfig
@@ -28,6 +28,7 @@ def add_parser(commands) -> None:
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
     add_run_options(train)
+    add_device_option(train)
     train.add_argument("--data", help="uint16/uint32 token file (default: stdlib source bytes)")
     train.add_argument(
         "--data-dtype",
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"training GPT-2 {config.model} in {config.stages} stages ({processes} processes on "
             f"127.0.0.1), {config.micro_batches} micro-batches x {config.batch_size} x "
-            f"{config.seq_len} tokens per step, data: {config.data_path or 'stdlib source'}",
+            f"{config.seq_len} tokens per step, {config.precision} on {args.device}, data: "
+            f"{config.data_path or 'stdlib source'}",
             flush=True,
         )
 
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The stages log to this terminal too: only warnings, unless debugging.
     stage_log_level = "DEBUG" if args.log_level == "DEBUG" else "WARNING"
-    result = run_swarm(config, on_step=on_step, log_level=stage_log_level)
+    result = run_swarm(config, on_step=on_step, log_level=stage_log_level, device=args.device)
     if not args.json:
         print(
             f"done: {config.steps} steps in {result.seconds:.1f}s, "
@@ -118,4 +120,5 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
         gradient_codec=run.gradient_codec,
+        precision=run.precision,
     )

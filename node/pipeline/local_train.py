@@ -13,6 +13,7 @@ import torch
 from torch.nn import functional
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
@@ -32,28 +33,37 @@ def train_local(
     *,
     dataset: TokenDataset | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    compute: Compute | None = None,
 ) -> LocalRun:
+    """``compute``: device and precision (default: CPU in the config's precision); parameters
+    come back on the CPU either way."""
     dataset = load_dataset(config) if dataset is None else dataset
-    model = build_model(config)
+    compute = compute if compute is not None else Compute(precision=config.precision)
+    model = build_model(config).to(compute.device)
     model.train()
-    optimizer = build_adamw(model.parameters(), config.optimizer)
+    optimizer = build_adamw(model.parameters(), config.optimizer, fused=compute.fused_optimizer)
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(config.steps):
-        total = 0.0
+        step_losses = []
         for mb in range(config.micro_batches):
-            idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
-            logits = model(idx)  # (B, T, V)
-            loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            (loss / config.micro_batches).backward()
-            total += float(loss.detach())
+            idx, targets = (
+                t.to(compute.device, non_blocking=True)
+                for t in dataset.batch(config.batch, step, mb)
+            )  # (B, T) each
+            with compute.autocast():
+                logits = model(idx)  # (B, T, V)
+                loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            (loss.float() / config.micro_batches).backward()
+            step_losses.append(loss.detach())
         if 0 < config.max_grad_norm < float("inf"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total / config.micro_batches)
+        losses.append(sum(float(x) for x in step_losses) / config.micro_batches)
         if on_step is not None:
             on_step(step, losses[-1])
+    compute.synchronize()
     seconds = time.perf_counter() - started
-    parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parameters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     return LocalRun(losses, parameters, seconds)

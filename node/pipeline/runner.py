@@ -47,6 +47,7 @@ from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec,
 from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
+from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.expectations import (
     TAG_DP,
@@ -125,11 +126,14 @@ class PipelineRunner:
         timeout_s: float = 60.0,
         vote: Callable[[], float] = lambda: 0.0,
         own_pump: bool = True,
+        compute: Compute | None = None,
     ) -> None:
         """``vote`` is sent with every step's summary, so every process ends the step knowing
         every other's (a node votes for the plan it would run next: a unanimous vote switches
         plans at that step boundary on every process alike). ``own_pump=False``: the caller
-        feeds ``mailbox`` itself (a node whose transport outlives this runner)."""
+        feeds ``mailbox`` itself (a node whose transport outlives this runner). ``compute``:
+        where this process's stage runs and in what precision (default: CPU, float32); frames
+        always travel from and to host memory, staged through pinned buffers on a GPU."""
         self.config = config
         self.layout = layout
         self.role = role
@@ -146,9 +150,19 @@ class PipelineRunner:
         missing = [r for r in self.roles if r != role and r not in self.peer_of]
         if missing:
             raise PipelineError(f"no peer id for {missing}")
+        self.compute = compute if compute is not None else Compute(precision=config.precision)
+        if self.compute.precision != config.precision:
+            raise PipelineError(
+                f"the run computes in {config.precision}, this process in {self.compute.precision}"
+            )
         self.worker = StageWorker(
-            layout, role.stage, optimizer=config.optimizer, micro_batches=config.micro_batches
+            layout,
+            role.stage,
+            optimizer=config.optimizer,
+            micro_batches=config.micro_batches,
+            compute=self.compute,
         )
+        self.staging = Staging(self.compute)
         self.replicas = config.stage_replicas
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
@@ -219,7 +233,7 @@ class PipelineRunner:
         sends = _Sends()
         busy, wait = 0.0, 0.0
         self._compute_cpu_s = 0.0
-        loss_sum, loss_count = 0.0, 0
+        losses: list[torch.Tensor] = []  # on the device until the summary: no sync before
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -233,13 +247,13 @@ class PipelineRunner:
             if kind == "F":
                 computed, waited, loss = self._forward(step, mb, sends)
                 if loss is not None:
-                    loss_sum += loss
-                    loss_count += 1
+                    losses.append(loss)
             else:
                 computed, waited = self._backward(step, mb, sends)
             busy += computed
             wait += waited
         self._all_reduce_replicas(step, sends)
+        loss_sum, loss_count = sum(float(x) for x in losses), len(losses)
         if self._summary_first:
             mine = self._send_summary(step, sends, loss_sum, loss_count)
         self._sum_tied(step, sends)
@@ -265,7 +279,9 @@ class PipelineRunner:
             votes=votes,
         )
 
-    def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
+    def _forward(
+        self, step: int, mb: int, sends: _Sends
+    ) -> tuple[float, float, torch.Tensor | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
         stage s + 1. (compute seconds, seconds waiting for the input, the loss on the last
         stage or None)."""
@@ -281,6 +297,7 @@ class PipelineRunner:
                 Role(s - 1, owner(mb, self.replicas[s - 1])),
                 sends,
             )
+            flat = self.staging.to_device(("activation", s - 1), flat)
             inputs = self.layout.links[s - 1].unpack(flat)
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
         t1, cpu = time.perf_counter(), time.thread_time()
@@ -288,10 +305,13 @@ class PipelineRunner:
         computed = time.perf_counter() - t1
         self._compute_cpu_s += time.thread_time() - cpu
         if worker.is_last:
-            return computed, t1 - t0, out  # type: ignore[return-value]
+            return computed, t1 - t0, out["loss"]
         target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-        flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
+        flat = self.layout.links[s].pack(out)
+        ratio = self.config.activation_ratio(s)
+        if ratio >= 1.0:  # dense: the bytes go out as they are; compressed codecs run here
+            flat = self.staging.to_host(("activation", s), flat)
+        codec = activation_codec(flat.numel(), ratio)
         sends.futures.append(
             self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
         )
@@ -312,6 +332,7 @@ class PipelineRunner:
                 Role(s + 1, owner(mb, self.replicas[s + 1])),
                 sends,
             )
+            flat = self.staging.to_device(("gradient", s), flat)
             grads = self.layout.links[s].unpack(flat)
         t1, cpu = time.perf_counter(), time.thread_time()
         input_grads = worker.backward(step, mb, grads)
@@ -331,7 +352,7 @@ class PipelineRunner:
         if count == 1:
             return
         mine = self.worker.flat_grads()
-        body = pack_tensor(mine)
+        body = pack_tensor(self.staging.to_host(("dp", s), mine))
         for r in range(count):
             if r != self.role.replica:
                 sends.futures.append(self._send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
@@ -340,7 +361,9 @@ class PipelineRunner:
             part = (
                 mine
                 if r == self.role.replica
-                else self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+                else self.staging.to_device(
+                    ("dp", r), self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+                )
             )
             total = part.clone() if total is None else total + part
         self.worker.set_flat_grads(total)
@@ -351,7 +374,7 @@ class PipelineRunner:
             tag = TAG_TIED + self._tied_index[name]
             holders = self.layout.tied[name]
             mine = self.worker.grad(name)
-            body = pack_tensor(mine)
+            body = pack_tensor(self.staging.to_host(("tied", name), mine))
             # Replica r of a holder stage hears from replica r mod R of every other holder.
             for other in holders:
                 if other == s:
@@ -367,7 +390,10 @@ class PipelineRunner:
                     part = mine
                 else:
                     sender = Role(other, r % self.replicas[other])
-                    part = self._take(FrameKind.CONTROL, step, tag, sender, sends)
+                    part = self.staging.to_device(
+                        ("tied", name, other),
+                        self._take(FrameKind.CONTROL, step, tag, sender, sends),
+                    )
                 total = part.clone() if total is None else total + part
             self.worker.set_grad(name, total)
 
@@ -409,7 +435,7 @@ class PipelineRunner:
     def _pack_gradient(self, link: int, target: Role, flat: torch.Tensor) -> bytes:
         ratio = self.config.gradient_ratio(link)
         if ratio >= 1.0:
-            return pack_tensor(flat)
+            return pack_tensor(self.staging.to_host(("gradient", link), flat))
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
         return self._feedback.pack(("gradient", link, target), flat, codec)

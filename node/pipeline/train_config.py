@@ -14,7 +14,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import RunSpec
+from fusionllm.common.run_spec import PRECISIONS, RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import gpt2
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
@@ -55,6 +55,7 @@ class TrainConfig:
     activation_ratios: tuple[float, ...] = ()
     gradient_ratios: tuple[float, ...] = ()
     gradient_codec: str = "topk"
+    precision: str = "fp32"  # every stage's autocast dtype (RunSpec.precision)
 
     def __post_init__(self) -> None:
         for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
@@ -91,6 +92,8 @@ class TrainConfig:
                 f"gradient_codec must be one of {sorted(GRADIENT_CODECS)}, "
                 f"got {self.gradient_codec!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError(
                 f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "
@@ -155,6 +158,7 @@ class TrainConfig:
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
             gradient_codec=run.gradient_codec,
+            precision=run.precision,
         )
 
     def to_json(self) -> str:

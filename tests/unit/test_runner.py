@@ -46,12 +46,7 @@ def _config(**overrides) -> TrainConfig:
 
 
 def _run(config: TrainConfig, dataset: TokenDataset, **swarm_args) -> ThreadSwarm:
-    swarm = ThreadSwarm(config, dataset, **swarm_args)
-    try:
-        swarm.run()
-    finally:
-        swarm.close()
-    return swarm
+    return ThreadSwarm.trained(config, dataset, **swarm_args)
 
 
 # ----- the same run as one process -----------------------------------------------------------
