@@ -178,6 +178,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
                     "replica": role.replica,
                     "bytes_out": sum(s.bytes_out for s in stats.values()),
                     "refused": runner.mailbox.refused,
+                    **_memory(compute),
                 }
             )
             lines.next_command("quit")

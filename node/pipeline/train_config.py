@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 GRADIENT_CODECS = frozenset({"topk", "ternary"})
+_REAL_TRACE_MAX_WORK = 1 << 33  # parameters x tokens: ~1e10 multiply-adds, ~1 s of one core
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,9 +191,12 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
     """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
     example = torch.zeros(config.batch_size, config.seq_len, dtype=torch.int64)  # (B, T)
-    # A real forward of one micro-batch: the model is allocated anyway, and propagating meta
-    # tensors first imports torch's meta kernels (~1.5 s per stage process here).
-    graph: OpGraph = trace(model, (example,), meta=False)
+    # A small model: a real forward of one micro-batch (the model is allocated anyway, and
+    # propagating meta tensors first imports torch's meta kernels, ~1.5 s per stage process
+    # here). A large one: meta tensors, as a real CPU forward of GPT-2 medium at 4 x 1024
+    # tokens would take each stage process tens of seconds before it trains on its GPU.
+    work = sum(p.numel() for p in model.parameters()) * example.numel()
+    graph: OpGraph = trace(model, (example,), meta=work > _REAL_TRACE_MAX_WORK)
     cuts = config.cuts if config.cuts is not None else balanced_cuts(graph, config.stages)
     return PipelineLayout(graph, cuts)
 
