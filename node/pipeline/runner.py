@@ -307,11 +307,10 @@ class PipelineRunner:
         if worker.is_last:
             return computed, t1 - t0, out["loss"]
         target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-        flat = self.layout.links[s].pack(out)
-        ratio = self.config.activation_ratio(s)
-        if ratio >= 1.0:  # dense: the bytes go out as they are; compressed codecs run here
-            flat = self.staging.to_host(("activation", s), flat)
-        codec = activation_codec(flat.numel(), ratio)
+        # Codecs run on the host, as on a CPU node: the same bits whatever the device, and
+        # the error-feedback residuals stay in host memory (checkpoints save them).
+        flat = self.staging.to_host(("activation", s), self.layout.links[s].pack(out))
+        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
         sends.futures.append(
             self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
         )
@@ -434,8 +433,9 @@ class PipelineRunner:
 
     def _pack_gradient(self, link: int, target: Role, flat: torch.Tensor) -> bytes:
         ratio = self.config.gradient_ratio(link)
+        flat = self.staging.to_host(("gradient", link), flat)  # codecs run on the host
         if ratio >= 1.0:
-            return pack_tensor(self.staging.to_host(("gradient", link), flat))
+            return pack_tensor(flat)
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
         return self._feedback.pack(("gradient", link, target), flat, codec)
