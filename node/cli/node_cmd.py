@@ -198,6 +198,7 @@ def _node_config(args: argparse.Namespace):
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),
         device=device,
+        compute_device=args.device,
         uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
         downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
     )

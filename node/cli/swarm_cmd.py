@@ -92,13 +92,13 @@ class Progress:
             self.errors.append(name)
 
 
-def _device() -> dict:
+def _device(device: str, precision: str) -> dict:
     """This machine, measured once (cached) and shared by every node: they are one machine."""
     from dataclasses import asdict
 
     from fusionllm.node.control.probe import local_device
 
-    return asdict(local_device(None))
+    return asdict(local_device(None, device, precision))
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print
     say(f"starting {args.nodes} node daemons on 127.0.0.1 (work dir {root})")
-    swarm = LocalSwarm(root, extra=_options(args), device=_device())
+    swarm = LocalSwarm(root, extra=_options(args), device=_device(args.device, args.precision))
     launched = time.monotonic()
     try:
         progress = _watch(swarm, args, say)

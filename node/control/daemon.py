@@ -111,6 +111,8 @@ class NodeDaemon:
             settings.run.seq_len,
             device_cache=cfg.device_cache,
             measure_device=cfg.device is None,
+            device=cfg.compute_device,
+            precision=settings.run.precision,
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids

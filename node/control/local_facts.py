@@ -46,14 +46,18 @@ def learn_local_facts(
     device_cache: Path | None,
     measure_device: bool,
     timeout_s: float = _FIRST_PROBE_S,
+    device: str = "auto",
+    precision: str = "fp32",
 ) -> LocalFacts:
-    """The model's costs (cached) and, if ``measure_device``, this machine's device."""
+    """The model's costs (cached) and, if ``measure_device``, this machine's ``device`` (the
+    one our stages train on) at the run's ``precision``."""
     cache_dir = device_cache.parent if device_cache else Path.home() / ".cache" / "fusionllm"
     costs_path = cache_dir / costs_file_name(model, seq_len)
     cached = _read_costs(costs_path)
     if cached is not None and not measure_device:
         return LocalFacts(device=None, costs=cached)
-    facts = _ask_child(model, seq_len, device_cache, measure_device, timeout_s)
+    probe = ["--device", device, "--precision", precision] if measure_device else []
+    facts = _ask_child(model, seq_len, device_cache, probe, timeout_s)
     if cached is None:
         try:
             write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
@@ -87,22 +91,21 @@ def _read_costs(path: Path) -> GraphCosts | None:
 
 
 def _ask_child(
-    model: str, seq_len: int, device_cache: Path | None, measure_device: bool, timeout_s: float
+    model: str, seq_len: int, device_cache: Path | None, probe: list[str], timeout_s: float
 ) -> LocalFacts:
     """Run the facts child (node/control/facts_main.py) and check what it says."""
     argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]
     argv += ["--model", model, "--seq-len", str(seq_len)]
     if device_cache is not None:
         argv += ["--device-cache", str(device_cache)]
-    if not measure_device:
-        argv.append("--no-device")
+    argv += probe if probe else ["--no-device"]
     with JsonChild(argv, name="facts") as child:
         try:
             reply = child.next_event(timeout_s)
         except (TimeoutError, EOFError) as exc:
             raise FactsError(f"the model/device probe gave no answer: {exc}") from exc
         child.wait(timeout=timeout_s)
-    return parse_facts(reply, measure_device=measure_device)
+    return parse_facts(reply, measure_device=bool(probe))
 
 
 def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:

@@ -1,7 +1,7 @@
 """Where a stage computes and in what precision: ``--device`` and ``--precision``.
 
-- ``resolve_device``: ``auto|cpu|cuda|cuda:N`` -> a ``torch.device`` this process can use (auto:
-  the first CUDA device when there is one), or a ConfigError that says why not.
+- ``resolve_device`` (node/devices.py, which the device probe shares): ``auto|cpu|cuda|cuda:N``
+  -> a ``torch.device`` this process can use, or a ConfigError that says why not.
 - ``Compute``: a device and a precision. Parameters and optimizer state stay float32 (the
   master weights) whatever the precision; ``autocast`` runs the forward (and so the backward)
   in bf16/fp16 where torch's autocast lists say it is safe. fp16's loss scaling is the
@@ -23,33 +23,13 @@ import torch
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import PRECISIONS
+from fusionllm.node.devices import DEVICE_CHOICES, resolve_device
+
+__all__ = ["DEVICE_CHOICES", "Compute", "Staging", "resolve_device"]
 
 logger = get_logger(__name__)
 
-DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
-
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(spec: str) -> torch.device:
-    """The device ``spec`` names, checked to exist here (ConfigError otherwise)."""
-    if not isinstance(spec, str):
-        raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {spec!r}")
-    text = spec.strip().lower()
-    if text == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if text == "cpu":
-        return torch.device("cpu")
-    kind, _, index = text.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {spec!r}")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {spec!r} asked for, but this torch sees no CUDA device")
-    count = torch.cuda.device_count()
-    number = int(index) if index else 0
-    if number >= count:
-        raise ConfigError(f"device {spec!r} asked for, but only {count} CUDA device(s) here")
-    return torch.device("cuda", number)
 
 
 @dataclass(frozen=True, kw_only=True)
