@@ -11,10 +11,12 @@ hung phase is killed at its time limit; the others still run):
 - ``local/<model>/bf16``: the whole model in one process (``train_local``) on the device;
 - ``pipeline/<model>/bf16``: 2 stage processes on the same device, over the real transport
   (TCP lanes on 127.0.0.1), started by the launcher (``run_swarm``, what ``fusionllm train``
-  runs). Not ``fusionllm node`` daemons: those plan by measured devices and links and may pick
-  another layout each run; the launcher pins the 2-stage layout so the rows compare;
+  runs), with balanced cuts: the rows compare the same layout;
 - ``local/<model>/fp32`` and ``pipeline/<model>/fp32`` (the first model): the same run in fp32,
-  losses and final parameters compared (must agree to 1e-4).
+  losses and final parameters compared (must agree to 1e-4);
+- ``swarm/<model>/bf16`` (the first model, last: it needs the most time): ``fusionllm swarm``,
+  2 real ``fusionllm node`` daemons (DHT, plan agreement, READY barrier) held to 2 stages; the
+  planner picks their cuts, so its layout may differ from the launcher's.
 
 Per row: tokens/s (median step after the warm-up steps), model FLOPs utilisation (6N + 12 L d T
 FLOPs per token, N the parameters counted once, over the device's peak: ``--peak-tflops``, a
@@ -159,6 +161,35 @@ def phase_pipeline(args: argparse.Namespace, model: str, precision: str) -> dict
     return out
 
 
+def phase_swarm(args: argparse.Namespace, model: str, precision: str) -> dict[str, Any]:
+    """``fusionllm swarm``: 2 real node daemons (DHT, plan agreement, READY barrier) on the
+    device, held to 2 stages; its own --timeout ends it (and its nodes) before our limit."""
+    config = _config(args, model, precision, 2, args.steps)
+    own_limit = max(args.limit - 30.0, 10.0)
+    work_dir = str(Path(args.out).parent / f"swarm-{model}")
+    argv = [sys.executable, "-m", "fusionllm.node.cli.main", "swarm", "--nodes", "2",
+            "--min-stages", "2", "--max-stages", "2", "--model", model, "--precision",
+            precision, "--device", args.device, "--steps", str(args.steps), "--seq-len",
+            str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
+            "--micro-batches", str(args.micro_batches), "--lr", "3e-4", "--timeout",
+            str(own_limit), "--json", "--work-dir", work_dir]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        stdout, _ = process.communicate(timeout=own_limit + 15.0)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: the command stops its nodes
+        process.communicate(timeout=10.0)
+        raise TimeoutError(f"fusionllm swarm ran past {own_limit:.0f}s") from None
+    if process.returncode != 0 or not stdout.strip():
+        raise RuntimeError(f"fusionllm swarm exited with code {process.returncode}")
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    out = _throughput(config, config.tokens_per_step / summary["tokens_per_s"])
+    out["losses"] = [summary["loss_first"], summary["loss_last"]]
+    out["peak_device_bytes"] = list(summary["peak_device_bytes"].values())
+    out["plan_stages"] = summary["stages"]
+    return out
+
+
 def _throughput(config, step_s: float) -> dict[str, Any]:
     tokens_per_s = config.tokens_per_step / step_s
     return {"model": config.model, "precision": config.precision, "stages": config.stages,
@@ -173,7 +204,7 @@ def run_phase(args: argparse.Namespace) -> int:
         out = phase_env(args)
     else:
         model, precision = rest.split("/")
-        run = phase_local if kind == "local" else phase_pipeline
+        run = {"local": phase_local, "pipeline": phase_pipeline, "swarm": phase_swarm}[kind]
         out = run(args, model, precision)
     Path(args.out).write_text(json.dumps(out))
     return 0
@@ -189,6 +220,8 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, float]]:
               (f"local/{first}/fp32", 60.0), (f"pipeline/{first}/fp32", 120.0)]  # fmt: skip
     for model in args.models[1:]:
         phases += [(f"local/{model}/bf16", 90.0), (f"pipeline/{model}/bf16", 150.0)]
+    if not args.no_daemons:
+        phases.append((f"swarm/{first}/bf16", 180.0))
     return phases
 
 
@@ -196,7 +229,8 @@ def _child(args: argparse.Namespace, phase: str, out: Path, params: Path | None,
     argv = [sys.executable, __file__, "--phase", phase, "--out", str(out), "--device",
             args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
-            "--micro-batches", str(args.micro_batches), "--threads", str(args.threads)]  # fmt: skip
+            "--micro-batches", str(args.micro_batches), "--threads", str(args.threads),
+            "--limit", str(limit)]  # fmt: skip
     if params is not None:
         argv += ["--params-out", str(params)]
     # Its own session: on a timeout the whole group (the launcher's stage processes too) goes.
@@ -291,7 +325,7 @@ def table(report: dict[str, Any]) -> list[str]:
         if phase == "env":
             continue
         mfu = f"{100 * row['model_tflops'] / peak:5.1f}%" if peak else "     -"
-        memory = " ".join(f"{b / 2**30:.2f}" for b in row["peak_device_bytes"]) or "-"
+        memory = " ".join(f"{b / 2**30:.2f}" for b in row["peak_device_bytes"] if b) or "-"
         lines.append(f"{phase:<24} {row['step_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
                      f"{row['model_tflops']:>8.1f} {mfu:>6}  {memory}")  # fmt: skip
     for phase, error in report["errors"].items():
@@ -344,7 +378,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=_TOTAL_BUDGET_S,
         help="seconds for all phases together (%(default)s)",
     )
+    parser.add_argument(
+        "--no-daemons",
+        action="store_true",
+        help="leave out the fusionllm swarm row (2 real node daemons)",
+    )
     parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--params-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)  # fmt: skip

@@ -62,6 +62,7 @@ class Progress:
     serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> its last role
     names: dict[str, str] = field(default_factory=dict)  # peer id -> node name
     bytes_out: dict[str, int] = field(default_factory=dict)
+    peak_device_bytes: dict[str, int] = field(default_factory=dict)  # node -> GPU high-water
     finished: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None
@@ -78,6 +79,7 @@ class Progress:
             self.losses.setdefault(event["step"], event["loss"])
             self.step_seconds.setdefault(event["step"], event["seconds"])
             self.bytes_out[name] = event.get("bytes_out", 0)
+            self.peak_device_bytes[name] = event.get("peak_device_bytes", 0)
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
         elif kind == "ready":
@@ -213,6 +215,8 @@ def _report(progress: Progress, args, root: Path, launched: float, say) -> int:
         "tokens_per_s": tokens_per_step / seconds if steady else None,
         "nodes": args.nodes,
         "plan_digest": progress.plan["digest"] if progress.plan else None,
+        "stages": len(progress.plan["stages"]) if progress.plan else None,
+        "peak_device_bytes": dict(sorted(progress.peak_device_bytes.items())),
     }
     if args.plot:
         _plot(progress, Path(args.plot))

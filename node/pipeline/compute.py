@@ -72,6 +72,10 @@ class Compute:
         with torch.autocast(device_type=self.device.type, dtype=dtype):
             yield
 
+    def peak_memory_bytes(self) -> int:
+        """The most device memory torch held for tensors so far (0 on the CPU)."""
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.is_cuda else 0
+
     def synchronize(self) -> None:
         """Wait for this device's queued work (timings; a no-op on the CPU)."""
         if self.is_cuda:

@@ -93,6 +93,7 @@ class StepReport:
     # core (busy_s then counts the other's turns too), above where compute itself got slower.
     busy_cpu_s: float = 0.0
     votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
+    peak_device_bytes: int = 0  # this process's GPU memory high-water mark so far (0: a CPU)
 
 
 @dataclass
@@ -277,6 +278,7 @@ class PipelineRunner:
             wait_s=wait,
             busy_cpu_s=self._compute_cpu_s,
             votes=votes,
+            peak_device_bytes=self.compute.peak_memory_bytes(),
         )
 
     def _forward(

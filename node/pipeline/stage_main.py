@@ -106,13 +106,6 @@ class _Lines:
             sys.stdout.flush()
 
 
-def _memory(compute: Compute) -> dict[str, int]:
-    """This process's peak device memory so far (a GPU's; nothing on the CPU)."""
-    if not compute.is_cuda:
-        return {}
-    return {"peak_device_bytes": int(torch.cuda.max_memory_allocated(compute.device))}
-
-
 def _peers(command: dict[str, Any]) -> tuple[dict[Role, str], dict[Role, str]]:
     ids, addrs = {}, {}
     for entry in command["peers"]:
@@ -167,7 +160,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
                     raise PipelineError("stdin closed: the launcher went away")
                 report = runner.run_step(step)
                 reports.append(report)
-                lines.write({"event": "step", **report.__dict__, **_memory(compute)})
+                lines.write({"event": "step", **report.__dict__})
             if args.out:
                 torch.save(runner.worker.state_dict(), args.out)
             stats = transport.stats()
@@ -178,7 +171,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
                     "replica": role.replica,
                     "bytes_out": sum(s.bytes_out for s in stats.values()),
                     "refused": runner.mailbox.refused,
-                    **_memory(compute),
+                    "peak_device_bytes": compute.peak_memory_bytes(),
                 }
             )
             lines.next_command("quit")
