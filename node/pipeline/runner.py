@@ -43,7 +43,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
+from fusionllm.compression import (
+    Codec,
+    ErrorFeedback,
+    Float16Codec,
+    activation_codec,
+    budget_codec,
+    pack_tensor,
+)
 from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
@@ -70,6 +77,10 @@ logger = get_logger(__name__)
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
+# A half link's 2-byte floats: bfloat16 keeps float32's range, so no activation or unscaled
+# gradient overflows on the wire (float16's 65504 would make the frame unsendable), at 8 bits
+# of mantissa: what bf16 compute keeps of an activation anyway.
+HALF_WIRE = torch.bfloat16
 
 
 def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
@@ -312,7 +323,11 @@ class PipelineRunner:
         # Codecs run on the host, as on a CPU node: the same bits whatever the device, and
         # the error-feedback residuals stay in host memory (checkpoints save them).
         flat = self.staging.to_host(("activation", s), self.layout.links[s].pack(out))
-        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
+        ratio = self.config.activation_ratio(s)
+        if ratio >= 1.0 and self.config.activation_half(s):
+            codec: Codec = Float16Codec(HALF_WIRE)
+        else:
+            codec = activation_codec(flat.numel(), ratio)
         sends.futures.append(
             self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
         )
@@ -437,7 +452,8 @@ class PipelineRunner:
         ratio = self.config.gradient_ratio(link)
         flat = self.staging.to_host(("gradient", link), flat)  # codecs run on the host
         if ratio >= 1.0:
-            return pack_tensor(flat)
+            half = self.config.gradient_half(link)
+            return pack_tensor(flat, Float16Codec(HALF_WIRE) if half else None)
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
         return self._feedback.pack(("gradient", link, target), flat, codec)

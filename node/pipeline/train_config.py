@@ -56,10 +56,17 @@ class TrainConfig:
     activation_ratios: tuple[float, ...] = ()
     gradient_ratios: tuple[float, ...] = ()
     gradient_codec: str = "topk"
+    # Per link and direction, where the ratio is 1.0: True sends the dense values as 2-byte
+    # floats (``HALF_WIRE``), what a plan's "fp16" link is counted at. () : all float32.
+    activation_halves: tuple[bool, ...] = ()
+    gradient_halves: tuple[bool, ...] = ()
     precision: str = "fp32"  # every stage's autocast dtype (RunSpec.precision)
 
     def __post_init__(self) -> None:
-        for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
+        for name in (
+            "cuts", "replicas", "activation_ratios", "gradient_ratios", "betas",
+            "activation_halves", "gradient_halves",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
@@ -88,6 +95,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(ratios)}")
             if any(not 0.0 < r <= 1.0 for r in ratios):
                 raise ConfigError(f"{name} must be in (0, 1], got {ratios}")
+        for name in ("activation_halves", "gradient_halves"):
+            halves = getattr(self, name)
+            if halves and len(halves) != self.stages - 1:
+                raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(halves)}")
+            if any(not isinstance(h, bool) for h in halves):
+                raise ConfigError(f"{name} must be booleans, got {halves}")
         if self.gradient_codec not in GRADIENT_CODECS:
             raise ConfigError(
                 f"gradient_codec must be one of {sorted(GRADIENT_CODECS)}, "
@@ -130,6 +143,12 @@ class TrainConfig:
     def gradient_ratio(self, link: int) -> float:
         return self.gradient_ratios[link] if self.gradient_ratios else 1.0
 
+    def activation_half(self, link: int) -> bool:
+        return bool(self.activation_halves) and self.activation_halves[link]
+
+    def gradient_half(self, link: int) -> bool:
+        return bool(self.gradient_halves) and self.gradient_halves[link]
+
     @classmethod
     def for_run(
         cls,
@@ -139,6 +158,8 @@ class TrainConfig:
         replicas: tuple[int, ...],
         activation_ratios: tuple[float, ...] = (),
         gradient_ratios: tuple[float, ...] = (),
+        activation_halves: tuple[bool, ...] = (),
+        gradient_halves: tuple[bool, ...] = (),
     ) -> "TrainConfig":
         """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios)."""
         return cls(
@@ -158,6 +179,8 @@ class TrainConfig:
             stdlib_bytes=run.stdlib_bytes,
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
+            activation_halves=activation_halves,
+            gradient_halves=gradient_halves,
             gradient_codec=run.gradient_codec,
             precision=run.precision,
         )
@@ -210,12 +233,20 @@ def load_dataset(config: TrainConfig) -> TokenDataset:
 
 
 def ratios_from_plan(plan: "Plan") -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(activation_ratios, gradient_ratios) per link from an OP-Fence plan's AdaTopK choice.
-
-    A link the plan sends as fp16 runs dense here (the runtime knows top-k and dense only).
-    """
+    """(activation_ratios, gradient_ratios) per link from an OP-Fence plan's AdaTopK choice
+    (1.0 for a dense link, fp16 ones included: ``halves_from_plan`` says which)."""
     forward, backward = [], []
     for link in sorted(plan.links, key=lambda lp: lp.src_stage):
         forward.append(link.forward_ratio if link.forward_codec == "topk" else 1.0)
         backward.append(link.backward_ratio if link.backward_codec == "topk" else 1.0)
+    return tuple(forward), tuple(backward)
+
+
+def halves_from_plan(plan: "Plan") -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """(activation_halves, gradient_halves) per link: the links the plan counts at 2 bytes an
+    element (its "fp16" codec), which the runner then sends as such."""
+    forward, backward = [], []
+    for link in sorted(plan.links, key=lambda lp: lp.src_stage):
+        forward.append(link.forward_codec == "fp16")
+        backward.append(link.backward_codec == "fp16")
     return tuple(forward), tuple(backward)
