@@ -15,6 +15,7 @@ from torch.nn import functional
 from fusionllm.common.logs import get_logger
 from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
+from fusionllm.node.pipeline.loss_scale import LossScale, unscale_or_zero
 from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 
@@ -36,15 +37,17 @@ def train_local(
     compute: Compute | None = None,
 ) -> LocalRun:
     """``compute``: device and precision (default: CPU in the config's precision); parameters
-    come back on the CPU either way."""
+    come back on the CPU either way. fp16 scales the loss as the pipeline does (loss_scale.py)."""
     dataset = load_dataset(config) if dataset is None else dataset
     compute = compute if compute is not None else Compute(precision=config.precision)
     model = build_model(config).to(compute.device)
     model.train()
     optimizer = build_adamw(model.parameters(), config.optimizer, fused=compute.fused_optimizer)
     losses: list[float] = []
+    scaler = LossScale() if compute.precision == "fp16" else None
     started = time.perf_counter()
     for step in range(config.steps):
+        scale = scaler.scale if scaler is not None else 1.0
         step_losses = []
         for mb in range(config.micro_batches):
             idx, targets = (
@@ -54,12 +57,17 @@ def train_local(
             with compute.autocast():
                 logits = model(idx)  # (B, T, V)
                 loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            (loss.float() / config.micro_batches).backward()
+            (loss.float() / config.micro_batches * scale).backward()
             step_losses.append(loss.detach())
-        if 0 < config.max_grad_norm < float("inf"):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        overflow = scaler is not None and unscale_or_zero(grads, scale)
+        if not overflow and 0 < config.max_grad_norm < float("inf"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
+        if not overflow:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update(overflow)
         losses.append(sum(float(x) for x in step_losses) / config.micro_batches)
         if on_step is not None:
             on_step(step, losses[-1])

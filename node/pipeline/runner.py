@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
@@ -64,9 +64,12 @@ from fusionllm.node.pipeline.expectations import (
     roles_of,
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.loss_scale import LossScale
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
+from fusionllm.node.pipeline.steps import Sends, StepReport
+from fusionllm.node.pipeline.summary import StepTotals, Summary, combine
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)
@@ -90,37 +93,6 @@ def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) ->
     summary). Replicas but the first send a norm of 0, and a stage whose tied copies another
     stage counts leaves them out of its share."""
     return role.replica != 0 or set(tied_names) <= layout.counted_elsewhere(role.stage)
-
-
-@dataclass
-class StepReport:
-    step: int
-    loss: float
-    grad_norm: float
-    seconds: float  # wall time of the whole step
-    busy_s: float  # forward + backward compute of this process
-    wait_s: float  # blocked on frames during the schedule
-    # The CPU time of that compute (this thread's): below busy_s where the process shared its
-    # core (busy_s then counts the other's turns too), above where compute itself got slower.
-    busy_cpu_s: float = 0.0
-    votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
-    peak_device_bytes: int = 0  # this process's GPU memory high-water mark so far (0: a CPU)
-
-
-@dataclass
-class _Sends:
-    futures: list[Future] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Raise the error of a send that already failed (the root cause of a missing reply)."""
-        for future in self.futures:
-            if future.done() and future.exception() is not None:
-                raise PipelineError(f"a send failed: {future.exception()!r}")
-
-    def wait(self, timeout: float) -> None:
-        for future in self.futures:
-            future.result(timeout)
-        self.futures.clear()
 
 
 class PipelineRunner:
@@ -175,6 +147,8 @@ class PipelineRunner:
             compute=self.compute,
         )
         self.staging = Staging(self.compute)
+        self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
+        self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
@@ -242,10 +216,53 @@ class PipelineRunner:
     def run_step(self, step: int) -> StepReport:
         started = time.perf_counter()
         self.mailbox.advance(step)
-        sends = _Sends()
-        busy, wait = 0.0, 0.0
+        sends = Sends()
         self._compute_cpu_s = 0.0
-        losses: list[torch.Tensor] = []  # on the device until the summary: no sync before
+        self._overflow = False
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        self.worker.loss_scale = scale
+        losses, busy, wait = self._schedule(step, sends)
+        if self.loss_scale is not None:  # before any gradient leaves: they must be finite
+            self._overflow |= self.worker.unscale_or_zero(scale)
+        self._all_reduce_replicas(step, sends)
+        mine = Summary(0.0, sum(float(x) for x in losses), len(losses), 0.0, self._overflow)
+        if self._summary_first:
+            mine = self._send_summary(step, sends, mine)
+        self._sum_tied(step, sends)
+        if not self._summary_first:
+            mine = self._send_summary(step, sends, mine)
+        totals = self._gather_summary(step, sends, mine)
+        if totals.loss_count != self.config.micro_batches:  # never half-apply a step
+            raise PipelineError(
+                f"step {step}: {totals.loss_count} losses for {self.config.micro_batches} "
+                "micro-batches"
+            )
+        norm = math.sqrt(totals.sq)
+        if totals.overflow:  # some stage's gradients overflowed: every stage skips the step
+            self.worker.skip_step()
+        else:
+            self.worker.clip_and_step(norm)
+        if self.loss_scale is not None:
+            self.loss_scale.update(totals.overflow)
+        self.completed_steps = step + 1  # from here on the step counts, even if a send fails
+        sends.wait(self.timeout_s)
+        return StepReport(
+            step=step,
+            loss=totals.loss_sum / totals.loss_count,
+            grad_norm=norm,
+            seconds=time.perf_counter() - started,
+            busy_s=busy,
+            wait_s=wait,
+            busy_cpu_s=self._compute_cpu_s,
+            votes=totals.votes,
+            peak_device_bytes=self.compute.peak_memory_bytes(),
+            skipped=totals.overflow,
+            loss_scale=scale,
+        )
+
+    def _schedule(self, step: int, sends: Sends) -> tuple[list[torch.Tensor], float, float]:
+        """This process's 1F1B forwards and backwards of ``step``: (the losses, on the device
+        until the summary: no sync before; compute seconds; seconds waiting for frames)."""
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -255,6 +272,8 @@ class PipelineRunner:
             self.role.replica,
             slack=_WARMUP_SLACK,
         )
+        losses: list[torch.Tensor] = []
+        busy, wait = 0.0, 0.0
         for kind, mb in order:
             if kind == "F":
                 computed, waited, loss = self._forward(step, mb, sends)
@@ -264,36 +283,10 @@ class PipelineRunner:
                 computed, waited = self._backward(step, mb, sends)
             busy += computed
             wait += waited
-        self._all_reduce_replicas(step, sends)
-        loss_sum, loss_count = sum(float(x) for x in losses), len(losses)
-        if self._summary_first:
-            mine = self._send_summary(step, sends, loss_sum, loss_count)
-        self._sum_tied(step, sends)
-        if not self._summary_first:
-            mine = self._send_summary(step, sends, loss_sum, loss_count)
-        sq, loss_sum, loss_count, votes = self._gather_summary(step, sends, mine)
-        if loss_count != self.config.micro_batches:  # before the step: never half-apply one
-            raise PipelineError(
-                f"step {step}: {loss_count} losses for {self.config.micro_batches} micro-batches"
-            )
-        norm = math.sqrt(sq)
-        self.worker.clip_and_step(norm)
-        self.completed_steps = step + 1  # from here on the step counts, even if a send fails
-        sends.wait(self.timeout_s)
-        return StepReport(
-            step=step,
-            loss=loss_sum / loss_count,
-            grad_norm=norm,
-            seconds=time.perf_counter() - started,
-            busy_s=busy,
-            wait_s=wait,
-            busy_cpu_s=self._compute_cpu_s,
-            votes=votes,
-            peak_device_bytes=self.compute.peak_memory_bytes(),
-        )
+        return losses, busy, wait
 
     def _forward(
-        self, step: int, mb: int, sends: _Sends
+        self, step: int, mb: int, sends: Sends
     ) -> tuple[float, float, torch.Tensor | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
         stage s + 1. (compute seconds, seconds waiting for the input, the loss on the last
@@ -333,7 +326,7 @@ class PipelineRunner:
         )
         return computed, t1 - t0, None
 
-    def _backward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float]:
+    def _backward(self, step: int, mb: int, sends: Sends) -> tuple[float, float]:
         """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
         stage: the loss), the input gradients to stage s - 1. (compute seconds, seconds
         waiting for the gradient)."""
@@ -356,14 +349,20 @@ class PipelineRunner:
         self._compute_cpu_s += time.thread_time() - cpu
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
-            flat = self.layout.links[s - 1].pack(input_grads)
+            flat = self.staging.to_host(
+                ("gradient", s - 1), self.layout.links[s - 1].pack(input_grads)
+            )
+            if self.loss_scale is not None and not bool(torch.isfinite(flat).all()):
+                # fp16 overflow: peers refuse non-finite frames, so send zeros; our summary
+                # tells everyone to skip the step.
+                self._overflow, flat = True, torch.zeros_like(flat)
             body = self._pack_gradient(s - 1, target, flat)
             sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
         return computed, t1 - t0
 
     # ----- the exchanges after the schedule ----------------------------------------------------
 
-    def _all_reduce_replicas(self, step: int, sends: _Sends) -> None:
+    def _all_reduce_replicas(self, step: int, sends: Sends) -> None:
         s, count = self.role.stage, self.replicas[self.role.stage]
         if count == 1:
             return
@@ -384,7 +383,7 @@ class PipelineRunner:
             total = part.clone() if total is None else total + part
         self.worker.set_flat_grads(total)
 
-    def _sum_tied(self, step: int, sends: _Sends) -> None:
+    def _sum_tied(self, step: int, sends: Sends) -> None:
         s, r = self.role.stage, self.role.replica
         for name in self.tied_names:
             tag = TAG_TIED + self._tied_index[name]
@@ -413,38 +412,32 @@ class PipelineRunner:
                 total = part.clone() if total is None else total + part
             self.worker.set_grad(name, total)
 
-    def _send_summary(
-        self, step: int, sends: _Sends, loss_sum: float, loss_count: int
-    ) -> torch.Tensor:
-        """Our (squared norm, loss sum, loss count, vote), sent to every other process."""
+    def _send_summary(self, step: int, sends: Sends, losses: Summary) -> Summary:
+        """Our summary (summary.py: ``losses`` with our norm share and vote), sent to every
+        other process."""
         sq = 0.0
         if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
             sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
-        vote = float(self._vote())
-        mine = torch.tensor([sq, loss_sum, float(loss_count), vote], dtype=torch.float64)
-        body = pack_tensor(mine)
+        mine = replace(losses, sq=sq, vote=float(self._vote()))
+        body = pack_tensor(mine.to_tensor())
         for other in self.roles:
             if other != self.role:
                 sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
         return mine
 
-    def _gather_summary(
-        self, step: int, sends: _Sends, mine: torch.Tensor
-    ) -> tuple[float, float, int, tuple[float, ...]]:
-        """The all-gather's sums, in rank order: (squared norm, loss sum, loss count, votes)."""
-        total = torch.zeros(3, dtype=torch.float64)
-        votes = []
-        for other in self.roles:
-            part = (
-                mine
-                if other == self.role
-                else self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends)
+    def _gather_summary(self, step: int, sends: Sends, mine: Summary) -> StepTotals:
+        """The all-gather's totals, in rank order (summary.combine)."""
+        parts = [
+            mine
+            if other == self.role
+            else Summary.from_tensor(
+                self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends),
+                step=step,
+                sender=other,
             )
-            if not torch.isfinite(part).all() or part[0] < 0 or part[2] < 0:
-                raise PipelineError(f"step {step}: bad summary {part.tolist()} from {other}")
-            total += part[:3]
-            votes.append(float(part[3]))
-        return float(total[0]), float(total[1]), round(float(total[2])), tuple(votes)
+            for other in self.roles
+        ]
+        return combine(parts)
 
     # ----- frames -----------------------------------------------------------------------------
 
@@ -463,7 +456,7 @@ class PipelineRunner:
         return self.transport.send_async(self.peer_of[target], header, body, timeout=self.timeout_s)
 
     def _take(
-        self, kind: FrameKind, step: int, tag: int, sender: Role, sends: _Sends
+        self, kind: FrameKind, step: int, tag: int, sender: Role, sends: Sends
     ) -> torch.Tensor:
         key = (kind.value, step, tag, self.roles.index(sender))
         deadline = time.monotonic() + self.timeout_s

@@ -26,6 +26,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.loss_scale import unscale_or_zero
 
 logger = get_logger(__name__)
 
@@ -113,6 +114,7 @@ class StageWorker:
         self.optimizer = build_adamw(
             self.parameters.values(), optimizer, fused=self.compute.fused_optimizer
         )
+        self.loss_scale = 1.0  # fp16: the step's scale (loss_scale.py), set by the runner
         self.in_link = layout.links[stage - 1] if not self.is_first else None
         self.out_link = layout.links[stage] if not self.is_last else None
         self._saved: dict[Key, _Saved] = {}
@@ -159,7 +161,10 @@ class StageWorker:
                 loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         if self.is_last:
             loss = loss.float()  # autocast runs cross_entropy in float32; say so anyway
-            self._saved[key] = _Saved(leaves, {"loss": loss / self.micro_batches})
+            root = loss / self.micro_batches
+            if self.loss_scale != 1.0:
+                root = root * self.loss_scale
+            self._saved[key] = _Saved(leaves, {"loss": root})
             return {"loss": loss.detach()}
         assert self.out_link is not None
         roots = {name: values[name] for name in self.out_link.names}
@@ -232,6 +237,20 @@ class StageWorker:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters.values())
+
+    def unscale_or_zero(self, scale: float) -> bool:
+        """fp16: divide this step's gradients by ``scale``, or zero them all and return True
+        if any overflowed (loss_scale.unscale_or_zero)."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        return unscale_or_zero(grads, scale)
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without an update (an overflow somewhere in the run)."""
+        if self._saved:
+            raise PipelineError(
+                f"stage {self.stage}: {len(self._saved)} micro-batches still in flight at the step"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
 
     def local_grad_sq_norm(self, skip: frozenset[str] = frozenset()) -> float:
         """Sum of squared gradient entries, leaving out ``skip`` (tied copies counted elsewhere)."""

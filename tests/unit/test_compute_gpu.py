@@ -85,3 +85,16 @@ def test_a_bf16_cuda_pipeline_follows_one_bf16_cuda_process(dataset) -> None:
     assert swarm.errors() == {}
     gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
     assert gap < 2e-3, (swarm.losses(), reference.losses)
+
+
+def test_an_fp16_cuda_pipeline_follows_one_fp16_cuda_process(dataset) -> None:
+    """fp16 autocast with the pipeline's loss scale (loss_scale.py) on the GPU."""
+    config = _config(precision="fp16", lr=3e-3)
+    compute = Compute.of("cuda", "fp16")
+    reference = train_local(config, dataset=dataset, compute=compute)
+    swarm = ThreadSwarm.trained(config, dataset, compute=compute)
+    assert swarm.errors() == {}
+    gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
+    assert gap < 2e-3, (swarm.losses(), reference.losses)
+    skipped = {role: [r.skipped for r in run.reports] for role, run in swarm.results.items()}
+    assert len(set(map(tuple, skipped.values()))) == 1, skipped  # every stage skips alike
