@@ -416,7 +416,8 @@ class SwarmTrainer:
                     "tokens_per_s": tokens / max(report.seconds, 1e-9),
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
                     "bytes_out": self._bytes_out(),
-                    "peak_device_bytes": report.peak_device_bytes})  # fmt: skip
+                    "peak_device_bytes": report.peak_device_bytes,
+                    "skipped": report.skipped, "loss_scale": report.loss_scale})  # fmt: skip
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None

@@ -77,20 +77,11 @@ def test_a_cuda_pipeline_matches_one_cuda_process(dataset) -> None:
         torch.testing.assert_close(params[name], value, atol=ATOL, rtol=0, msg=name)
 
 
-def test_a_bf16_cuda_pipeline_follows_one_bf16_cuda_process(dataset) -> None:
-    config = _config(precision="bf16")
-    compute = Compute.of("cuda", "bf16")
-    reference = train_local(config, dataset=dataset, compute=compute)
-    swarm = ThreadSwarm.trained(config, dataset, compute=compute)
-    assert swarm.errors() == {}
-    gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
-    assert gap < 2e-3, (swarm.losses(), reference.losses)
-
-
-def test_an_fp16_cuda_pipeline_follows_one_fp16_cuda_process(dataset) -> None:
-    """fp16 autocast with the pipeline's loss scale (loss_scale.py) on the GPU."""
-    config = _config(precision="fp16", lr=3e-3)
-    compute = Compute.of("cuda", "fp16")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_half_precision_cuda_pipeline_follows_one_cuda_process(dataset, precision) -> None:
+    """Autocast on the GPU; fp16 with the pipeline's loss scale (loss_scale.py)."""
+    config = _config(precision=precision, lr=3e-3)
+    compute = Compute.of("cuda", precision)
     reference = train_local(config, dataset=dataset, compute=compute)
     swarm = ThreadSwarm.trained(config, dataset, compute=compute)
     assert swarm.errors() == {}
