@@ -257,10 +257,14 @@ def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
 
     node_config = _node_config(args)
-    if args.threads and not args.no_train:  # a node that trains nothing never loads torch
+    if not args.no_train:  # a node that trains nothing never loads torch
         import torch
 
-        torch.set_num_threads(args.threads)
+        from fusionllm.node.devices import resolve_device
+
+        resolve_device(args.device)  # a clear error before the node joins anything
+        if args.threads:
+            torch.set_num_threads(args.threads)
     key = node_config.key_path
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else key.with_suffix("")
     if work_dir == key:

@@ -62,15 +62,17 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusionllm.node.devices import resolve_device
     from fusionllm.node.pipeline.launcher import run_swarm
 
     config = _train_config(args)
+    device = str(resolve_device(args.device))  # a clear error here, not one per stage process
     processes = sum(config.stage_replicas)
     if not args.json:
         print(
             f"training GPT-2 {config.model} in {config.stages} stages ({processes} processes on "
             f"127.0.0.1), {config.micro_batches} micro-batches x {config.batch_size} x "
-            f"{config.seq_len} tokens per step, {config.precision} on {args.device}, data: "
+            f"{config.seq_len} tokens per step, {config.precision} on {device}, data: "
             f"{config.data_path or 'stdlib source'}",
             flush=True,
         )
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The stages log to this terminal too: only warnings, unless debugging.
     stage_log_level = "DEBUG" if args.log_level == "DEBUG" else "WARNING"
-    result = run_swarm(config, on_step=on_step, log_level=stage_log_level, device=args.device)
+    result = run_swarm(config, on_step=on_step, log_level=stage_log_level, device=device)
     if not args.json:
         print(
             f"done: {config.steps} steps in {result.seconds:.1f}s, "
