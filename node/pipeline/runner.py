@@ -95,6 +95,16 @@ def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) ->
     return role.replica != 0 or set(tied_names) <= layout.counted_elsewhere(role.stage)
 
 
+def _compute_for(config: TrainConfig, compute: Compute | None) -> Compute:
+    """Where and how this process computes: the run's precision, on the CPU by default."""
+    chosen = compute if compute is not None else Compute(precision=config.precision)
+    if chosen.precision != config.precision:
+        raise PipelineError(
+            f"the run computes in {config.precision}, this process in {chosen.precision}"
+        )
+    return chosen
+
+
 class PipelineRunner:
     """Drives one process's part of every step; the transport must already be started."""
 
@@ -134,11 +144,7 @@ class PipelineRunner:
         missing = [r for r in self.roles if r != role and r not in self.peer_of]
         if missing:
             raise PipelineError(f"no peer id for {missing}")
-        self.compute = compute if compute is not None else Compute(precision=config.precision)
-        if self.compute.precision != config.precision:
-            raise PipelineError(
-                f"the run computes in {config.precision}, this process in {self.compute.precision}"
-            )
+        self.compute = _compute_for(config, compute)
         self.worker = StageWorker(
             layout,
             role.stage,
@@ -162,15 +168,14 @@ class PipelineRunner:
             max_frames=4 * (config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
         )
         self._stop = threading.Event()
-        self._pump = (
-            threading.Thread(
-                target=pump,
-                args=(transport, self.mailbox, self._stop),
-                name="pipeline-recv",
-                daemon=True,
-            )
-            if own_pump
-            else None
+        self._pump = self._pump_thread() if own_pump else None
+
+    def _pump_thread(self) -> threading.Thread:
+        return threading.Thread(
+            target=pump,
+            args=(self.transport, self.mailbox, self._stop),
+            name="pipeline-recv",
+            daemon=True,
         )
 
     # ----- lifecycle --------------------------------------------------------------------------

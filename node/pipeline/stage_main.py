@@ -154,30 +154,35 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
                 transport.connect(addrs[other])
         runner.start()
         try:
-            reports = []
-            for step in range(config.steps):
-                if lines.closed:  # the launcher is gone: nobody would read our results
-                    raise PipelineError("stdin closed: the launcher went away")
-                report = runner.run_step(step)
-                reports.append(report)
-                lines.write({"event": "step", **report.__dict__})
-            if args.out:
-                torch.save(runner.worker.state_dict(), args.out)
-            stats = transport.stats()
-            lines.write(
-                {
-                    "event": "done",
-                    "stage": role.stage,
-                    "replica": role.replica,
-                    "bytes_out": sum(s.bytes_out for s in stats.values()),
-                    "refused": runner.mailbox.refused,
-                    "peak_device_bytes": compute.peak_memory_bytes(),
-                }
-            )
-            lines.next_command("quit")
+            _train(args, lines, runner, transport)
         finally:
             runner.close()
     return 0
+
+
+def _train(
+    args: argparse.Namespace, lines: _Lines, runner: PipelineRunner, transport: Transport
+) -> None:
+    """Every step, "done" (the parameters to ``--out``), then wait for quit."""
+    for step in range(runner.config.steps):
+        if lines.closed:  # the launcher is gone: nobody would read our results
+            raise PipelineError("stdin closed: the launcher went away")
+        report = runner.run_step(step)
+        lines.write({"event": "step", **report.__dict__})
+    if args.out:
+        torch.save(runner.worker.state_dict(), args.out)
+    stats = transport.stats()
+    lines.write(
+        {
+            "event": "done",
+            "stage": runner.role.stage,
+            "replica": runner.role.replica,
+            "bytes_out": sum(s.bytes_out for s in stats.values()),
+            "refused": runner.mailbox.refused,
+            "peak_device_bytes": runner.compute.peak_memory_bytes(),
+        }
+    )
+    lines.next_command("quit")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
