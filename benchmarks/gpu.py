@@ -236,16 +236,21 @@ def _child(args: argparse.Namespace, phase: str, out: Path, params: Path | None,
             "--limit", str(limit)]  # fmt: skip
     if params is not None:
         argv += ["--params-out", str(params)]
+    errors = out.with_suffix(".stderr")
     # Its own session: on a timeout the whole group (the launcher's stage processes too) goes.
-    process = subprocess.Popen(argv, start_new_session=True)
-    try:
-        code = process.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        raise TimeoutError(f"{phase} ran past its {limit:.0f}s limit; killed") from None
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(argv, start_new_session=True, stderr=stderr)
+        try:
+            code = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    last = (errors.read_text().strip().splitlines() or ["(nothing on stderr)"])[-1][:500]
+    if code is None:
+        raise TimeoutError(f"ran past its {limit:.0f}s limit, killed; last said: {last}")
     if code != 0:
-        raise RuntimeError(f"{phase} exited with code {code}")
+        raise RuntimeError(f"exited with code {code}: {last}")
     return json.loads(out.read_text())
 
 
