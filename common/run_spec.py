@@ -19,6 +19,7 @@ from fusionllm.common.errors import ConfigError
 # The presets of dag/models/registry.py (common/ never imports torch; a unit test keeps them equal).
 MODELS = ("tiny", "small", "medium", "large", "xl", "llama-tiny", "llama-1b")
 GRADIENT_CODECS = ("topk", "ternary")
+PRECISIONS = ("fp32", "bf16", "fp16")  # compute precision; weights and optimizer stay fp32
 STDLIB_VOCAB = 256  # the built-in corpus is bytes
 _DATA_DIGEST = re.compile(r"^([0-9a-f]{64})?$")
 FOLDER = "folder"  # the model of a run that trains a Hugging Face folder (--model-dir)
@@ -51,6 +52,7 @@ class RunSpec:
     # files is shared by every node; where the folder lies is this node's own business.
     model_digest: str = ""
     model_dir: str | None = None  # never in a digest: see shared_fields
+    precision: str = "fp32"  # autocast dtype of every stage's compute (PRECISIONS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -91,6 +93,8 @@ class RunSpec:
             raise ConfigError(
                 f"gradient_codec must be one of {GRADIENT_CODECS}, got {self.gradient_codec!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
     @property
     def global_batch(self) -> int:

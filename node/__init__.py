@@ -11,10 +11,11 @@
 - errors.py:  ``TransportError``, ``DeadlineError``, ``PipelineError``, ... (every concern's)
 - local_swarm.py: ``LocalSwarm``: real node processes on one machine (``fusionllm swarm``,
               tests, benchmarks)
+- devices.py: ``resolve_device`` (``--device``), for the probe and the stages alike
 - children.py: ``JsonChild``: a child process that talks JSON lines, always reaped with its
               process tree (local_swarm, the pipeline launcher, tests, benchmarks)
 
 Imports point one way: cli -> (top level) -> control, pipeline -> p2p; control and pipeline
-never import each other. children.py and errors.py import nothing of the node: any layer may
-use them.
+never import each other. children.py, devices.py and errors.py import nothing of the node:
+any layer may use them.
 """

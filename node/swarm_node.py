@@ -34,6 +34,7 @@ class SwarmNodeConfig:
     # This node's copy of the data (RunSpec names it by digest); None: the stdlib source.
     data_path: Path | None = None
     data_dtype: str | None = None  # a token file's element type (default uint16)
+    device: str = "cpu"  # where the stages this node serves compute (--device)
 
     @property
     def run(self) -> RunSpec:

@@ -159,6 +159,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
             pin_cores=config.pin_cores,
+            device=config.device,
         ),
         peer_id=daemon.peer_id,
         transport=transport,

@@ -11,6 +11,7 @@ from pathlib import Path
 from fusionllm.common.errors import FusionError
 from fusionllm.node.cli.options import (
     add_data_options,
+    add_device_option,
     add_run_options,
     add_swarm_address,
     load_data,
@@ -62,6 +63,7 @@ def add_parser(commands) -> None:
     )
     add_run_options(node)
     add_data_options(node)
+    add_device_option(node)
     _add_plan_options(node)
     _add_probe_options(node)
     _add_compute_options(node)
@@ -199,6 +201,7 @@ def _node_config(args: argparse.Namespace):
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),
         device=device,
+        compute_device=args.device,
         uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
         downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
     )
@@ -259,10 +262,14 @@ def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
 
     node_config = _node_config(args)
-    if args.threads and not args.no_train:  # a node that trains nothing never loads torch
+    if not args.no_train:  # a node that trains nothing never loads torch
         import torch
 
-        torch.set_num_threads(args.threads)
+        from fusionllm.node.devices import resolve_device
+
+        resolve_device(args.device)  # a clear error before the node joins anything
+        if args.threads:
+            torch.set_num_threads(args.threads)
     key = node_config.key_path
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else key.with_suffix("")
     if work_dir == key:
@@ -276,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         pin_cores=args.pin_cores,
         data_path=Path(args.data).expanduser() if args.data else None,
         data_dtype=args.data_dtype,
+        device=args.device,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.model_folder import model_folder_digest
-from fusionllm.common.run_spec import FOLDER, GRADIENT_CODECS, MODELS, RunSpec
+from fusionllm.common.run_spec import FOLDER, GRADIENT_CODECS, MODELS, PRECISIONS, RunSpec
 
 # A command reads its run spec more than once; a folder's bytes are hashed once.
 _folder_digest = functools.cache(model_folder_digest)
@@ -62,6 +62,24 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
         choices=GRADIENT_CODECS,
         default="topk",
         help="gradient code on compressed links, with error feedback (%(default)s)",
+    )
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="compute precision (autocast); weights and optimizer state stay fp32. bf16 needs "
+        "a recent GPU or runs slowly on CPUs (%(default)s)",
+    )
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """--device: where this machine's stages compute (each node's own choice)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where stages compute; auto: the first CUDA GPU if torch sees one, else the CPU "
+        "(%(default)s)",
     )
 
 
@@ -139,6 +157,7 @@ def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> R
         gradient_codec=args.gradient_codec,
         eval_every=args.eval_every,
         **data,
+        precision=args.precision,
     )
     if corpus is not None:  # enough data for a step, and for a validation batch
         from fusionllm.data.sampler import Sampler

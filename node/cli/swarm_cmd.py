@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
-from fusionllm.node.cli.options import add_data_options, add_run_options, load_data, run_spec_from
+from fusionllm.node.cli.options import (
+    add_data_options,
+    add_device_option,
+    add_run_options,
+    load_data,
+    run_spec_from,
+)
 
 _POLL_S = 0.25
 # The summary's last loss is the mean over this many final steps (a quarter of the run at
@@ -38,6 +44,7 @@ def add_parser(commands) -> None:
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
     add_data_options(swarm)
+    add_device_option(swarm)
     swarm.add_argument(
         "--min-stages",
         type=int,
@@ -68,6 +75,7 @@ class Progress:
     serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> its last role
     names: dict[str, str] = field(default_factory=dict)  # peer id -> node name
     bytes_out: dict[str, int] = field(default_factory=dict)
+    peak_device_bytes: dict[str, int] = field(default_factory=dict)  # node -> GPU high-water
     finished: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None
@@ -86,6 +94,7 @@ class Progress:
                 self.eval_losses.setdefault(event["step"], event["eval_loss"])
             self.step_seconds.setdefault(event["step"], event["seconds"])
             self.bytes_out[name] = event.get("bytes_out", 0)
+            self.peak_device_bytes[name] = event.get("peak_device_bytes", 0)
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
         elif kind == "ready":
@@ -100,13 +109,13 @@ class Progress:
             self.errors.append(name)
 
 
-def _device() -> dict:
+def _device(device: str, precision: str) -> dict:
     """This machine, measured once (cached) and shared by every node: they are one machine."""
     from dataclasses import asdict
 
     from fusionllm.node.control.probe import local_device
 
-    return asdict(local_device(None))
+    return asdict(local_device(None, device, precision))
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -127,6 +136,8 @@ def _options(args: argparse.Namespace) -> dict:
         "data": str(Path(args.data).expanduser().resolve()) if args.data else None,
         "data-dtype": args.data_dtype,
         "vocab-size": args.vocab_size,
+        "precision": run.precision,
+        "device": args.device,  # every node of this machine's swarm on the same device
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
@@ -149,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print
     say(f"starting {args.nodes} node daemons on 127.0.0.1 (work dir {root})")
-    swarm = LocalSwarm(root, extra=_options(args), device=_device())
+    swarm = LocalSwarm(root, extra=_options(args), device=_device(args.device, args.precision))
     launched = time.monotonic()
     try:
         progress = _watch(swarm, args, say)
@@ -237,6 +248,8 @@ def _report(progress: Progress, args, root: Path, launched: float, say, exported
         "tokens_per_s": tokens_per_step / seconds if steady else None,
         "nodes": args.nodes,
         "plan_digest": progress.plan["digest"] if progress.plan else None,
+        "stages": len(progress.plan["stages"]) if progress.plan else None,
+        "peak_device_bytes": dict(sorted(progress.peak_device_bytes.items())),
         "export": str(exported),
     }
     if args.plot:

@@ -4,7 +4,12 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fusionllm.node.cli.options import add_run_options, load_data, run_spec_from
+from fusionllm.node.cli.options import (
+    add_device_option,
+    add_run_options,
+    load_data,
+    run_spec_from,
+)
 
 if TYPE_CHECKING:
     from fusionllm.node.pipeline.train_config import TrainConfig
@@ -28,6 +33,7 @@ def add_parser(commands) -> None:
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
     add_run_options(train)
+    add_device_option(train)
     train.add_argument(
         "--data",
         help="uint16/uint32 token file or a `fusionllm prepare` directory (default: stdlib "
@@ -64,16 +70,18 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusionllm.node.devices import resolve_device
     from fusionllm.node.pipeline.launcher import run_swarm
 
     config = _train_config(args)
+    device = str(resolve_device(args.device))  # a clear error here, not one per stage process
     processes = sum(config.stage_replicas)
     if not args.json:
         print(
             f"training {config.model_dir or config.model} in {config.stages} stages "
             f"({processes} processes on 127.0.0.1), {config.micro_batches} micro-batches x "
-            f"{config.batch_size} x {config.seq_len} tokens per step, "
-            f"data: {config.data_path or 'stdlib source'}",
+            f"{config.batch_size} x {config.seq_len} tokens per step, {config.precision} on "
+            f"{device}, data: {config.data_path or 'stdlib source'}",
             flush=True,
         )
 
@@ -95,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The stages log to this terminal too: only warnings, unless debugging.
     stage_log_level = "DEBUG" if args.log_level == "DEBUG" else "WARNING"
-    result = run_swarm(config, on_step=on_step, log_level=stage_log_level)
+    result = run_swarm(config, on_step=on_step, log_level=stage_log_level, device=device)
     if not args.json:
         print(
             f"done: {config.steps} steps in {result.seconds:.1f}s, "
@@ -128,4 +136,5 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         gradient_ratios=ratio,
         gradient_codec=run.gradient_codec,
         eval_every=run.eval_every,
+        precision=run.precision,
     )

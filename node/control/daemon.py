@@ -112,6 +112,8 @@ class NodeDaemon:
             model_dir=settings.run.model_dir,
             device_cache=cfg.device_cache,
             measure_device=cfg.device is None,
+            device=cfg.compute_device,
+            precision=settings.run.precision,
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids

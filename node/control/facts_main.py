@@ -46,10 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", help="the Hugging Face folder, for model 'folder'")
     parser.add_argument("--device-cache", type=Path)
     parser.add_argument("--no-device", action="store_true", help="the device is known already")
+    parser.add_argument("--device", default="auto", help="the device to measure (auto)")
+    parser.add_argument("--precision", default="fp32", help="the run's precision (fp32)")
     args = parser.parse_args(argv)
     configure_logging("INFO")  # the first measurement says what it found
     try:
-        device = None if args.no_device else asdict(local_device(args.device_cache))
+        device = (
+            None
+            if args.no_device
+            else asdict(local_device(args.device_cache, args.device, args.precision))
+        )
         costs = costs_to_json(model_costs(args.model, args.seq_len, args.model_dir))
     except (FusionError, ValueError, RuntimeError, OSError) as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)

@@ -47,8 +47,11 @@ def learn_local_facts(
     measure_device: bool,
     timeout_s: float = _FIRST_PROBE_S,
     model_dir: str | None = None,
+    device: str = "auto",
+    precision: str = "fp32",
 ) -> LocalFacts:
-    """The model's costs (cached) and, if ``measure_device``, this machine's device.
+    """The model's costs (cached) and, if ``measure_device``, this machine's ``device`` (the
+    one our stages train on) at the run's ``precision``.
 
     ``model`` names the cache (``RunSpec.model_key``: a folder's digest, not its path);
     ``model_dir`` is the Hugging Face folder whose config.json the child costs.
@@ -58,7 +61,8 @@ def learn_local_facts(
     cached = _read_costs(costs_path)
     if cached is not None and not measure_device:
         return LocalFacts(device=None, costs=cached)
-    facts = _ask_child(model, seq_len, device_cache, measure_device, timeout_s, model_dir)
+    probe = ["--device", device, "--precision", precision] if measure_device else []
+    facts = _ask_child(model, seq_len, device_cache, probe, timeout_s, model_dir)
     if cached is None:
         try:
             write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
@@ -95,7 +99,7 @@ def _ask_child(
     model: str,
     seq_len: int,
     device_cache: Path | None,
-    measure_device: bool,
+    probe: list[str],
     timeout_s: float,
     model_dir: str | None,
 ) -> LocalFacts:
@@ -106,15 +110,14 @@ def _ask_child(
         argv += ["--model-dir", model_dir]
     if device_cache is not None:
         argv += ["--device-cache", str(device_cache)]
-    if not measure_device:
-        argv.append("--no-device")
+    argv += probe if probe else ["--no-device"]
     with JsonChild(argv, name="facts") as child:
         try:
             reply = child.next_event(timeout_s)
         except (TimeoutError, EOFError) as exc:
             raise FactsError(f"the model/device probe gave no answer: {exc}") from exc
         child.wait(timeout=timeout_s)
-    return parse_facts(reply, measure_device=measure_device)
+    return parse_facts(reply, measure_device=bool(probe))
 
 
 def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:

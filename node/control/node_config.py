@@ -36,6 +36,7 @@ class NodeConfig:
     max_connections: int = 32
     device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
     device_cache: Path | None = None
+    compute_device: str = "auto"  # what the probe measures: where our stages will train
     uplink: float | None = None  # bytes/s; None: our best measurement
     downlink: float | None = None
     dht_log_level: str = "WARNING"

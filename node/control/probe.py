@@ -19,11 +19,14 @@ import torch
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import PRECISIONS
 from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.devices import resolve_device
 
 logger = get_logger(__name__)
 
-_PROBE_VERSION = 2
+_PROBE_VERSION = 3  # 3: measured at the run's precision, on the device that trains
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,9 +118,11 @@ def measure_device(
     x = torch.randn(rows, width, device=device, requires_grad=True)  # (R, W)
     norm = torch.nn.LayerNorm(width).to(device)
     activation = torch.nn.GELU()
-    elementwise_s = _median_seconds(
-        lambda: activation(norm(x)).sum().backward(), device, config.repeats
-    )
+    with torch.autocast(device.type, dtype=config.dtype, enabled=config.dtype != torch.float32):
+        # What autocast runs (its lists keep layer norm in fp32): the kernels a stage runs.
+        elementwise_s = _median_seconds(
+            lambda: activation(norm(x)).sum().backward(), device, config.repeats
+        )
     elementwise_traffic = 2 * 3 * x.numel() * 4
     layers = _tiny_layers(device, config.overhead_ops)
     tiny = torch.ones(4, 8, device=device)  # (B, C): too small for the arithmetic to count
@@ -134,9 +139,10 @@ def measure_device(
         op_overhead=overhead_s / (2 * config.overhead_ops),
     )
     logger.info(
-        "%s: %.1f GFLOP/s fp32 matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op",
+        "%s: %.1f GFLOP/s %s matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op",
         measurement.device_name,
         measurement.flops / 1e9,
+        str(config.dtype).removeprefix("torch."),
         measurement.memory_bandwidth / 1e9,
         measurement.memory_bytes / 2**30,
         measurement.op_overhead * 1e6,
@@ -149,7 +155,8 @@ def cached_measurement(
 ) -> DeviceMeasurement:
     """The cached measurement for this device and torch version, measuring on a miss."""
     device = torch.device(device)
-    key = f"v{_PROBE_VERSION}|{device_name(device)}|{device.type}|torch {torch.__version__}"
+    dtype = (config or ProbeConfig()).dtype
+    key = f"v{_PROBE_VERSION}|{device_name(device)}|{device}|{dtype}|torch {torch.__version__}"
     cache: dict[str, dict] = {}
     if cache_path.exists():
         try:
@@ -170,14 +177,18 @@ def cached_measurement(
     return measurement
 
 
-def local_device(cache: Path | None) -> DeviceInfo:
-    """This machine's device, measured once and cached (a few seconds on first start)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def local_device(cache: Path | None, device: str = "auto", precision: str = "fp32") -> DeviceInfo:
+    """The device our stages train on (``--device``), at the run's precision (matmuls in its
+    dtype, element-wise work under its autocast), measured once and cached (a few seconds on
+    first start): the planner then plans for what this node will really run."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    resolved = resolve_device(device)
     cache = cache or Path.home() / ".cache" / "fusionllm" / "device.json"
-    measured = cached_measurement(device, cache)
+    measured = cached_measurement(resolved, cache, ProbeConfig(dtype=_DTYPES[precision]))
     return DeviceInfo(
         name=measured.device_name[:128],
-        kind=device.type,
+        kind=resolved.type,
         memory_bytes=measured.memory_bytes,
         flops=measured.flops,
         memory_bandwidth=measured.memory_bandwidth,

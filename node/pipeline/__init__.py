@@ -7,6 +7,11 @@
 - layout.py:        ``PipelineLayout`` (stages, ``LinkSpec`` per cut, tied parameters)
 - schedule.py:      ``one_f_one_b``, ``replica_schedule``, ``owner``
 - stage.py:         ``StageWorker`` (forward/backward per micro-batch, AdamW, clipping)
+- compute.py:       ``Compute`` (device and precision, autocast), ``Staging`` (pinned host
+                    buffers per link for device <-> host frames)
+- loss_scale.py:    ``LossScale`` (fp16's dynamic loss scale, the same on every stage)
+- summary.py:       ``Summary`` (a step's norm, losses, vote and overflow flag), ``combine``
+- steps.py:         ``StepReport``, ``Sends``
 - mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``
 - runner.py:        ``PipelineRunner`` (one process's steps over a transport), ``Expectations``
 - evaluation.py:    ``eval_pass``: validation micro-batches forward through the stages

@@ -9,7 +9,6 @@ losses. The sums ride in the step's summary (runner.py), so every process ends t
 knowing the validation loss of the parameters the step started from, with no extra exchange.
 """
 
-from fusionllm.compression import activation_codec, pack_tensor
 from fusionllm.node.p2p.framing import FrameKind
 from fusionllm.node.pipeline.expectations import EVAL_TAG
 from fusionllm.node.pipeline.mailbox import Role
@@ -43,8 +42,8 @@ def eval_pass(runner, step: int, sends) -> tuple[float, int]:
         if worker.is_last:
             total, count = total + out, count + 1
             continue
-        flat = layout.links[s].pack(out)
-        body = pack_tensor(flat, activation_codec(flat.numel(), config.activation_ratio(s)))
+        flat = runner.staging.to_host(("eval", s), layout.links[s].pack(out))
+        body = runner.activation_body(s, flat)
         target = Role(s + 1, owner(mb, replicas[s + 1]))
         sends.futures.append(runner._send(target, FrameKind.ACTIVATION, step, EVAL_TAG + mb, body))
     return total, count

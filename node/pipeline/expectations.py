@@ -11,14 +11,15 @@ from fusionllm.node.p2p.transport import TensorSpec
 from fusionllm.node.pipeline.layout import WIRE_DTYPE, PipelineLayout
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.schedule import owner
+from fusionllm.node.pipeline.summary import SUMMARY_LEN
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 # Control-frame tags (the header's micro_batch field).
-TAG_SUMMARY = 0  # float64 [squared norm, loss sum, loss count, plan vote, eval sum, eval count]
+TAG_SUMMARY = 0  # float64 summary.Summary: [squared norm, loss sum, loss count, vote, overflow,
+#                   eval sum, eval count]
 TAG_DP = 1  # float32 flat gradients of the whole stage
 TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
 
-SUMMARY_LEN = 6
 # Activation tags of validation micro-batches (evaluation.py): EVAL_TAG + micro-batch.
 EVAL_TAG = 1 << 24
 

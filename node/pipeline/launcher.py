@@ -55,11 +55,14 @@ def run_swarm(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     log_level: str = "WARNING",
     pin_cores: bool = True,
+    device: str = "cpu",
 ) -> SwarmResult:
     """Train ``config`` with every stage replica in its own process on 127.0.0.1.
 
     ``pin_cores``: each process runs on cores of its own (``threads`` of them; processes share
-    cores only when there are more than the host has), not wherever the OS moves it."""
+    cores only when there are more than the host has), not wherever the OS moves it.
+    ``device``: where every process computes (``compute.resolve_device``; several processes
+    may share one GPU)."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fusionllm-")))
@@ -71,6 +74,7 @@ def run_swarm(
         stages = _Stages(roles)
         stack.callback(stages.stop)  # after quit on success; on any failure or Ctrl-C
         options = ["--threads", str(threads), "--timeout", str(step_timeout_s)]
+        options += ["--device", device]
         placement = spread(len(roles), threads, available_cores()) if pin_cores else None
         for rank, role in enumerate(roles):
             cpus = [] if placement is None else ["--cpus", ",".join(map(str, placement[rank]))]

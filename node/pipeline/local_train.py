@@ -14,8 +14,10 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.models.registry import language_model_loss
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import is_eval_step
+from fusionllm.node.pipeline.loss_scale import LossScale, unscale_or_zero
 from fusionllm.node.pipeline.stage import build_adamw
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
 
@@ -35,46 +37,67 @@ def train_local(
     *,
     dataset: TokenDataset | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    compute: Compute | None = None,
 ) -> LocalRun:
+    """``compute``: device and precision (default: CPU in the config's precision); parameters
+    come back on the CPU either way. fp16 scales the loss as the pipeline does (loss_scale.py)."""
     dataset = load_dataset(config) if dataset is None else dataset
-    model = build_model(config)
+    compute = compute if compute is not None else Compute(precision=config.precision)
+    model = build_model(config).to(compute.device)
     model.train()
-    optimizer = build_adamw(model.parameters(), config.optimizer)
+    optimizer = build_adamw(model.parameters(), config.optimizer, fused=compute.fused_optimizer)
     losses: list[float] = []
+    scaler = LossScale() if compute.precision == "fp16" else None
     started = time.perf_counter()
     eval_losses: dict[int, float] = {}
     for step in range(config.steps):
         if is_eval_step(config, step):
-            eval_losses[step] = _validation_loss(model, dataset, config)
-        total = 0.0
+            eval_losses[step] = _validation_loss(model, dataset, config, compute)
+        scale = scaler.scale if scaler is not None else 1.0
+        step_losses = []
         for mb in range(config.micro_batches):
-            idx, targets = dataset.batch(config.batch, step, mb)  # (B, T) each
-            logits = model(idx)  # (B, T, V)
-            loss = language_model_loss(logits, targets)
-            (loss / config.micro_batches).backward()
-            total += float(loss.detach())
-        if 0 < config.max_grad_norm < float("inf"):
+            idx, targets = (
+                t.to(compute.device, non_blocking=True)
+                for t in dataset.batch(config.batch, step, mb)
+            )  # (B, T) each
+            with compute.autocast():
+                logits = model(idx)  # (B, T, V)
+                loss = language_model_loss(logits, targets)
+            (loss.float() / config.micro_batches * scale).backward()
+            step_losses.append(loss.detach())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        overflow = scaler is not None and unscale_or_zero(grads, scale)
+        if not overflow and 0 < config.max_grad_norm < float("inf"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
+        if not overflow:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total / config.micro_batches)
+        if scaler is not None:
+            scaler.update(overflow)
+        losses.append(sum(float(x) for x in step_losses) / config.micro_batches)
         if on_step is not None:
             on_step(step, losses[-1])
+    compute.synchronize()
     seconds = time.perf_counter() - started
-    parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parameters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     return LocalRun(losses, parameters, seconds, eval_losses)
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, dataset: TokenDataset, config: TrainConfig) -> float:
+def _validation_loss(
+    model: torch.nn.Module, dataset: TokenDataset, config: TrainConfig, compute: Compute
+) -> float:
     """The mean loss over the validation micro-batches (evaluation.py), dropout off."""
     model.eval()
     try:
         total = 0.0
         for mb in range(config.micro_batches):
-            idx, targets = dataset.eval_batch(config.batch, mb)  # (B, T) each
-            logits = model(idx)  # (B, T, V)
-            total += float(language_model_loss(logits, targets))
+            idx, targets = (
+                t.to(compute.device) for t in dataset.eval_batch(config.batch, mb)
+            )  # (B, T) each
+            with compute.autocast():
+                logits = model(idx)  # (B, T, V)
+            total += float(language_model_loss(logits.float(), targets))
         return total / config.micro_batches
     finally:
         model.train()

@@ -41,19 +41,26 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import ErrorFeedback, activation_codec, budget_codec, pack_tensor
+from fusionllm.compression import (
+    Codec,
+    ErrorFeedback,
+    Float16Codec,
+    activation_codec,
+    budget_codec,
+    pack_tensor,
+)
 from fusionllm.node.errors import PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
+from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
 from fusionllm.node.pipeline.expectations import (
-    SUMMARY_LEN,
     TAG_DP,
     TAG_SUMMARY,
     TAG_TIED,
@@ -61,9 +68,12 @@ from fusionllm.node.pipeline.expectations import (
     roles_of,
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.loss_scale import LossScale
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
+from fusionllm.node.pipeline.steps import Sends, StepReport
+from fusionllm.node.pipeline.summary import StepTotals, Summary, combine
 from fusionllm.node.pipeline.train_config import TrainConfig
 
 logger = get_logger(__name__)
@@ -74,6 +84,10 @@ logger = get_logger(__name__)
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
+# A half link's 2-byte floats: bfloat16 keeps float32's range, so no activation or unscaled
+# gradient overflows on the wire (float16's 65504 would make the frame unsendable), at 8 bits
+# of mantissa: what bf16 compute keeps of an activation anyway.
+HALF_WIRE = torch.bfloat16
 
 
 def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
@@ -85,51 +99,14 @@ def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) ->
     return role.replica != 0 or set(tied_names) <= layout.counted_elsewhere(role.stage)
 
 
-@dataclass
-class StepReport:
-    step: int
-    loss: float
-    grad_norm: float
-    seconds: float  # wall time of the whole step
-    busy_s: float  # forward + backward compute of this process
-    wait_s: float  # blocked on frames during the schedule
-    # The CPU time of that compute (this thread's): below busy_s where the process shared its
-    # core (busy_s then counts the other's turns too), above where compute itself got slower.
-    busy_cpu_s: float = 0.0
-    votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
-    # The windows (sample ids) this process fed as inputs, on the first stage (else empty):
-    # what a test or a log reads to see that no sample is repeated or skipped.
-    samples: tuple[int, ...] = ()
-    eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
-
-
-@dataclass
-class _Summary:
-    """The all-gather's sums: squared norm, the step's and the validation's loss sums and
-    counts, and every process's vote in rank order."""
-
-    sq: float
-    loss_sum: float
-    loss_count: int
-    eval_sum: float
-    eval_count: int
-    votes: tuple[float, ...]
-
-
-@dataclass
-class _Sends:
-    futures: list[Future] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Raise the error of a send that already failed (the root cause of a missing reply)."""
-        for future in self.futures:
-            if future.done() and future.exception() is not None:
-                raise PipelineError(f"a send failed: {future.exception()!r}")
-
-    def wait(self, timeout: float) -> None:
-        for future in self.futures:
-            future.result(timeout)
-        self.futures.clear()
+def _compute_for(config: TrainConfig, compute: Compute | None) -> Compute:
+    """Where and how this process computes: the run's precision, on the CPU by default."""
+    chosen = compute if compute is not None else Compute(precision=config.precision)
+    if chosen.precision != config.precision:
+        raise PipelineError(
+            f"the run computes in {config.precision}, this process in {chosen.precision}"
+        )
+    return chosen
 
 
 class PipelineRunner:
@@ -147,11 +124,14 @@ class PipelineRunner:
         timeout_s: float = 60.0,
         vote: Callable[[], float] = lambda: 0.0,
         own_pump: bool = True,
+        compute: Compute | None = None,
     ) -> None:
         """``vote`` is sent with every step's summary, so every process ends the step knowing
         every other's (a node votes for the plan it would run next: a unanimous vote switches
         plans at that step boundary on every process alike). ``own_pump=False``: the caller
-        feeds ``mailbox`` itself (a node whose transport outlives this runner)."""
+        feeds ``mailbox`` itself (a node whose transport outlives this runner). ``compute``:
+        where this process's stage runs and in what precision (default: CPU, float32); frames
+        always travel from and to host memory, staged through pinned buffers on a GPU."""
         self.config = config
         self.layout = layout
         self.role = role
@@ -168,9 +148,17 @@ class PipelineRunner:
         missing = [r for r in self.roles if r != role and r not in self.peer_of]
         if missing:
             raise PipelineError(f"no peer id for {missing}")
+        self.compute = _compute_for(config, compute)
         self.worker = StageWorker(
-            layout, role.stage, optimizer=config.optimizer, micro_batches=config.micro_batches
+            layout,
+            role.stage,
+            optimizer=config.optimizer,
+            micro_batches=config.micro_batches,
+            compute=self.compute,
         )
+        self.staging = Staging(self.compute)
+        self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
+        self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
@@ -185,15 +173,14 @@ class PipelineRunner:
             max_frames=4 * (2 * config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
         )
         self._stop = threading.Event()
-        self._pump = (
-            threading.Thread(
-                target=pump,
-                args=(transport, self.mailbox, self._stop),
-                name="pipeline-recv",
-                daemon=True,
-            )
-            if own_pump
-            else None
+        self._pump = self._pump_thread() if own_pump else None
+
+    def _pump_thread(self) -> threading.Thread:
+        return threading.Thread(
+            target=pump,
+            args=(self.transport, self.mailbox, self._stop),
+            name="pipeline-recv",
+            daemon=True,
         )
 
     # ----- lifecycle --------------------------------------------------------------------------
@@ -239,11 +226,61 @@ class PipelineRunner:
     def run_step(self, step: int) -> StepReport:
         started = time.perf_counter()
         self.mailbox.advance(step)
-        sends = _Sends()
-        busy, wait = 0.0, 0.0
+        sends = Sends()
         self._compute_cpu_s = 0.0
-        loss_sum, loss_count = 0.0, 0
+        self._overflow = False
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        self.worker.loss_scale = scale
         eval_sum, eval_count = eval_pass(self, step, sends)  # before the step changes anything
+        losses, busy, wait, order = self._schedule(step, sends)
+        if self.loss_scale is not None:  # before any gradient leaves: they must be finite
+            self._overflow |= self.worker.unscale_or_zero(scale)
+        self._all_reduce_replicas(step, sends)
+        mine = Summary(0.0, sum(float(x) for x in losses), len(losses), 0.0, self._overflow,
+                       eval_sum, eval_count)  # fmt: skip
+        if self._summary_first:
+            mine = self._send_summary(step, sends, mine)
+        self._sum_tied(step, sends)
+        if not self._summary_first:
+            mine = self._send_summary(step, sends, mine)
+        totals = self._gather_summary(step, sends, mine)  # checks the counts: never half-apply
+        norm = math.sqrt(totals.sq)
+        if totals.overflow:  # some stage's gradients overflowed: every stage skips the step
+            self.worker.skip_step()
+        else:
+            self.worker.clip_and_step(norm)
+        if self.loss_scale is not None:
+            self.loss_scale.update(totals.overflow)
+        self.completed_steps = step + 1  # from here on the step counts, even if a send fails
+        sends.wait(self.timeout_s)
+        return StepReport(
+            step=step,
+            loss=totals.loss_sum / totals.loss_count,
+            grad_norm=norm,
+            seconds=time.perf_counter() - started,
+            busy_s=busy,
+            wait_s=wait,
+            busy_cpu_s=self._compute_cpu_s,
+            votes=totals.votes,
+            peak_device_bytes=self.compute.peak_memory_bytes(),
+            skipped=totals.overflow,
+            loss_scale=scale,
+            samples=self._samples_read(step, order),
+            eval_loss=totals.eval_sum / totals.eval_count if totals.eval_count else None,
+        )
+
+    def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
+        if not self.worker.is_first:
+            return ()
+        config, owned = self.config.batch, [mb for kind, mb in order if kind == "F"]
+        return tuple(w for mb in owned for w in self.dataset.samples(config, step, mb))
+
+    def _schedule(
+        self, step: int, sends: Sends
+    ) -> tuple[list[torch.Tensor], float, float, list[tuple[str, int]]]:
+        """This process's 1F1B forwards and backwards of ``step``: (the losses, on the device
+        until the summary: no sync before; compute seconds; seconds waiting for frames; the
+        schedule run)."""
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -253,48 +290,22 @@ class PipelineRunner:
             self.role.replica,
             slack=_WARMUP_SLACK,
         )
+        losses: list[torch.Tensor] = []
+        busy, wait = 0.0, 0.0
         for kind, mb in order:
             if kind == "F":
                 computed, waited, loss = self._forward(step, mb, sends)
                 if loss is not None:
-                    loss_sum += loss
-                    loss_count += 1
+                    losses.append(loss)
             else:
                 computed, waited = self._backward(step, mb, sends)
             busy += computed
             wait += waited
-        self._all_reduce_replicas(step, sends)
-        losses = (loss_sum, loss_count, eval_sum, eval_count)
-        if self._summary_first:
-            mine = self._send_summary(step, sends, losses)
-        self._sum_tied(step, sends)
-        if not self._summary_first:
-            mine = self._send_summary(step, sends, losses)
-        summary = self._gather_summary(step, sends, mine)  # checks the counts: never half-apply
-        norm = math.sqrt(summary.sq)
-        self.worker.clip_and_step(norm)
-        self.completed_steps = step + 1  # from here on the step counts, even if a send fails
-        sends.wait(self.timeout_s)
-        return StepReport(
-            step=step,
-            loss=summary.loss_sum / summary.loss_count,
-            grad_norm=norm,
-            seconds=time.perf_counter() - started,
-            busy_s=busy,
-            wait_s=wait,
-            busy_cpu_s=self._compute_cpu_s,
-            votes=summary.votes,
-            samples=self._samples_read(step, order),
-            eval_loss=summary.eval_sum / summary.eval_count if summary.eval_count else None,
-        )
+        return losses, busy, wait, order
 
-    def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
-        if not self.worker.is_first:
-            return ()
-        config, owned = self.config.batch, [mb for kind, mb in order if kind == "F"]
-        return tuple(w for mb in owned for w in self.dataset.samples(config, step, mb))
-
-    def _forward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float, float | None]:
+    def _forward(
+        self, step: int, mb: int, sends: Sends
+    ) -> tuple[float, float, torch.Tensor | None]:
         """Micro-batch ``mb`` forward: its input from the data or stage s - 1, its output to
         stage s + 1. (compute seconds, seconds waiting for the input, the loss on the last
         stage or None)."""
@@ -310,6 +321,7 @@ class PipelineRunner:
                 Role(s - 1, owner(mb, self.replicas[s - 1])),
                 sends,
             )
+            flat = self.staging.to_device(("activation", s - 1), flat)
             inputs = self.layout.links[s - 1].unpack(flat)
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
         t1, cpu = time.perf_counter(), time.thread_time()
@@ -317,16 +329,25 @@ class PipelineRunner:
         computed = time.perf_counter() - t1
         self._compute_cpu_s += time.thread_time() - cpu
         if worker.is_last:
-            return computed, t1 - t0, out  # type: ignore[return-value]
+            return computed, t1 - t0, out["loss"]
         target = Role(s + 1, owner(mb, self.replicas[s + 1]))
-        flat = self.layout.links[s].pack(out)  # type: ignore[arg-type]
-        codec = activation_codec(flat.numel(), self.config.activation_ratio(s))
-        sends.futures.append(
-            self._send(target, FrameKind.ACTIVATION, step, mb, pack_tensor(flat, codec))
-        )
+        # Codecs run on the host, as on a CPU node: the same bits whatever the device, and
+        # the error-feedback residuals stay in host memory (checkpoints save them).
+        flat = self.staging.to_host(("activation", s), self.layout.links[s].pack(out))
+        body = self.activation_body(s, flat)
+        sends.futures.append(self._send(target, FrameKind.ACTIVATION, step, mb, body))
         return computed, t1 - t0, None
 
-    def _backward(self, step: int, mb: int, sends: _Sends) -> tuple[float, float]:
+    def activation_body(self, link: int, flat: torch.Tensor) -> bytes:
+        """An activation frame of ``link`` from its host values, in the plan's code for it."""
+        ratio = self.config.activation_ratio(link)
+        if ratio >= 1.0 and self.config.activation_half(link):
+            codec: Codec = Float16Codec(HALF_WIRE)
+        else:
+            codec = activation_codec(flat.numel(), ratio)
+        return pack_tensor(flat, codec)
+
+    def _backward(self, step: int, mb: int, sends: Sends) -> tuple[float, float]:
         """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
         stage: the loss), the input gradients to stage s - 1. (compute seconds, seconds
         waiting for the gradient)."""
@@ -341,6 +362,7 @@ class PipelineRunner:
                 Role(s + 1, owner(mb, self.replicas[s + 1])),
                 sends,
             )
+            flat = self.staging.to_device(("gradient", s), flat)
             grads = self.layout.links[s].unpack(flat)
         t1, cpu = time.perf_counter(), time.thread_time()
         input_grads = worker.backward(step, mb, grads)
@@ -348,19 +370,25 @@ class PipelineRunner:
         self._compute_cpu_s += time.thread_time() - cpu
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
-            flat = self.layout.links[s - 1].pack(input_grads)
+            flat = self.staging.to_host(
+                ("gradient", s - 1), self.layout.links[s - 1].pack(input_grads)
+            )
+            if self.loss_scale is not None and not bool(torch.isfinite(flat).all()):
+                # fp16 overflow: peers refuse non-finite frames, so send zeros; our summary
+                # tells everyone to skip the step.
+                self._overflow, flat = True, torch.zeros_like(flat)
             body = self._pack_gradient(s - 1, target, flat)
             sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
         return computed, t1 - t0
 
     # ----- the exchanges after the schedule ----------------------------------------------------
 
-    def _all_reduce_replicas(self, step: int, sends: _Sends) -> None:
+    def _all_reduce_replicas(self, step: int, sends: Sends) -> None:
         s, count = self.role.stage, self.replicas[self.role.stage]
         if count == 1:
             return
         mine = self.worker.flat_grads()
-        body = pack_tensor(mine)
+        body = pack_tensor(self.staging.to_host(("dp", s), mine))
         for r in range(count):
             if r != self.role.replica:
                 sends.futures.append(self._send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
@@ -369,18 +397,20 @@ class PipelineRunner:
             part = (
                 mine
                 if r == self.role.replica
-                else self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+                else self.staging.to_device(
+                    ("dp", r), self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+                )
             )
             total = part.clone() if total is None else total + part
         self.worker.set_flat_grads(total)
 
-    def _sum_tied(self, step: int, sends: _Sends) -> None:
+    def _sum_tied(self, step: int, sends: Sends) -> None:
         s, r = self.role.stage, self.role.replica
         for name in self.tied_names:
             tag = TAG_TIED + self._tied_index[name]
             holders = self.layout.tied[name]
             mine = self.worker.grad(name)
-            body = pack_tensor(mine)
+            body = pack_tensor(self.staging.to_host(("tied", name), mine))
             # Replica r of a holder stage hears from replica r mod R of every other holder.
             for other in holders:
                 if other == s:
@@ -396,63 +426,57 @@ class PipelineRunner:
                     part = mine
                 else:
                     sender = Role(other, r % self.replicas[other])
-                    part = self._take(FrameKind.CONTROL, step, tag, sender, sends)
+                    part = self.staging.to_device(
+                        ("tied", name, other),
+                        self._take(FrameKind.CONTROL, step, tag, sender, sends),
+                    )
                 total = part.clone() if total is None else total + part
             self.worker.set_grad(name, total)
 
-    def _send_summary(
-        self, step: int, sends: _Sends, losses: tuple[float, int, float, int]
-    ) -> torch.Tensor:
-        """Our (squared norm, loss sum, loss count, vote, eval sum, eval count), sent to every
-        other process; ``losses``: (loss sum, loss count, eval sum, eval count)."""
+    def _send_summary(self, step: int, sends: Sends, losses: Summary) -> Summary:
+        """Our summary (summary.py: ``losses`` with our norm share and vote), sent to every
+        other process."""
         sq = 0.0
         if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
             sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
-        vote = float(self._vote())
-        loss_sum, loss_count, eval_sum, eval_count = losses
-        mine = torch.tensor(
-            [sq, loss_sum, float(loss_count), vote, eval_sum, float(eval_count)],
-            dtype=torch.float64,
-        )  # (SUMMARY_LEN,)
-        body = pack_tensor(mine)
+        mine = replace(losses, sq=sq, vote=float(self._vote()))
+        body = pack_tensor(mine.to_tensor())
         for other in self.roles:
             if other != self.role:
                 sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
         return mine
 
-    def _gather_summary(self, step: int, sends: _Sends, mine: torch.Tensor) -> _Summary:
-        """The all-gather's sums, in rank order; a step whose losses do not count every
-        micro-batch (and every validation one, on an evaluation step) is refused."""
-        total = torch.zeros(SUMMARY_LEN, dtype=torch.float64)
-        votes = []
-        for other in self.roles:
-            part = (
-                mine
-                if other == self.role
-                else self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends)
+    def _gather_summary(self, step: int, sends: Sends, mine: Summary) -> StepTotals:
+        """The all-gather's totals, in rank order (summary.combine); a step whose losses do not
+        count every micro-batch (and every validation one, on an evaluation step) is refused."""
+        parts = [
+            mine
+            if other == self.role
+            else Summary.from_tensor(
+                self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends),
+                step=step,
+                sender=other,
             )
-            if not torch.isfinite(part).all() or min(part[0], part[2], part[5]) < 0:
-                raise PipelineError(f"step {step}: bad summary {part.tolist()} from {other}")
-            total += part
-            votes.append(float(part[3]))
-        total[3] = 0.0  # the votes are not summed
+            for other in self.roles
+        ]
+        totals = combine(parts)
         m = self.config.micro_batches
-        summary = _Summary(float(total[0]), float(total[1]), round(float(total[2])),
-                           float(total[4]), round(float(total[5])), tuple(votes))  # fmt: skip
         evals = m if is_eval_step(self.config, step) else 0
-        if summary.loss_count != m or summary.eval_count != evals:
+        if totals.loss_count != m or totals.eval_count != evals:
             raise PipelineError(
-                f"step {step}: {summary.loss_count} losses and {summary.eval_count} "
+                f"step {step}: {totals.loss_count} losses and {totals.eval_count} "
                 f"validation losses for {m} micro-batches"
             )
-        return summary
+        return totals
 
     # ----- frames -----------------------------------------------------------------------------
 
     def _pack_gradient(self, link: int, target: Role, flat: torch.Tensor) -> bytes:
         ratio = self.config.gradient_ratio(link)
+        flat = self.staging.to_host(("gradient", link), flat)  # codecs run on the host
         if ratio >= 1.0:
-            return pack_tensor(flat)
+            half = self.config.gradient_half(link)
+            return pack_tensor(flat, Float16Codec(HALF_WIRE) if half else None)
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
         return self._feedback.pack(("gradient", link, target), flat, codec)
@@ -462,7 +486,7 @@ class PipelineRunner:
         return self.transport.send_async(self.peer_of[target], header, body, timeout=self.timeout_s)
 
     def _take(
-        self, kind: FrameKind, step: int, tag: int, sender: Role, sends: _Sends
+        self, kind: FrameKind, step: int, tag: int, sender: Role, sends: Sends
     ) -> torch.Tensor:
         key = (kind.value, step, tag, self.roles.index(sender))
         deadline = time.monotonic() + self.timeout_s

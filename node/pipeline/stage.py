@@ -24,7 +24,9 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.errors import PipelineError
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.loss_scale import unscale_or_zero
 
 logger = get_logger(__name__)
 
@@ -47,19 +49,20 @@ class OptimizerConfig:
 
 
 def build_adamw(
-    parameters: Iterable[torch.nn.Parameter], config: OptimizerConfig
+    parameters: Iterable[torch.nn.Parameter], config: OptimizerConfig, *, fused: bool = True
 ) -> torch.optim.AdamW:
     """AdamW as every trainer here builds it (a stage, and the one-process reference run).
 
-    Fused: one kernel over all tensors instead of a loop of small ops per tensor (measured on
-    GPT-2 tiny, 2 CPU cores: 0.18 ms a step vs 0.87). The update is elementwise, so a stage's
-    parameters get the same update as the same parameters in the whole model."""
+    Fused where the device has the kernel (``Compute.fused_optimizer``): one kernel over all
+    tensors instead of a loop of small ops per tensor (measured on GPT-2 tiny, 2 CPU cores:
+    0.18 ms a step vs 0.87). The update is elementwise, so a stage's parameters get the same
+    update as the same parameters in the whole model."""
     return torch.optim.AdamW(
         list(parameters),
         lr=config.lr,
         betas=config.betas,
         weight_decay=config.weight_decay,
-        fused=True,
+        fused=fused,
     )
 
 
@@ -86,6 +89,7 @@ class StageWorker:
         *,
         optimizer: OptimizerConfig,
         micro_batches: int,
+        compute: Compute | None = None,
     ) -> None:
         if not 0 <= stage < layout.num_stages:
             raise ValueError(f"stage must be in [0, {layout.num_stages}), got {stage}")
@@ -96,7 +100,10 @@ class StageWorker:
         self.is_first = stage == 0
         self.is_last = stage == layout.num_stages - 1
         self.micro_batches = micro_batches
-        self.module = copy.deepcopy(layout.stage_module(stage))
+        self.compute = compute if compute is not None else Compute()
+        self.device = self.compute.device
+        # float32 master weights on the device, whatever the precision (autocast casts).
+        self.module = copy.deepcopy(layout.stage_module(stage)).to(self.device)
         self.module.train()
         canonical = layout.stage_parameter_names(stage)
         # named_parameters lists a parameter tied inside the stage once: one entry per tensor.
@@ -104,7 +111,10 @@ class StageWorker:
             canonical[name]: p for name, p in self.module.named_parameters()
         }
         self.config = optimizer
-        self.optimizer = build_adamw(self.parameters.values(), optimizer)
+        self.optimizer = build_adamw(
+            self.parameters.values(), optimizer, fused=self.compute.fused_optimizer
+        )
+        self.loss_scale = 1.0  # fp16: the step's scale (loss_scale.py), set by the runner
         self.in_link = layout.links[stage - 1] if not self.is_first else None
         self.out_link = layout.links[stage] if not self.is_last else None
         self._saved: dict[Key, _Saved] = {}
@@ -121,30 +131,41 @@ class StageWorker:
         micro_batch: int,
         inputs: dict[str, torch.Tensor],
         targets: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor] | float:
+    ) -> dict[str, torch.Tensor]:
         """Run the stage on one micro-batch.
 
-        inputs: the model inputs (first stage) or the incoming link's values. Returns the
-        outgoing link's values (detached), or on the last stage the micro-batch's mean loss
-        (unscaled, for reporting); ``targets`` (B, T) is needed there.
+        inputs: the model inputs (first stage) or the incoming link's values, on any device
+        (moved to ours). Returns the outgoing link's values (detached, on our device), or on
+        the last stage {"loss": the micro-batch's mean loss}, a detached 0-d float32 tensor on
+        our device (unscaled, for reporting; not read here, so no device sync per micro-batch);
+        ``targets`` (B, T) is needed there.
         """
         key = (step, micro_batch)
         if key in self._saved:
             raise PipelineError(f"stage {self.stage}: forward of {key} ran twice")
         leaves = {
-            name: value.detach().requires_grad_(value.is_floating_point())
+            name: value.detach()
+            .to(self.device, non_blocking=True)
+            .requires_grad_(value.is_floating_point())
             for name, value in inputs.items()
         }
         values: dict[str, torch.Tensor] = dict(leaves)
-        values.update(self.module(leaves))
+        with self.compute.autocast():
+            values.update(self.module(leaves))
+            if self.is_last:
+                if targets is None:
+                    raise PipelineError("the last stage needs the targets to compute the loss")
+                (output,) = self.layout.graph.output_names
+                logits = values[output]  # (B, T, V)
+                targets = targets.to(self.device, non_blocking=True)  # (B, T)
+                loss = language_model_loss(logits, targets)
         if self.is_last:
-            if targets is None:
-                raise PipelineError("the last stage needs the targets to compute the loss")
-            (output,) = self.layout.graph.output_names
-            logits = values[output]  # (B, T, V)
-            loss = language_model_loss(logits, targets)
-            self._saved[key] = _Saved(leaves, {"loss": loss / self.micro_batches})
-            return float(loss.detach())
+            loss = loss.float()  # autocast runs cross_entropy in float32; say so anyway
+            root = loss / self.micro_batches
+            if self.loss_scale != 1.0:
+                root = root * self.loss_scale
+            self._saved[key] = _Saved(leaves, {"loss": root})
+            return {"loss": loss.detach()}
         assert self.out_link is not None
         roots = {name: values[name] for name in self.out_link.names}
         self._saved[key] = _Saved(leaves, roots)
@@ -155,11 +176,13 @@ class StageWorker:
         self, inputs: dict[str, torch.Tensor], targets: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor] | float:
         """``forward`` without autograd and without keeping anything: the outgoing link's
-        values, or on the last stage the mean loss over ``targets`` (B, T)."""
-        values: dict[str, torch.Tensor] = dict(inputs)
+        values (on our device), or on the last stage the mean loss over ``targets`` (B, T).
+        Inputs may be on any device; the run's precision applies, as in ``forward``."""
+        values = {name: v.to(self.device, non_blocking=True) for name, v in inputs.items()}
         self.module.eval()  # dropout off (the presets have none; a user's model may)
         try:
-            values.update(self.module(values))
+            with self.compute.autocast():
+                values.update(self.module(values))
         finally:
             self.module.train()
         if not self.is_last:
@@ -169,7 +192,8 @@ class StageWorker:
             raise PipelineError("the last stage needs the targets to compute the loss")
         (output,) = self.layout.graph.output_names
         logits = values[output]  # (B, T, V)
-        return float(language_model_loss(logits, targets))
+        targets = targets.to(self.device, non_blocking=True)  # (B, T)
+        return float(language_model_loss(logits.float(), targets))
 
     def backward(
         self, step: int, micro_batch: int, output_grads: dict[str, torch.Tensor] | None = None
@@ -193,7 +217,8 @@ class StageWorker:
             for name, root in saved.roots.items():
                 if root.requires_grad:
                     roots.append(root)
-                    grads.append(output_grads[name])
+                    # The wire is float32 on the CPU; autocast may have made a bf16 root.
+                    grads.append(output_grads[name].to(root.device, root.dtype, non_blocking=True))
         if roots:
             torch.autograd.backward(roots, grads)
         if self.in_link is None:
@@ -221,7 +246,7 @@ class StageWorker:
         p = self.parameters[name]
         if grad.shape != p.shape:
             raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for {tuple(p.shape)}")
-        p.grad = grad.to(p.dtype).clone()
+        p.grad = grad.to(device=p.device, dtype=p.dtype, copy=True)
 
     def flat_grads(self) -> torch.Tensor:
         """Every parameter's gradient, flattened and concatenated in ``parameters`` order."""
@@ -237,9 +262,23 @@ class StageWorker:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters.values())
 
+    def unscale_or_zero(self, scale: float) -> bool:
+        """fp16: divide this step's gradients by ``scale``, or zero them all and return True
+        if any overflowed (loss_scale.unscale_or_zero)."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        return unscale_or_zero(grads, scale)
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without an update (an overflow somewhere in the run)."""
+        if self._saved:
+            raise PipelineError(
+                f"stage {self.stage}: {len(self._saved)} micro-batches still in flight at the step"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+
     def local_grad_sq_norm(self, skip: frozenset[str] = frozenset()) -> float:
         """Sum of squared gradient entries, leaving out ``skip`` (tied copies counted elsewhere)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name in self.parameters:
             if name not in skip:
                 total += self.grad(name).double().pow(2).sum()
@@ -271,7 +310,7 @@ class StageWorker:
         zeros = torch.zeros_like(p)
         step = float(state["step"]) if "step" in state else 0.0
         parts = (p.detach(), state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros))
-        flat = [x.reshape(-1).to(torch.float32) for x in parts]
+        flat = [x.reshape(-1).to("cpu", torch.float32) for x in parts]
         return torch.cat([*flat, torch.tensor([step], dtype=torch.float32)])
 
     def import_state(self, name: str, flat: torch.Tensor) -> None:
@@ -295,5 +334,5 @@ class StageWorker:
             self.optimizer.state.pop(p, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under their canonical names (detached copies)."""
-        return {name: p.detach().clone() for name, p in self.parameters.items()}
+        """Parameters under their canonical names (detached copies, on the CPU)."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.parameters.items()}

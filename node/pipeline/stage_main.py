@@ -29,6 +29,7 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.transport import Transport, TransportConfig
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.expectations import Expectations
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.runner import PipelineRunner
@@ -57,6 +58,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run on these cores only, e.g. 0 or 2,3 (default: wherever the OS puts us)",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="longest wait for a frame")
+    parser.add_argument("--device", default="cpu", help="auto|cpu|cuda|cuda:N (%(default)s)")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
     torch.set_num_threads(args.threads)
     config = TrainConfig.from_json(Path(args.config).read_text())
     role = Role(args.stage, args.replica)
+    compute = Compute.of(args.device, config.precision)
     model = build_model(config)
     layout = build_layout(config, model)
     del model  # the worker deep-copies its stage module; the rest of the model is not needed
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
             transport=transport,
             peers=peers,
             timeout_s=args.timeout,
+            compute=compute,
         )
         # Dial everyone first: a peer must be in our peer store before we can open a stream to
         # it, and its own dial to us may not have happened yet.
@@ -150,29 +154,35 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
                 transport.connect(addrs[other])
         runner.start()
         try:
-            reports = []
-            for step in range(config.steps):
-                if lines.closed:  # the launcher is gone: nobody would read our results
-                    raise PipelineError("stdin closed: the launcher went away")
-                report = runner.run_step(step)
-                reports.append(report)
-                lines.write({"event": "step", **report.__dict__})
-            if args.out:
-                torch.save(runner.worker.state_dict(), args.out)
-            stats = transport.stats()
-            lines.write(
-                {
-                    "event": "done",
-                    "stage": role.stage,
-                    "replica": role.replica,
-                    "bytes_out": sum(s.bytes_out for s in stats.values()),
-                    "refused": runner.mailbox.refused,
-                }
-            )
-            lines.next_command("quit")
+            _train(args, lines, runner, transport)
         finally:
             runner.close()
     return 0
+
+
+def _train(
+    args: argparse.Namespace, lines: _Lines, runner: PipelineRunner, transport: Transport
+) -> None:
+    """Every step, "done" (the parameters to ``--out``), then wait for quit."""
+    for step in range(runner.config.steps):
+        if lines.closed:  # the launcher is gone: nobody would read our results
+            raise PipelineError("stdin closed: the launcher went away")
+        report = runner.run_step(step)
+        lines.write({"event": "step", **report.__dict__})
+    if args.out:
+        torch.save(runner.worker.state_dict(), args.out)
+    stats = transport.stats()
+    lines.write(
+        {
+            "event": "done",
+            "stage": runner.role.stage,
+            "replica": runner.role.replica,
+            "bytes_out": sum(s.bytes_out for s in stats.values()),
+            "refused": runner.mailbox.refused,
+            "peak_device_bytes": runner.compute.peak_memory_bytes(),
+        }
+    )
+    lines.next_command("quit")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import FOLDER, RunSpec
+from fusionllm.common.run_spec import FOLDER, PRECISIONS, RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import from_pretrained, read_config, registry
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 GRADIENT_CODECS = frozenset({"topk", "ternary"})
+_REAL_TRACE_MAX_WORK = 1 << 33  # parameters x tokens: ~1e10 multiply-adds, ~1 s of one core
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,9 +61,17 @@ class TrainConfig:
     gradient_ratios: tuple[float, ...] = ()
     gradient_codec: str = "topk"
     eval_every: int = 0  # steps; 0: no validation (evaluation.py)
+    # Per link and direction, where the ratio is 1.0: True sends the dense values as 2-byte
+    # floats (``HALF_WIRE``), what a plan's "fp16" link is counted at. () : all float32.
+    activation_halves: tuple[bool, ...] = ()
+    gradient_halves: tuple[bool, ...] = ()
+    precision: str = "fp32"  # every stage's autocast dtype (RunSpec.precision)
 
     def __post_init__(self) -> None:
-        for name in ("cuts", "replicas", "activation_ratios", "gradient_ratios", "betas"):
+        for name in (
+            "cuts", "replicas", "activation_ratios", "gradient_ratios", "betas",
+            "activation_halves", "gradient_halves",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
@@ -89,11 +98,19 @@ class TrainConfig:
                 raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(ratios)}")
             if any(not 0.0 < r <= 1.0 for r in ratios):
                 raise ConfigError(f"{name} must be in (0, 1], got {ratios}")
+        for name in ("activation_halves", "gradient_halves"):
+            halves = getattr(self, name)
+            if halves and len(halves) != self.stages - 1:
+                raise ConfigError(f"{name} needs {self.stages - 1} entries, got {len(halves)}")
+            if any(not isinstance(h, bool) for h in halves):
+                raise ConfigError(f"{name} must be booleans, got {halves}")
         if self.gradient_codec not in GRADIENT_CODECS:
             raise ConfigError(
                 f"gradient_codec must be one of {sorted(GRADIENT_CODECS)}, "
                 f"got {self.gradient_codec!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not self.lr > 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError(
                 f"need lr > 0, weight_decay >= 0, max_grad_norm >= 0; got {self.lr}, "
@@ -134,6 +151,12 @@ class TrainConfig:
     def gradient_ratio(self, link: int) -> float:
         return self.gradient_ratios[link] if self.gradient_ratios else 1.0
 
+    def activation_half(self, link: int) -> bool:
+        return bool(self.activation_halves) and self.activation_halves[link]
+
+    def gradient_half(self, link: int) -> bool:
+        return bool(self.gradient_halves) and self.gradient_halves[link]
+
     @classmethod
     def for_run(
         cls,
@@ -145,6 +168,8 @@ class TrainConfig:
         gradient_ratios: tuple[float, ...] = (),
         data_path: str | None = None,
         data_dtype: str | None = None,
+        activation_halves: tuple[bool, ...] = (),
+        gradient_halves: tuple[bool, ...] = (),
     ) -> "TrainConfig":
         """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios), with
         this node's copy of the data (the spec names it by digest, not by path)."""
@@ -169,8 +194,11 @@ class TrainConfig:
             vocab_size=run.vocab_size,
             activation_ratios=activation_ratios,
             gradient_ratios=gradient_ratios,
+            activation_halves=activation_halves,
+            gradient_halves=gradient_halves,
             gradient_codec=run.gradient_codec,
             eval_every=run.eval_every,
+            precision=run.precision,
         )
 
     def to_json(self) -> str:
@@ -222,9 +250,12 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
     """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
     example = registry.example_input(config.batch_size, config.seq_len)  # (B, T)
-    # A real forward of one micro-batch: the model is allocated anyway, and propagating meta
-    # tensors first imports torch's meta kernels (~1.5 s per stage process here).
-    graph: OpGraph = trace(model, (example,), meta=False)
+    # A small model: a real forward of one micro-batch (the model is allocated anyway, and
+    # propagating meta tensors first imports torch's meta kernels, ~1.5 s per stage process
+    # here). A large one: meta tensors, as a real CPU forward of GPT-2 medium at 4 x 1024
+    # tokens would take each stage process tens of seconds before it trains on its GPU.
+    work = sum(p.numel() for p in model.parameters()) * example.numel()
+    graph: OpGraph = trace(model, (example,), meta=work > _REAL_TRACE_MAX_WORK)
     cuts = config.cuts if config.cuts is not None else balanced_cuts(graph, config.stages)
     return PipelineLayout(graph, cuts)
 
@@ -239,12 +270,20 @@ def load_dataset(config: TrainConfig) -> TokenDataset:
 
 
 def ratios_from_plan(plan: "Plan") -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(activation_ratios, gradient_ratios) per link from an OP-Fence plan's AdaTopK choice.
-
-    A link the plan sends as fp16 runs dense here (the runtime knows top-k and dense only).
-    """
+    """(activation_ratios, gradient_ratios) per link from an OP-Fence plan's AdaTopK choice
+    (1.0 for a dense link, fp16 ones included: ``halves_from_plan`` says which)."""
     forward, backward = [], []
     for link in sorted(plan.links, key=lambda lp: lp.src_stage):
         forward.append(link.forward_ratio if link.forward_codec == "topk" else 1.0)
         backward.append(link.backward_ratio if link.backward_codec == "topk" else 1.0)
+    return tuple(forward), tuple(backward)
+
+
+def halves_from_plan(plan: "Plan") -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """(activation_halves, gradient_halves) per link: the links the plan counts at 2 bytes an
+    element (its "fp16" codec), which the runner then sends as such."""
+    forward, backward = [], []
+    for link in sorted(plan.links, key=lambda lp: lp.src_stage):
+        forward.append(link.forward_codec == "fp16")
+        backward.append(link.backward_codec == "fp16")
     return tuple(forward), tuple(backward)

@@ -10,7 +10,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.planner import Plan
 from fusionllm.node.pipeline.mailbox import Role
-from fusionllm.node.pipeline.train_config import TrainConfig, ratios_from_plan
+from fusionllm.node.pipeline.train_config import TrainConfig, halves_from_plan, ratios_from_plan
 
 VOTE_HEX_DIGITS = 12  # 48 bits of a digest: exact in a float64 summary slot
 
@@ -53,12 +53,15 @@ def assign(run: RunSpec, plan: Plan, digest: str, peer_id: str) -> Assignment:
     cuts = tuple(stage.start for stage in plan.stages[1:])
     replicas = tuple(len(stage.peers) for stage in plan.stages)
     forward, backward = ratios_from_plan(plan) if len(plan.stages) > 1 else ((), ())
+    half_forward, half_backward = halves_from_plan(plan) if len(plan.stages) > 1 else ((), ())
     config = TrainConfig.for_run(
         run,
         cuts=cuts,
         replicas=replicas,
         activation_ratios=forward if any(r < 1.0 for r in forward) else (),
         gradient_ratios=backward if any(r < 1.0 for r in backward) else (),
+        activation_halves=half_forward if any(half_forward) else (),
+        gradient_halves=half_backward if any(half_backward) else (),
     )
     peers, role = {}, None
     for stage in plan.stages:

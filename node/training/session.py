@@ -31,6 +31,7 @@ from fusionllm.compression import pack_tensor
 from fusionllm.dag import OpGraph
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
@@ -110,6 +111,7 @@ class PlanSession:
         router: Router,
         hooks: SessionHooks,
         timeout_s: float,
+        compute: Compute | None = None,
     ) -> None:
         if assignment.role is None:
             raise ValueError("a session needs a role in the plan")
@@ -127,6 +129,7 @@ class PlanSession:
             timeout_s=timeout_s,
             vote=hooks.vote,
             own_pump=False,
+            compute=compute,
         )
         self.transport = transport
         self.board = board

@@ -27,6 +27,7 @@ from fusionllm.dag import OpGraph
 from fusionllm.dag.planner import Plan
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec
+from fusionllm.node.pipeline.compute import Compute, resolve_device
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
@@ -83,9 +84,11 @@ class TrainerConfig:
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # steps; 0: never
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
+    device: str = "cpu"  # where a stage we serve computes (compute.resolve_device)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        object.__setattr__(self, "device", str(resolve_device(self.device)))
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -311,6 +314,7 @@ class SwarmTrainer:
             router=self.router,
             hooks=self._hooks(),
             timeout_s=self.config.step_timeout_s,
+            compute=Compute.of(self.config.device, self.run_spec.precision),
         )
         self._session = session
         try:
@@ -423,7 +427,9 @@ class SwarmTrainer:
                     "tokens_per_s": tokens / max(report.seconds, 1e-9),
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
                     "samples": list(report.samples), "eval_loss": report.eval_loss,
-                    "bytes_out": self._bytes_out()})  # fmt: skip
+                    "bytes_out": self._bytes_out(),
+                    "peak_device_bytes": report.peak_device_bytes,
+                    "skipped": report.skipped, "loss_scale": report.loss_scale})  # fmt: skip
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None

@@ -5,15 +5,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_train_prints_progress_and_leaves_no_process() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_prints_progress_and_leaves_no_process(precision) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "train",
          "--stages", "2", "--steps", "3", "--micro-batches", "2", "--micro-batch-size", "2",
-         "--seq-len", "16", "--json"],
+         "--seq-len", "16", "--precision", precision, "--device", "cpu", "--json"],
         capture_output=True, text=True, timeout=100, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -30,3 +32,15 @@ def test_train_rejects_a_bad_configuration() -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "replicas" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_train_on_a_gpu_that_is_not_here_is_one_clear_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fusionllm.node.cli.main", "train", "--device", "cuda:0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "fusionllm train: error: device 'cuda:0' asked for, but this torch sees no CUDA" in (
+        result.stderr
+    )

@@ -18,6 +18,7 @@ from typing import Self
 import torch
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.expectations import Expectations, roles_of
 from fusionllm.node.pipeline.layout import PipelineLayout
@@ -58,6 +59,7 @@ class ThreadSwarm:
         network: MemoryNetwork | None = None,
         layout: PipelineLayout | None = None,
         transport_config: MemoryTransportConfig | None = None,
+        compute: Compute | None = None,
     ) -> None:
         self.config = config
         self.layout = build_layout(config, build_model(config)) if layout is None else layout
@@ -80,9 +82,20 @@ class ThreadSwarm:
                 transport=transport,  # type: ignore[arg-type]  # the same surface, in memory
                 peers={r: p for r, p in self.peer_of.items() if r != role},
                 timeout_s=timeout_s,
+                compute=compute,
             )
         self.results: dict[Role, RoleRun] = {role: RoleRun() for role in self.roles}
         self._started = False
+
+    @classmethod
+    def trained(cls, config: TrainConfig, dataset: TokenDataset, **kwargs) -> Self:
+        """A swarm that ran ``config.steps`` steps and is closed again."""
+        swarm = cls(config, dataset, **kwargs)
+        try:
+            swarm.run()
+        finally:
+            swarm.close()
+        return swarm
 
     # ----- running --------------------------------------------------------------------------------
 

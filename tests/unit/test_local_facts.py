@@ -49,6 +49,23 @@ def test_the_child_measures_and_caches_the_device(tmp_path) -> None:
     assert cache.exists()
 
 
+def test_the_child_measures_the_device_and_precision_asked_for(tmp_path) -> None:
+    cache = tmp_path / "device.json"
+    facts = learn_local_facts(
+        "tiny", 16, device_cache=cache, measure_device=True, device="cpu", precision="bf16"
+    )
+    assert facts.device.kind == "cpu"
+    assert ["bfloat16" in key for key in json.loads(cache.read_text())] == [True]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_device_that_is_not_here_is_a_typed_error(tmp_path) -> None:
+    with pytest.raises(FactsError, match="sees no CUDA device"):
+        learn_local_facts(
+            "tiny", 16, device_cache=tmp_path / "d.json", measure_device=True, device="cuda"
+        )
+
+
 def test_a_failing_child_is_a_typed_error(tmp_path) -> None:
     with pytest.raises(FactsError, match="no-such-model"):
         learn_local_facts("no-such-model", 16, device_cache=None, measure_device=False)

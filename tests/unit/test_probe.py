@@ -2,9 +2,11 @@
 
 import json
 import math
+from dataclasses import replace
 
 import psutil
 import pytest
+import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.control.probe import ProbeConfig, cached_measurement, measure_device
@@ -50,3 +52,15 @@ def test_cache_write_does_not_depend_on_a_fixed_temp_name(tmp_path):
     assert json.loads(cache.read_text())  # written despite the squatter
     assert cached_measurement("cpu", cache, TINY) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json", "probe.tmp"]
+
+
+def test_each_precision_is_measured_and_cached_apart(tmp_path):
+    """A bf16 run's node advertises what bf16 matmuls do here, not fp32's."""
+    cache = tmp_path / "probe.json"
+    fp32 = cached_measurement("cpu", cache, TINY)
+    bf16 = cached_measurement("cpu", cache, replace(TINY, dtype=torch.bfloat16))
+    keys = sorted(json.loads(cache.read_text()))
+    assert len(keys) == 2
+    assert [("bfloat16" in k, "float32" in k) for k in keys] == [(True, False), (False, True)]
+    assert bf16.flops > 0
+    assert fp32.flops > 0

@@ -46,12 +46,7 @@ def _config(**overrides) -> TrainConfig:
 
 
 def _run(config: TrainConfig, dataset: TokenDataset, **swarm_args) -> ThreadSwarm:
-    swarm = ThreadSwarm(config, dataset, **swarm_args)
-    try:
-        swarm.run()
-    finally:
-        swarm.close()
-    return swarm
+    return ThreadSwarm.trained(config, dataset, **swarm_args)
 
 
 # ----- the same run as one process -----------------------------------------------------------
@@ -132,6 +127,28 @@ def test_a_compressed_link_still_converges(dataset, gradient_codec) -> None:
     for tap in (link_frames, gradient_frames):
         assert tap.hits == config.steps * config.micro_batches
         assert max(len(frame.body) for frame in tap.frames) < 0.2 * dense_bytes
+
+
+def test_half_links_halve_the_bytes_on_the_wire(dataset) -> None:
+    """A link the plan counts at 2 bytes an element (its "fp16" codec) sends 2-byte floats:
+    each frame about half the dense one, and the run still follows the reference closely."""
+    config = _config(stages=2, steps=4, activation_halves=(True,), gradient_halves=(True,))
+    reference = train_local(config, dataset=dataset)
+    swarm = ThreadSwarm(config, dataset)
+    taps = [swarm.network.tap(FrameMatch(kind=kind)) for kind in (FrameKind.ACTIVATION,
+                                                                  FrameKind.GRADIENT)]  # fmt: skip
+    try:
+        swarm.run()
+    finally:
+        swarm.close()
+    assert swarm.errors() == {}
+    dense_bytes = len(pack_tensor(torch.zeros(swarm.layout.links[0].numel)))
+    for tap in taps:
+        assert tap.hits == config.steps * config.micro_batches
+        for frame in tap.frames:
+            assert 0.5 * dense_bytes <= len(frame.body) <= 0.52 * dense_bytes, len(frame.body)
+    gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
+    assert 0 < gap < 1e-2, (swarm.losses(), reference.losses)
 
 
 # ----- failures ----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from fusionllm.node.pipeline.train_config import (
     TrainConfig,
     build_layout,
     build_model,
+    halves_from_plan,
     ratios_from_plan,
 )
 
@@ -149,13 +150,24 @@ def test_link_ratios_come_from_a_plan() -> None:
     forward, backward = result.links[0].forward_ratio, result.links[0].backward_ratio
     assert 0 < forward < 1
     assert 0 < backward < 1
-    expected = ((forward, 1.0), (backward, 1.0))  # fp16 runs dense: the runtime has no fp16
+    expected = ((forward, 1.0), (backward, 1.0))  # the fp16 link is dense ...
     assert ratios_from_plan(result) == expected
     assert ratios_from_plan(replace(result, links=result.links[::-1])) == expected  # by stage
+    halves = ((False, True), (False, True))  # ... at 2 bytes an element, as the plan counts it
+    assert halves_from_plan(result) == halves
+    assert halves_from_plan(replace(result, links=result.links[::-1])) == halves
     activation, gradient = expected
-    config = _config(stages=3, activation_ratios=activation, gradient_ratios=gradient)
+    config = _config(
+        stages=3, activation_ratios=activation, gradient_ratios=gradient,
+        activation_halves=halves[0], gradient_halves=halves[1],
+    )  # fmt: skip
     assert config.activation_ratio(0) == forward
     assert config.gradient_ratio(1) == 1.0
+    assert (config.activation_half(0), config.activation_half(1)) == (False, True)
+    assert config.gradient_half(1)
+    assert TrainConfig.from_json(config.to_json()) == config
+    with pytest.raises(ConfigError, match="activation_halves needs 2 entries"):
+        _config(stages=3, activation_halves=(True,))
 
 
 def test_gradient_codec_is_validated_and_survives_json() -> None:

@@ -7,6 +7,7 @@ between members on a plan change.
 
 import functools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,7 +90,9 @@ def _plan(peers: list[str], stages: int) -> Plan:
 
 
 class Cluster:
-    def __init__(self, peers: list[str], tmp_path, checkpoint_every: int = 0) -> None:
+    def __init__(
+        self, peers: list[str], tmp_path, checkpoint_every: int = 0, run: RunSpec = RUN
+    ) -> None:
         self.network = MemoryNetwork()
         self.views = {p: FakeView(peers) for p in peers}
         self.events: dict[str, list[dict]] = {p: [] for p in peers}
@@ -99,15 +102,15 @@ class Cluster:
             transport = self.network.transport(peer, expect=lambda h, x=holder: x["t"].expect(h))
             trainer = SwarmTrainer(
                 TrainerConfig(
-                    run=RUN,
+                    run=run,
                     work_dir=tmp_path / peer,
                     step_timeout_s=TIMEOUT_S,
                     checkpoint_every=checkpoint_every,
                 ),
                 peer_id=peer,
                 transport=transport,
-                workload=lambda: build_workload(RUN),
-                shapes=parameter_shapes(RUN),
+                workload=lambda: build_workload(run),
+                shapes=parameter_shapes(run),
                 view=self.views[peer],
                 on_event=self.events[peer].append,
             )
@@ -182,9 +185,9 @@ def cluster_of(tmp_path):
         cluster.close()
 
 
-def _reference(plan_: Plan) -> list[float]:
+def _reference(plan_: Plan, run: RunSpec = RUN) -> list[float]:
     config = TrainConfig.for_run(
-        RUN, cuts=tuple(s.start for s in plan_.stages[1:]), replicas=(1,) * len(plan_.stages)
+        run, cuts=tuple(s.start for s in plan_.stages[1:]), replicas=(1,) * len(plan_.stages)
     )
     return train_local(config).losses
 
@@ -202,6 +205,28 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
         np.testing.assert_allclose([losses[s] for s in range(RUN.steps)], reference, atol=1e-5)
         assert (tmp_path / peer / "final-params.pt").exists()
     assert all(v.finished for v in cluster.views.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_nodes_train_in_the_runs_precision(cluster_of, precision):
+    """RunSpec.precision reaches every node's stage: the run follows one process in that
+    precision, not fp32's (fp16 with the pipeline's loss scale, and no step skipped)."""
+    run = replace(RUN, precision=precision)
+    peers = ["peer-a", "peer-b"]
+    fixed = _plan(peers, 2)
+    cluster = cluster_of(peers, run=run)
+    cluster.start(fixed)
+    cluster.wait_finished(cluster.trainers)
+    reference, fp32 = _reference(fixed, run), _reference(fixed)
+    for peer in peers:
+        losses = cluster.losses(peer)
+        losses = [losses[s] for s in range(run.steps)]
+        gap = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+        assert gap < 2e-3, (losses, reference)
+        assert max(abs(a - b) for a, b in zip(losses, fp32, strict=True)) > gap
+        steps = [e for e in cluster.events[peer] if e["event"] == "step"]
+        expected_scale = 2.0**16 if precision == "fp16" else 1.0
+        assert {(e["skipped"], e["loss_scale"]) for e in steps} == {(False, expected_scale)}
 
 
 def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):

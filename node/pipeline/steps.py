@@ -1,0 +1,43 @@
+"""What one pipeline step reports, and the sends it waits for before it ends."""
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from fusionllm.node.errors import PipelineError
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    grad_norm: float
+    seconds: float  # wall time of the whole step
+    busy_s: float  # forward + backward compute of this process
+    wait_s: float  # blocked on frames during the schedule
+    # The CPU time of that compute (this thread's): below busy_s where the process shared its
+    # core (busy_s then counts the other's turns too), above where compute itself got slower.
+    busy_cpu_s: float = 0.0
+    votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
+    peak_device_bytes: int = 0  # this process's GPU memory high-water mark so far (0: a CPU)
+    skipped: bool = False  # fp16: a gradient overflowed somewhere; no stage stepped
+    loss_scale: float = 1.0  # fp16: the step's loss scale (loss_scale.py)
+    # The windows (sample ids) this process fed as inputs, on the first stage (else empty):
+    # what a test or a log reads to see that no sample is repeated or skipped.
+    samples: tuple[int, ...] = ()
+    eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
+
+
+@dataclass
+class Sends:
+    futures: list[Future] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise the error of a send that already failed (the root cause of a missing reply)."""
+        for future in self.futures:
+            if future.done() and future.exception() is not None:
+                raise PipelineError(f"a send failed: {future.exception()!r}")
+
+    def wait(self, timeout: float) -> None:
+        for future in self.futures:
+            future.result(timeout)
+        self.futures.clear()
