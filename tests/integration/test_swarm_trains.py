@@ -169,7 +169,10 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {"steps", "loss_first", "loss_last", "tokens_per_s", "nodes",
-                            "plan_digest"}  # fmt: skip
+                            "plan_digest", "stages", "peak_device_bytes"}  # fmt: skip
+    # Per serving node, its GPU memory high-water mark (0 where it computes on the CPU).
+    assert 1 <= summary["stages"] <= len(summary["peak_device_bytes"]) <= 2
+    assert set(summary["peak_device_bytes"]) <= {"node0", "node1"}
     assert summary["steps"] == 6
     assert summary["nodes"] == 2
     assert summary["tokens_per_s"] > 0
