@@ -12,7 +12,7 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
-from fusionllm.dag import OpGraph, trace
+from fusionllm.dag import OpGraph
 from fusionllm.dag.models import gpt2
 from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
@@ -20,7 +20,12 @@ from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.data import TokenDataset
-from fusionllm.node.pipeline.train_config import TrainConfig, build_model, load_dataset
+from fusionllm.node.pipeline.train_config import (
+    TrainConfig,
+    build_model,
+    load_dataset,
+    trace_micro_batch,
+)
 from fusionllm.node.swarm_node import SwarmNodeConfig
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
@@ -73,7 +78,7 @@ def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:
     example = torch.zeros(run.micro_batch_size, run.seq_len, dtype=torch.int64)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
         model = build_model(config)
-        graph = trace(model, (example,), meta=False)
+        graph = trace_micro_batch(model, example)
     return graph, load_dataset(config)
 
 
