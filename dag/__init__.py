@@ -1,7 +1,7 @@
 """Operator DAG of a model, its cost model, the OP-Fence partitioner and the stage runtime.
 
 - graph.py:   ``OpNode``, ``GraphCosts``: the data contract between tracing and planning
-- trace.py:   ``trace`` (nn.Module -> OpGraph via torch.fx + shape propagation), ``TraceFailure``
+- tracing.py: ``trace`` (nn.Module -> OpGraph via torch.fx + shape propagation), ``TraceFailure``
 - opgraph.py: ``OpGraph``: node ids, costs, shared parameters, ``stage_module`` sub-graphs
 - flops.py:   per-operator FLOP / saved-activation rules, ``leaf_module`` for custom layers
 - models/:    ``gpt2``, ``llama`` (Hugging Face names), ``resnet`` (torchvision names); the
@@ -15,8 +15,8 @@ _EXPORTS = {
     "GraphCosts": "fusionllm.dag.graph",
     "OpNode": "fusionllm.dag.graph",
     "OpGraph": "fusionllm.dag.opgraph",
-    "TraceFailure": "fusionllm.dag.trace",
-    "trace": "fusionllm.dag.trace",
+    "TraceFailure": "fusionllm.dag.tracing",
+    "trace": "fusionllm.dag.tracing",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,6 @@
 """The OP-DAG: one node per operator with its costs; what the planner and the runtime share.
 
-This file holds the data only (no tracing): trace.py builds it, planning code reads it.
+This file holds the data only (no tracing): tracing.py builds it, planning code reads it.
 """
 
 from dataclasses import asdict, dataclass, field

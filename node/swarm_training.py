@@ -13,7 +13,7 @@ import torch
 
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import RunSpec
-from fusionllm.dag import OpGraph, trace
+from fusionllm.dag import OpGraph
 from fusionllm.dag.models import registry
 from fusionllm.dag.models.hf_tensors import CONFIG, MAX_CONFIG_BYTES, read_json
 from fusionllm.dag.planner import Plan
@@ -27,6 +27,7 @@ from fusionllm.node.pipeline.train_config import (
     build_model,
     load_dataset,
     model_config,
+    trace_micro_batch,
 )
 from fusionllm.node.swarm_node import SwarmNodeConfig
 from fusionllm.node.training.export import write_model_config
@@ -101,7 +102,7 @@ def build_workload(
     example = registry.example_input(run.micro_batch_size, run.seq_len)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
         model = build_model(config)
-        graph = trace(model, (example,), meta=False)
+        graph = trace_micro_batch(model, example)
     dataset = load_dataset(config)
     if run.data_digest and dataset.digest != run.data_digest:
         raise DataError(

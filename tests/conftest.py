@@ -1,5 +1,6 @@
 """Shared pytest setup: no test may leave a process behind."""
 
+import logging
 import os
 
 import psutil
@@ -30,6 +31,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _fusionllm_logging_as_it_was():
+    """A test that runs a command in-process (``main([...])``) has ``configure_logging`` point
+    the fusionllm logger at that test's captured stderr and stop it propagating: later tests
+    then lose their records (caplog sees nothing) or write to a closed stream. Undo it."""
+    root = logging.getLogger("fusionllm")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    root.propagate = saved[2]
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from fusionllm.common.logs import configure_logging
 from fusionllm.common.run_spec import STDLIB_VOCAB
 from fusionllm.dag.graph import GraphCosts, costs_to_json
 from fusionllm.dag.models import read_config, registry
-from fusionllm.dag.trace import trace
+from fusionllm.dag.tracing import trace
 from fusionllm.node.control.probe import local_device
 
 

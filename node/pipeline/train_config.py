@@ -250,14 +250,20 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
     """Trace ``model`` at the micro-batch shape and cut it into the run's stages."""
     example = registry.example_input(config.batch_size, config.seq_len)  # (B, T)
-    # A small model: a real forward of one micro-batch (the model is allocated anyway, and
-    # propagating meta tensors first imports torch's meta kernels, ~1.5 s per stage process
-    # here). A large one: meta tensors, as a real CPU forward of GPT-2 medium at 4 x 1024
-    # tokens would take each stage process tens of seconds before it trains on its GPU.
-    work = sum(p.numel() for p in model.parameters()) * example.numel()
-    graph: OpGraph = trace(model, (example,), meta=work > _REAL_TRACE_MAX_WORK)
+    graph = trace_micro_batch(model, example)
     cuts = config.cuts if config.cuts is not None else balanced_cuts(graph, config.stages)
     return PipelineLayout(graph, cuts)
+
+
+def trace_micro_batch(model: torch.nn.Module, example: torch.Tensor) -> OpGraph:
+    """``model`` traced at one micro-batch, ``example`` (B, T) token ids.
+
+    A small model: a real forward (the model is allocated anyway, and propagating meta tensors
+    first imports torch's meta kernels, ~1.5 s per process here). A large one: meta tensors,
+    as a real CPU forward of GPT-2 medium at 4 x 1024 tokens would take each process tens of
+    seconds before it trains on its GPU."""
+    work = sum(p.numel() for p in model.parameters()) * example.numel()
+    return trace(model, (example,), meta=work > _REAL_TRACE_MAX_WORK)
 
 
 def load_dataset(config: TrainConfig) -> TokenDataset:

@@ -171,10 +171,13 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {"steps", "loss_first", "loss_last", "loss_last_steps", "eval_losses",
                             "eval_loss_last", "tokens_per_s", "nodes", "plan_digest",
-                            "export"}  # fmt: skip
+                            "export", "stages", "peak_device_bytes"}  # fmt: skip
     assert summary["loss_last_steps"] == 1  # a quarter of 6 steps, rounded down, at least 1
     assert sorted(summary["eval_losses"]) == ["0", "3"]
     assert summary["eval_loss_last"] == summary["eval_losses"]["3"] < summary["eval_losses"]["0"]
+    # Per serving node, its GPU memory high-water mark (0 where it computes on the CPU).
+    assert 1 <= summary["stages"] <= len(summary["peak_device_bytes"]) <= 2
+    assert set(summary["peak_device_bytes"]) <= {"node0", "node1"}
     assert summary["steps"] == 6
     assert summary["nodes"] == 2
     assert summary["tokens_per_s"] > 0

@@ -35,12 +35,16 @@ def test_train_rejects_a_bad_configuration() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-def test_train_on_a_gpu_that_is_not_here_is_one_clear_error() -> None:
+@pytest.mark.parametrize(
+    "command", [["train"], ["node", "--key", "KEY"], ["swarm", "--work-dir", "WORK"]]
+)
+def test_a_gpu_that_is_not_here_is_one_clear_error(tmp_path, command) -> None:
+    argv = [str(tmp_path / a) if a in ("KEY", "WORK") else a for a in command]
     result = subprocess.run(
-        [sys.executable, "-m", "fusionllm.node.cli.main", "train", "--device", "cuda:0"],
+        [sys.executable, "-m", "fusionllm.node.cli.main", *argv, "--device", "cuda:0"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "fusionllm train: error: device 'cuda:0' asked for, but this torch sees no CUDA" in (
-        result.stderr
-    )
+    expected = f"fusionllm {command[0]}: error: device 'cuda:0' asked for, but this torch sees no"
+    assert expected in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
