@@ -120,6 +120,9 @@ def phase_local(args: argparse.Namespace, model: str, precision: str) -> dict[st
         say(f"    step {step}  loss {loss:.4f}  {stamps[-1] - stamps[-2]:.3f}s")
 
     if compute.is_cuda:
+        # The allocator's statistics exist once the device holds memory: resetting them before
+        # raised "Invalid device argument" on an H200 (torch 2.11).
+        torch.empty(1, device=compute.device)
         torch.cuda.reset_peak_memory_stats(compute.device)
     run = train_local(config, on_step=on_step, compute=compute)
     seconds = [b - a for a, b in itertools.pairwise(stamps)][args.warmup :]
