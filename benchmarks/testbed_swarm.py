@@ -9,8 +9,9 @@ least, 1 torch thread); after every node is ready they run --seconds more, then
 ``fusionllm status`` reads the swarm from inside the first host. Printed: start-up (every
 node ready, first step), every plan adopted (when, by how many nodes, its hosts per stage,
 its estimated step time), each node's steps and tokens/s, and every link's measured
-bandwidth and RTT beside the configured cap and round trip. --timing: ``fast`` (the tests'
-1 s heartbeats, 64 KiB probes), ``calm`` (local_swarm.CALM), ``default`` (a user's).
+bandwidth and RTT beside the configured cap and round trip, and how long status took.
+--timing: ``fast`` (the tests' 1 s heartbeats, 64 KiB probes), ``calm`` (local_swarm.CALM
+with 1 MiB probes), ``default`` (a user's).
 """
 
 import argparse
@@ -90,14 +91,16 @@ def run(topology_name: str, seconds: float, timing: str) -> dict:
             nodes, ready_at = _start_all(swarm, bed)
             time.sleep(seconds)
             hosts = {n.peer_id: n.name for n in nodes}
+            asked = time.monotonic()
             status = _status(bed, nodes[0].dht_addr)
+            status_s = time.monotonic() - asked
             steps = {n.name: [e for e in n.snapshot() if e["event"] == "step"] for n in nodes}
         finally:
             swarm.close()
     first_step = min((s[0]["t"] for s in steps.values() if s), default=None)
     return {
         "topology": topology.name, "timing": timing, "seconds": seconds,
-        "ready_s": ready_at - launched,
+        "ready_s": ready_at - launched, "status_s": status_s,
         "first_step_s": None if first_step is None else first_step - ready_at,
         "plans": _plans(nodes, hosts, ready_at),
         "nodes": [{"host": name, "steps": len(s),
@@ -109,7 +112,8 @@ def run(topology_name: str, seconds: float, timing: str) -> dict:
 
 def _print(result: dict) -> None:
     print(f"topology {result['topology']}, timing {result['timing']}: every node ready after "
-          f"{result['ready_s']:.1f} s, first step {result['first_step_s']} s after")  # fmt: skip
+          f"{result['ready_s']:.1f} s, first step {result['first_step_s']} s after; "
+          f"`fusionllm status` took {result['status_s']:.1f} s")  # fmt: skip
     print("plans adopted (s after all ready, adopters, hosts per stage, estimated step s):")
     for p in result["plans"]:
         print(f"  {p['t']:7.1f}  {p['digest']}  {p['adopters']}  {p['stages']}  "

@@ -46,8 +46,10 @@ def test_three_daemons_on_a_heterogeneous_wan_agree_and_train_to_the_end(tmp_pat
         try:
             first = _start(swarm, bed, "n1")
             wait_for(lambda: first.last("ready"), 90, "the first node to be ready")
-            assert f"/{bed.address('n1')}/" in first.dht_addr
             nodes = [first, *(_start(swarm, bed, n, first.dht_addr) for n in ("n2", "home"))]
+            wait_for(lambda: all(n.last("ready") for n in nodes), 120, "every node to be ready")
+            for node in nodes:  # each on its own host's address, none on loopback
+                assert f"/ip4/{bed.address(node.name)}/" in node.dht_addr, node.dht_addr
             wait_for(lambda: all(not n.alive() for n in nodes), 400, "every node to exit")
             took = time.monotonic() - started
             merged: dict[int, float] = {}
