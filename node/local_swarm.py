@@ -108,8 +108,8 @@ class LocalSwarm:
         """Start node ``name`` (its key, work dir and log named after it under ``root``; a
         restart with the same name is the same node); ``device``: advertise this device
         instead of the swarm's; ``extra``: options for this node only; ``prefix``: a command
-        the node's runs under (a testbed host's ``Testbed.command(host, [])``), which must
-        exec it."""
+        the node runs under, which must exec it (a testbed host's
+        ``Testbed.command(host, [])``)."""
         device_path = self.device_path
         if device is not None:
             device_path = self.root / f"{name}.device.json"
