@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fusionllm.node.children import JsonChild
@@ -45,12 +45,14 @@ TEST_DEVICE = {
 class NodeProcess:
     """A ``fusionllm node --events`` process: its events, its log file, its process tree."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], log_path: Path, *, prefix: Sequence[str] = ()
+    ) -> None:
         self.name = name
         self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
-        self._child = JsonChild([*argv, *args], name=name, env=env, stderr=log_path)
+        self._child = JsonChild([*prefix, *argv, *args], name=name, env=env, stderr=log_path)
         self.process = self._child.process
 
     @property
@@ -101,10 +103,13 @@ class LocalSwarm:
         bootstrap: str | None = None,
         device: dict | None = None,
         extra: dict | None = None,
+        prefix: Sequence[str] = (),
     ) -> NodeProcess:
         """Start node ``name`` (its key, work dir and log named after it under ``root``; a
         restart with the same name is the same node); ``device``: advertise this device
-        instead of the swarm's; ``extra``: options for this node only."""
+        instead of the swarm's; ``extra``: options for this node only; ``prefix``: a command
+        the node runs under, which must exec it (a testbed host's
+        ``Testbed.command(host, [])``)."""
         device_path = self.device_path
         if device is not None:
             device_path = self.root / f"{name}.device.json"
@@ -120,7 +125,7 @@ class LocalSwarm:
             args += ["--bootstrap", bootstrap]
         restarts = sum(1 for n in self.nodes if n.name == name)
         log = self.root / (f"{name}.log" if not restarts else f"{name}.{restarts}.log")
-        node = NodeProcess(name, args, log)
+        node = NodeProcess(name, args, log, prefix=prefix)
         self.nodes.append(node)
         return node
 

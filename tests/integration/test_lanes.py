@@ -1,6 +1,7 @@
 """Lanes between real node processes on 127.0.0.1: used when both ends offer them, a fallback
 to libp2p streams when not, and every stranger's or bad peer's try refused at its own cost."""
 
+import contextlib
 import os
 import socket
 import time
@@ -195,6 +196,20 @@ def test_a_peer_not_admitted_gets_no_offer(start_node):
     _, outcome = lane_session(node.addr, unreachable)
     assert str(outcome).startswith("no offer")
     assert wait_for_refusal(node, "lane_not_admitted")["lane_not_admitted"] == 1
+
+
+def test_a_refused_lane_is_asked_for_again_within_seconds(start_node, client):
+    """A member whose peer has not admitted it yet (a plan one side adopted an epoch before the
+    other: common off loopback) used to send over streams for the whole lane_retry_s (60 s)."""
+    node = start_node("--admit", peer_id_of(create_new_key_pair()))  # not the client
+    client.connect(node.addr)
+    deadline = time.monotonic() + _WAIT_S
+    while refusals_of(node).get("lane_not_admitted", 0) < 2:
+        assert time.monotonic() < deadline, refusals_of(node)
+        with contextlib.suppress(TransportError):  # the tensor stream is refused too
+            client.send_tensor(node.peer_id, HEADER, torch.arange(4.0), timeout=2.0)
+        time.sleep(0.5)
+    assert client.outbound_lanes() == []
 
 
 def test_a_lane_port_in_use_is_refused_at_start(tmp_path, start_node):

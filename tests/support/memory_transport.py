@@ -15,6 +15,9 @@ Delivery is synchronous: a frame is in the receiver's inbox (or refused) before 
 returns its already resolved future, so runs are deterministic up to thread scheduling. A
 receiver that is gone fails the future with TransportError, like a reset stream.
 
+``shape_link`` gives a link a delay and a rate (memory_links): a frame's future resolves as
+the link has sent it, the frame arrives a delay later, so timeouts meet a slow link.
+
 Where it is kinder than py-libp2p (what a test here cannot show): frames between two peers
 arrive in the order sent (the real transport promises delivery, not order, for concurrent
 sends); ``send_async`` never blocks (no ``max_in_flight`` backpressure, no bounded inbox); a
@@ -33,6 +36,7 @@ Faults, for tests:
 """
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -60,6 +64,7 @@ from fusionllm.node.p2p.transport_types import (  # the real transport's own pie
     _Counters,
     take_from_inbox,
 )
+from tests.support.memory_links import LinkShape, SlowLinks
 
 logger = get_logger(__name__)
 
@@ -283,6 +288,15 @@ class MemoryNetwork:
         self._stalled: set[str] = set()
         self._held: dict[str, list[_Held]] = {}
         self._faults: list[Fault] = []
+        self._links = SlowLinks()
+
+    def shape_link(
+        self, src: str, dst: str, *, delay_s: float = 0.0, rate: float | None = None,
+        both_ways: bool = True,
+    ) -> None:  # fmt: skip
+        """Frames ``src`` -> ``dst`` (and back) take ``delay_s``, leave at ``rate`` B/s."""
+        shape = LinkShape(delay_s=delay_s, rate=rate)
+        self._links.shape(src, dst, shape, both_ways=both_ways)
 
     def transport(
         self,
@@ -305,6 +319,7 @@ class MemoryNetwork:
         with self._lock:
             transports = list(self._transports.values())
             self._stalled.clear()
+        self._links.close()
         for transport in transports:
             transport.close()
 
@@ -333,7 +348,7 @@ class MemoryNetwork:
         for item in held:
             item.timer.cancel()
             if not item.future.done():
-                self._deliver(item.frame, item.future)
+                self._route(item.frame, item.future, math.inf)
 
     def add_fault(self, match: FrameMatch, action: Action, *, times: int = 1) -> Fault:
         """Apply ``action`` to the next ``times`` frames that ``match``; faults apply in order."""
@@ -402,7 +417,12 @@ class MemoryNetwork:
                 self._held.setdefault(frame.src, []).append(_Held(frame, future, timer))
                 timer.start()
                 return
-        self._deliver(frame, future)
+        self._route(frame, future, timeout)
+
+    def _route(self, frame: Frame, future: Future, timeout: float) -> None:
+        deliver = lambda: self._deliver(frame, future)  # noqa: E731
+        if not self._links.send(frame.src, frame.dst, _wire_bytes(frame), future, timeout, deliver):
+            deliver()  # an unshaped link: at once, in this thread
 
     def _deliver(self, frame: Frame, future: Future) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from fusionllm.node.p2p.lane.seal import (
     Sealer,
     chunk_length,
 )
-from fusionllm.node.p2p.lane.service import RetryAfter
+from fusionllm.node.p2p.lane.service import REFUSED_RETRY_S, RetryAfter
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
 
 KEY = bytes(range(LANE_KEY_BYTES))
@@ -330,3 +330,12 @@ def test_lane_retries_back_off_while_a_peer_keeps_failing_and_reset_on_success()
     retry.forget("p")
     assert retry.allowed("p", 1000.0)
     assert retry.failed("p", 1000.0) == 60.0
+
+
+def test_a_refused_offer_is_asked_again_soon_and_backs_off_from_there():
+    retry = RetryAfter(60.0)
+    assert retry.failed("p", 0.0, refused=True) == REFUSED_RETRY_S
+    assert retry.allowed("p", REFUSED_RETRY_S)
+    assert retry.failed("p", 2.0, refused=True) == 2 * REFUSED_RETRY_S
+    assert retry.failed("p", 6.0) == 240.0  # an unreachable port after two refusals: 3rd failure
+    assert RetryAfter(1.0).failed("q", 0.0, refused=True) == 1.0  # never above retry_s

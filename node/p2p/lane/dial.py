@@ -4,8 +4,11 @@ import socket
 
 import trio
 from libp2p.abc import IHost
+from libp2p.host.exceptions import StreamFailure
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
 
+from fusionllm.common.errors import FrameError
 from fusionllm.node.errors import DeadlineError, TransportError
 from fusionllm.node.p2p.checks import address_family
 from fusionllm.node.p2p.framing import read_exactly
@@ -15,12 +18,25 @@ from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
 from fusionllm.node.p2p.stream_reader import StreamReader
 
 
+class LaneRefusedError(TransportError):
+    """The peer reset our request for a lane offer at once: it does not admit us (yet: a plan
+    it has not adopted), or has no ticket left. Worth asking again soon, unlike a port that
+    cannot be reached."""
+
+
+# A reset offer stream: refused during protocol negotiation, or before the offer's bytes.
+_REFUSALS = (StreamFailure, StreamReset, StreamEOF, FrameError)
+
+
 async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
-    """A lane to ``peer``, set up within ``timeout_s``; TransportError (or DeadlineError) if the
-    peer offers none, or its port cannot be reached from here."""
+    """A lane to ``peer``, set up within ``timeout_s``; LaneRefusedError if the peer refuses
+    to offer one, TransportError (or DeadlineError) if its port cannot be reached from here."""
     try:
         with trio.fail_after(timeout_s):
-            offer, remote_ip = await _ask_offer(host, peer, timeout_s)
+            try:
+                offer, remote_ip = await _ask_offer(host, peer, timeout_s)
+            except _REFUSALS as exc:
+                raise LaneRefusedError(f"{peer} refused a lane: {type(exc).__name__}") from exc
             return await _redeem(offer, remote_ip)
     except trio.TooSlowError as exc:
         raise DeadlineError(f"a lane to {peer} took over {timeout_s}s to set up") from exc

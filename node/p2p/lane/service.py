@@ -5,7 +5,7 @@ from libp2p.abc import IHost
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
-from fusionllm.node.p2p.lane.dial import open_lane
+from fusionllm.node.p2p.lane.dial import LaneRefusedError, open_lane
 from fusionllm.node.p2p.lane.listener import LaneListener, Refuse, ServeLane
 from fusionllm.node.p2p.lane.offer import LANE_PROTOCOL, Tickets
 from fusionllm.node.p2p.lane.stream import LaneWriter
@@ -16,6 +16,10 @@ logger = get_logger(__name__)
 
 # However often a peer's lane failed, a new try comes at least this often.
 _MAX_RETRY_S = 3600.0
+# After a refused offer (one round trip, no port to wait on): a member whose peer adopts the
+# plan a moment later (off loopback, view changes land up to an epoch apart) gets its lane
+# seconds later instead of sending over a stream for a whole retry_s.
+REFUSED_RETRY_S = 2.0
 
 
 class RetryAfter:
@@ -31,10 +35,12 @@ class RetryAfter:
         entry = self._failures.get(peer)
         return entry is None or now >= entry[1]
 
-    def failed(self, peer: str, now: float) -> float:
-        """Count a failure; returns the seconds until the next try."""
+    def failed(self, peer: str, now: float, *, refused: bool = False) -> float:
+        """Count a failure (``refused``: the peer refused an offer, which backs off from
+        ``REFUSED_RETRY_S``); returns the seconds until the next try."""
         count = self._failures.get(peer, (0, 0.0))[0] + 1
-        delay = min(self._retry_s * 2 ** min(count - 1, 32), max(_MAX_RETRY_S, self._retry_s))
+        base = min(REFUSED_RETRY_S, self._retry_s) if refused else self._retry_s
+        delay = min(base * 2 ** min(count - 1, 32), max(_MAX_RETRY_S, self._retry_s))
         self._failures[peer] = (count, now + delay)
         return delay
 
@@ -100,7 +106,8 @@ class Lanes:
         try:
             lane = await open_lane(libp2p, peer, self.config.lane_timeout_s)
         except (FusionError, *NETWORK_ERRORS) as exc:
-            delay = self._retry.failed(peer, trio.current_time())
+            refused = isinstance(exc, LaneRefusedError)
+            delay = self._retry.failed(peer, trio.current_time(), refused=refused)
             logger.info(
                 "no lane to %s (%s); its frames go over a libp2p stream for %.0fs",
                 peer,

@@ -1,0 +1,136 @@
+"""Tools that run inside a testbed host to measure a path, with plain sockets.
+
+    python -m fusionllm.testbed.netcheck echo --bind ADDR --port P        # TCP echo server
+    python -m fusionllm.testbed.netcheck rtt --to ADDR --port P --count N # round trips
+    python -m fusionllm.testbed.netcheck sink --bind ADDR --port P        # counts one stream
+    python -m fusionllm.testbed.netcheck source --to ADDR --port P --seconds S
+
+Each prints JSON lines: servers ``{"event": "listening"}`` once bound, clients and the sink
+one result line. The sink samples its byte count every 50 ms so a result can leave TCP's
+slow start out (``steady_mbps``: from ``--warmup`` seconds after the first byte).
+"""
+
+import argparse
+import json
+import socket
+import sys
+import time
+
+_CHUNK = 1 << 16
+_SAMPLE_S = 0.05
+_ECHO_BYTES = 64
+
+
+def _say(event: dict) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    server = socket.create_server((addr, port), reuse_port=False)
+    _say({"event": "listening", "port": server.getsockname()[1]})
+    return server
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed mid-message")
+        data += part
+    return data
+
+
+def echo(args: argparse.Namespace) -> None:
+    server = _listen(args.bind, args.port)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(_CHUNK):
+                conn.sendall(data)
+
+
+def rtt(args: argparse.Namespace) -> None:
+    with socket.create_connection((args.to, args.port), timeout=args.timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        message = b"x" * _ECHO_BYTES
+        rtts = []
+        for _ in range(args.count):
+            start = time.monotonic()
+            sock.sendall(message)
+            _recv_exactly(sock, _ECHO_BYTES)
+            rtts.append((time.monotonic() - start) * 1000)
+            time.sleep(args.gap)
+    _say({"event": "rtt", "rtt_ms": rtts})
+
+
+def sink(args: argparse.Namespace) -> None:
+    server = _listen(args.bind, args.port)
+    conn, _ = server.accept()
+    samples: list[tuple[float, int]] = []  # (seconds since the first byte, bytes so far)
+    total = 0
+    first = last_sample = None
+    buffer = bytearray(_CHUNK)
+    with conn:
+        while n := conn.recv_into(buffer):
+            now = time.monotonic()
+            if first is None:
+                first = last_sample = now
+            total += n
+            if now - last_sample >= _SAMPLE_S:
+                samples.append((now - first, total))
+                last_sample = now
+        end = time.monotonic()
+    seconds = end - first if first is not None else 0.0
+    samples.append((seconds, total))
+    steady = [(t, b) for t, b in samples if t >= args.warmup]
+    steady_mbps = None
+    if len(steady) >= 2 and steady[-1][0] > steady[0][0]:
+        steady_mbps = (steady[-1][1] - steady[0][1]) * 8e-6 / (steady[-1][0] - steady[0][0])
+    _say({
+        "event": "sink", "bytes": total, "seconds": seconds,
+        "mbps": total * 8e-6 / seconds if seconds else 0.0, "steady_mbps": steady_mbps,
+    })  # fmt: skip
+
+
+def source(args: argparse.Namespace) -> None:
+    data = b"\0" * _CHUNK
+    sent = 0
+    with socket.create_connection((args.to, args.port), timeout=args.timeout) as sock:
+        sock.settimeout(None)
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            sent += sock.send(data)
+    _say({"event": "source", "bytes": sent})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusionllm.testbed.netcheck")
+    tools = parser.add_subparsers(dest="tool", required=True)
+    for name, run in (("echo", echo), ("sink", sink)):
+        tool = tools.add_parser(name)
+        tool.add_argument("--bind", required=True)
+        tool.add_argument("--port", type=int, default=0)
+        tool.set_defaults(run=run)
+        if name == "sink":
+            tool.add_argument("--warmup", type=float, default=1.0, help="s left out of steady")
+    for name, run in (("rtt", rtt), ("source", source)):
+        tool = tools.add_parser(name)
+        tool.add_argument("--to", required=True)
+        tool.add_argument("--port", type=int, required=True)
+        tool.add_argument("--timeout", type=float, default=10.0, help="connect timeout, s")
+        tool.set_defaults(run=run)
+        if name == "rtt":
+            tool.add_argument("--count", type=int, default=20)
+            tool.add_argument("--gap", type=float, default=0.01, help="s between round trips")
+        else:
+            tool.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Measure a testbed path from outside: round trips and one TCP stream's throughput, with the
+``netcheck`` tools started inside the hosts (tests and benchmarks share these)."""
+
+import json
+import select
+import subprocess
+import sys
+
+from fusionllm.testbed.bed import Testbed
+from fusionllm.testbed.errors import TestbedError
+
+_NETCHECK = [sys.executable, "-m", "fusionllm.testbed.netcheck"]
+_START_S = 20.0
+
+
+def _json_line(process: subprocess.Popen, timeout: float) -> dict:
+    """The next JSON line a netcheck tool prints (TestbedError if it ends or says nothing)."""
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else ""
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise TestbedError(
+            f"netcheck said {line[:200]!r} in {timeout}s (exit code {process.poll()})"
+        ) from None
+
+
+def _server(bed: Testbed, host: str, tool: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    process = bed.popen(
+        host,
+        [*_NETCHECK, tool, "--bind", bed.address(host), *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+    event = _json_line(process, _START_S)
+    if event.get("event") != "listening":
+        raise TestbedError(f"{tool} on {host} did not listen: {event}")
+    return process, int(event["port"])
+
+
+def _client(bed: Testbed, src: str, dst: str, port: int, tool: list[str], timeout: float) -> str:
+    """Run netcheck ``tool`` in ``src`` against ``dst``'s server on ``port``; its last line."""
+    argv = [*_NETCHECK, tool[0], "--to", bed.address(dst), "--port", str(port), *tool[1:]]
+    done = bed.run(src, argv, timeout=timeout)
+    if done.returncode != 0:
+        raise TestbedError(f"{tool[0]} {src}->{dst} failed: {done.stderr[-1000:]}")
+    return done.stdout.splitlines()[-1]
+
+
+def round_trips(bed: Testbed, src: str, dst: str, *, count: int = 20) -> list[float]:
+    """``count`` TCP round trips of 64 bytes from ``src`` to ``dst``, ms each."""
+    server, port = _server(bed, dst, "echo", [])
+    try:
+        tool = ["rtt", "--count", str(count)]
+        return json.loads(_client(bed, src, dst, port, tool, _START_S + count * 2))["rtt_ms"]
+    finally:
+        server.kill()
+        server.wait()
+
+
+def stream(bed: Testbed, src: str, dst: str, *, seconds: float, warmup: float = 1.0) -> dict:
+    """One TCP stream from ``src`` to ``dst`` for ``seconds``: the sink's result
+    (``bytes``, ``seconds``, ``mbps`` overall, ``steady_mbps`` after ``warmup``)."""
+    sink, port = _server(bed, dst, "sink", ["--warmup", str(warmup)])
+    try:
+        _client(bed, src, dst, port, ["source", "--seconds", str(seconds)], _START_S + seconds * 3)
+        return _json_line(sink, _START_S + seconds * 2)
+    finally:
+        sink.kill()
+        sink.wait()

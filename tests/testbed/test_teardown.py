@@ -1,0 +1,112 @@
+"""A testbed leaves nothing behind: not on exit, not on an error, not on Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fusionllm.node.local_swarm import wait_for
+from fusionllm.testbed.bed import Testbed, leftovers
+from fusionllm.testbed.topology import parse_topology
+
+pytestmark = [pytest.mark.testbed, pytest.mark.timeout(120)]
+
+TWO = {"name": "two", "hosts": [{"name": "x", "cpu": 0.25}, {"name": "y"}]}
+
+
+def _sleeper(bed: Testbed, host: str) -> psutil.Process:
+    """A process in ``host`` that escaped its parent's tree (as a node's DHT worker may)."""
+    parent = bed.popen(host, ["sh", "-c", "setsid sleep 300 & echo $!"], stdout=subprocess.PIPE)
+    pid = int(parent.stdout.readline())
+    parent.wait(10)
+    return psutil.Process(pid)
+
+
+def _gone(process: psutil.Process) -> bool:
+    """Dead: gone, or a zombie its new parent (a subreaper) has not reaped yet."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_close_kills_every_process_in_the_hosts_and_removes_what_it_made():
+    with Testbed(parse_topology(TWO)) as bed:
+        escaped = _sleeper(bed, "x")
+        tracked = bed.popen("y", ["sleep", "300"])
+        emulator = psutil.Process(bed.emulator_pid)
+        assert leftovers(bed.tag)  # the namespaces and cgroups exist meanwhile
+    assert _gone(escaped)
+    assert tracked.poll() is not None
+    assert _gone(emulator)
+    assert leftovers(bed.tag) == []
+
+
+def test_an_error_inside_the_block_still_tears_down():
+    made: list[str] = []
+
+    def fail_inside() -> None:
+        with Testbed(parse_topology(TWO)) as bed:
+            made.append(bed.tag)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside()
+    assert leftovers(made[0]) == []
+
+
+def test_a_host_gets_its_address_and_cpu_share():
+    with Testbed(parse_topology(TWO)) as bed:
+        quota = (bed.cgroup("x") / "cpu.cfs_quota_us").read_text().strip()
+        assert int(quota) == 25_000  # 0.25 of a 100 ms period
+        assert (bed.cgroup("y") / "cpu.cfs_quota_us").read_text().strip() == "-1"
+        spin = "import time\nt=time.monotonic()\nwhile time.monotonic()-t<1.0: pass"
+        process = bed.popen("x", [sys.executable, "-c", spin])
+        used = psutil.Process(process.pid)
+        cpu = 0.0
+        while process.poll() is None:
+            times = used.cpu_times()
+            cpu = times.user + times.system
+            time.sleep(0.05)
+        assert cpu <= 0.25 * 1.0 * 1.3 + 0.1  # 1 s of wall time at a quarter core, at most
+        shown = bed.run("x", ["ip", "-4", "-o", "addr", "show", "dev", "wan0"], timeout=10)
+        assert f"inet {bed.address('x')}/24" in shown.stdout
+
+
+def _in_cgroups_of(process: psutil.Process, tag: str) -> bool:
+    try:
+        return f"/{tag}/" in Path(f"/proc/{process.pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_on_the_cli_tears_down():
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "fusionllm.testbed", "up", "mini", "--",
+         "sleep", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = cli.stdout.readline()  # "testbed TAG up: ..." once the hosts run the command
+        assert line.startswith("testbed "), (line, cli.stderr.read() if cli.poll() else "")
+        tag = line.split()[1]
+        assert leftovers(tag)
+        sleepers = wait_for(
+            lambda: [p for p in psutil.process_iter() if _in_cgroups_of(p, tag)],
+            10,
+            "the command to start in every host",
+        )
+        assert len(sleepers) == 3  # one in each host
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(30) == 0, cli.stderr.read()
+    finally:
+        if cli.poll() is None:
+            os.kill(cli.pid, signal.SIGKILL)
+            cli.wait()
+    assert leftovers(tag) == []
+    assert all(_gone(p) for p in sleepers)
