@@ -26,8 +26,8 @@ ValueMeta = TensorMeta | tuple["ValueMeta", ...] | None
 class OpGraph:
     """A traced model: fx GraphModule + one costed ``OpNode`` per call, in topological order.
 
-    Built by ``fusionllm.dag.tracing.trace``; shares parameters with the traced module (and so do the
-    stage modules it makes: deep-copy a stage module to give it parameters of its own).
+    Built by ``fusionllm.dag.tracing.trace``; shares parameters with the traced module (and so
+    do the stage modules it makes: deep-copy a stage module to give it parameters of its own).
     """
 
     def __init__(
