@@ -6,6 +6,7 @@ The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView
 
 import math
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,7 @@ logger = get_logger(__name__)
 # interleave, or their weights differ or a trace breaks.
 _ONE_BUILD_AT_A_TIME = threading.Lock()
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
+_UNMEASURED_BYTES_PER_S = 12.5e6  # 100 Mbit/s: a link we know nothing of
 
 
 class DaemonView:
@@ -64,6 +66,18 @@ class DaemonView:
     def progress(self) -> int:
         records = list(self._daemon.members.values())
         return max((i.training.step for i in records if i.training is not None), default=0)
+
+    def suspect(self, peer: str, reason: str) -> None:
+        self._daemon.suspect(peer, reason)
+
+    def cleared(self, peer: str) -> None:
+        self._daemon.suspicions.cleared(peer)
+
+    def link_bytes_per_s(self, peer: str) -> float:
+        daemon = self._daemon
+        measured = daemon.book.towards(daemon.peer_id, time.time(), sources={peer})
+        info = daemon.members.get(peer)
+        return max(measured, default=info.uplink if info is not None else _UNMEASURED_BYTES_PER_S)
 
 
 def build_workload(run: RunSpec) -> tuple[OpGraph, TokenDataset]:

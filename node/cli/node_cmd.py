@@ -62,7 +62,13 @@ def add_parser(commands) -> None:
     node.add_argument(
         "--no-train",
         action="store_true",
-        help="agree on plans but train nothing (a control-plane observer, tests, benchmarks)",
+        help="observe: follow the swarm's plans and train nothing; the node's record says so, "
+        "and no plan seats it",
+    )
+    node.add_argument(
+        "--control-only",
+        action="store_true",
+        help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
     )
     node.add_argument("--events", action="store_true", help="print events as JSON lines")
     node.set_defaults(handler=run)
@@ -194,6 +200,7 @@ def _node_config(args: argparse.Namespace):
         device=device,
         uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
         downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
+        observer=args.no_train,
     )
 
 
@@ -250,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
 
     node_config = _node_config(args)
-    if args.threads and not args.no_train:  # a node that trains nothing never loads torch
+    train = not (args.no_train or args.control_only)
+    if args.threads and train:  # a node that trains nothing never loads torch
         import torch
 
         torch.set_num_threads(args.threads)
@@ -263,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         work_dir=work_dir,
         step_timeout_s=args.step_timeout,
         checkpoint_pause_s=args.checkpoint_pause,
-        train=not args.no_train,
+        train=train,
         pin_cores=args.pin_cores,
     )
     stop = threading.Event()

@@ -166,6 +166,10 @@ class Board:
         self._manifests: dict[tuple[str, int], tuple[Holding, int, int]] = {}
         self.refused = 0
 
+    def state_bytes(self, names) -> int:
+        """Bytes the named parameters' STATE frames hold (a parameter and two AdamW moments)."""
+        return sum(4 * (3 * self._numel[n] + 1) for n in names)
+
     def expect(self, header: FrameHeader) -> TensorSpec | None:
         """dtype and shape of a board frame; None if the header is not one."""
         if is_ready(header):

@@ -68,6 +68,9 @@ class SwarmView(Protocol):
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
     def members(self) -> list[str]: ...  # every live member's peer id
     def progress(self) -> int: ...  # the newest step the members' records say was reached
+    def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
+    def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
+    def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,9 +81,13 @@ class TrainerConfig:
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # steps; 0: never
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
+    # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
+    barrier_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        if not 0 < self.barrier_grace_s <= 3600:
+            raise ConfigError(f"barrier_grace_s must be in (0, 3600], got {self.barrier_grace_s}")
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -346,6 +353,10 @@ class SwarmTrainer:
             progress=self._reached,
             donors=self.view.members,
             connect=self.connect,
+            suspect=self.view.suspect,
+            cleared=self.view.cleared,
+            link_bytes_per_s=self.view.link_bytes_per_s,
+            barrier_grace_s=self.config.barrier_grace_s,
         )
 
     def _followed(self) -> str | None:
