@@ -130,6 +130,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             run=config.run,
             work_dir=config.work_dir,
             step_timeout_s=config.step_timeout_s,
+            barrier_grace_s=config.barrier_grace_s,
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
             pin_cores=config.pin_cores,

@@ -126,6 +126,14 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         default=60.0,
         help="longest wait for a neighbour's frame inside a step, s (default: %(default)s)",
     )
+    group.add_argument(
+        "--barrier-grace",
+        type=float,
+        default=30.0,
+        help="how long a plan's start waits for a member, s, plus the time its stage's state "
+        "takes at the measured bandwidth; then the member is suspected and planned around "
+        "for 15 s, twice as long each repeat (default: %(default)s)",
+    )
 
 
 def _add_compute_options(node: argparse.ArgumentParser) -> None:
@@ -270,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         node=node_config,
         work_dir=work_dir,
         step_timeout_s=args.step_timeout,
+        barrier_grace_s=args.barrier_grace,
         checkpoint_pause_s=args.checkpoint_pause,
         train=train,
         pin_cores=args.pin_cores,
