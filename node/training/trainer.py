@@ -29,6 +29,7 @@ from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
+from fusionllm.node.training.answers import Answers
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
@@ -142,6 +143,8 @@ class SwarmTrainer:
             shapes=shapes, is_member=self.admits, on_copy=self._on_copy, on_want=self._on_want
         )
         self._donated: set[tuple[str, Holding]] = set()
+        self.answers = Answers(full_state_bytes=self.board.state_bytes(self.board.names))
+        self._members_of: dict[str, tuple[tuple[str, ...], bool]] = {}  # digest -> (who, us?)
         self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
@@ -228,7 +231,29 @@ class SwarmTrainer:
             self.board.filed(copy.peer)
 
     def _on_want(self, peer: str, reached: int, floor: int) -> None:
+        current = self.view.adopted()
+        members, serving = self._plan_members(current) if current else ((), False)
+        why = self.answers.refusal(
+            peer, digest=current[0] if current else None, members=members, serving=serving
+        )
+        if why is not None:
+            logger.info("refused a request for state from %s: %s", peer[:16], why)
+            return
         self._keeper.submit(self._donate, peer, floor)
+
+    def _plan_members(self, current: tuple[str, Plan]) -> tuple[tuple[str, ...], bool]:
+        """(the plan's members in order, whether it seats us), memoized: WANTs may flood in."""
+        digest = current[0]
+        if digest not in self._members_of:
+            try:
+                plan_of = assign(self.run_spec, current[1], digest, self.peer_id)
+                found = (plan_of.members, plan_of.role is not None)
+            except ConfigError:
+                found = ((), False)
+            while len(self._members_of) >= _PLANS_REMEMBERED:
+                del self._members_of[next(iter(self._members_of))]
+            self._members_of[digest] = found
+        return self._members_of[digest]
 
     def _donate(self, peer: str, floor: int) -> None:
         """A plan's member lacks state the swarm reached: send it everything we hold after
@@ -240,6 +265,9 @@ class SwarmTrainer:
             holding = stage.holding
             if (peer, holding) in self._donated:
                 continue
+            if not self.answers.spend(peer, sum(t.nbytes for t in stage.state.values())):
+                logger.info("%s used up its state budget: no more copies", peer[:16])
+                break
             self._donated.add((peer, holding))
             ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
             sent += ok

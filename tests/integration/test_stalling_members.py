@@ -9,7 +9,8 @@ Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per te
   trainers suspect it, re-plan without it and go on within 60 s at the default barrier grace,
   and keep it out for the backoff;
 - a third node waits in backup and a serving one is SIGSTOPped (its connections stay up, it
-  sends nothing): the others go on within 60 s, losing at most one checkpoint interval.
+  sends nothing): the others go on within 60 s, losing at most one checkpoint interval;
+- a member floods the trainers with requests for state (WANT): at most one answer per plan.
 
 Every test ends its processes (SIGCONT first for a stopped one); steps are read from the nodes'
 ``step`` events.
@@ -20,7 +21,9 @@ import signal
 import time
 
 import pytest
+import torch
 
+from fusionllm.compression import pack_tensor
 from fusionllm.node.local_swarm import (
     TEST_DEVICE,
     LocalSwarm,
@@ -30,6 +33,9 @@ from fusionllm.node.local_swarm import (
     serving,
     wait_for,
 )
+from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.p2p.transport import Transport, TransportConfig
+from fusionllm.node.training.board import TAG_WANT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -168,5 +174,44 @@ def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(tmp_pat
     finally:
         if stopped is not None:
             stopped.process.send_signal(signal.SIGCONT)
+        if swarm is not None:
+            swarm.close()
+
+
+def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(tmp_path):
+    swarm, flooder = None, None
+    try:
+        swarm, nodes = _trainers(tmp_path)
+        # A member no plan can seat (1 MiB of memory) sends frames with its own key.
+        tiny = {**SLOW_DEVICE, "memory_bytes": 1 << 20}
+        member = swarm.start("x", bootstrap=nodes[0].dht_addr, device=tiny,
+                             extra={"control-only": True})  # fmt: skip
+        seen = lambda: all(  # noqa: E731
+            member.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
+        )
+        wait_for(seen, 60, "the trainers to count it a member")
+        flooder = Transport(TransportConfig(key_path=tmp_path / "x.key", dial_timeout_s=5.0))
+        flooder.start()
+        targets = [flooder.connect(n.last("ready")["addrs"][0]) for n in nodes]
+        header = FrameHeader(step=0, micro_batch=TAG_WANT, kind=FrameKind.CONTROL, stage=0)
+        want = pack_tensor(torch.tensor([1e6, 0.0], dtype=torch.float64))  # (2,) hint, floor
+        began = time.time()
+        for _ in range(100):  # 10 s of 10 requests a second to each trainer
+            for peer in targets:
+                flooder.send_async(peer, header, want, timeout=5.0)
+            time.sleep(0.1)
+        time.sleep(3.0)  # answers still on their way
+        for node in nodes:
+            plans = {e["digest"] for e in node.snapshot() if e["event"] == "epoch"
+                     and e["t"] >= began}  # fmt: skip
+            answers = [e for e in node.snapshot() if e["event"] == "donated" and e["to"] ==
+                       member.peer_id]  # fmt: skip
+            print(f"{node.name}: {len(answers)} answers, {len(plans)} plans during the flood")
+            assert len(answers) <= len(plans), answers
+        assert all(n.alive() for n in nodes)
+        assert len(_step_times(nodes)) > 10
+    finally:
+        if flooder is not None:
+            flooder.close()
         if swarm is not None:
             swarm.close()
