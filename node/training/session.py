@@ -224,7 +224,7 @@ class PlanSession:
         than ``floor`` are filed), we hold the whole model at a step >= ``reached``, or
         _DONOR_WAIT_S (a donor may be gone)."""
         donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
-        self.board.reset_done()
+        self.board.reset_done(donors)
         want = torch.tensor([float(reached), float(floor)], dtype=torch.float64)  # (2,)
         self._announce(donors, want, TAG_WANT)
         everything = self.hooks.params_of(0, self.assignment.ranges[-1][1])

@@ -140,7 +140,11 @@ class SwarmTrainer:
         # after it left the member list, or the state it handed over on its way out (frames
         # still queued when its record goes) would be refused while we wait for it.
         self.board = Board(
-            shapes=shapes, is_member=self.admits, on_copy=self._on_copy, on_want=self._on_want
+            shapes=shapes,
+            is_member=self.admits,
+            on_copy=self._on_copy,
+            on_want=self._on_want,
+            moves_from=self._meets,
         )
         self._donated: set[tuple[str, Holding]] = set()
         self.answers = Answers(full_state_bytes=self.board.state_bytes(self.board.names))
@@ -192,6 +196,11 @@ class SwarmTrainer:
         if session is not None and peer in session.runner.peer_of.values():
             return True
         return self.view.is_member(peer)
+
+    def _meets(self, peer: str) -> bool:
+        """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
+        session = self._session
+        return session is not None and peer in session.assignment.members
 
     def start(self) -> "SwarmTrainer":
         self.router.start()

@@ -15,6 +15,7 @@ import torch
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training import trainer as trainer_module
+from fusionllm.node.training.answers import Answers
 from fusionllm.node.training.checkpoints import CheckpointStore, StageState
 from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import Held, Outcome, PlanSession
@@ -71,7 +72,11 @@ class Donor:
         self.session.parting = SimpleNamespace(checkpoint=lambda held: None)
         self.trainer = object.__new__(SwarmTrainer)
         self.trainer.__dict__.update(
-            vault=self.vault, _donated=set(), transport=None, board=SimpleNamespace(names=["w"])
+            vault=self.vault,
+            _donated=set(),
+            transport=None,
+            board=SimpleNamespace(names=["w"]),
+            answers=Answers(full_state_bytes=1 << 20),
         )
         self.trainer.connect = lambda peer: None
         self.trainer._emit = lambda event: None
