@@ -15,6 +15,7 @@ from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.seating import accusations, excluded
 
 logger = get_logger(__name__)
 
@@ -81,6 +82,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "uplink_mb_s": round(m.uplink / 1e6, 2),
                 "downlink_mb_s": round(m.downlink / 1e6, 2),
                 "software": m.software,
+                "observer": m.observer,
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
             }
@@ -98,6 +100,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
             for link in m.links
         ],
         **_training(members),
+        "suspected": _suspected(members, now),
         "plan": None,
         "plan_followers": {f"{e}:{d[:12]}": n for (e, d), n in votes.most_common()},
         "skipped_records": skipped,
@@ -139,6 +142,18 @@ def _plan_summary(plan, members: dict[str, NodeInfo], serving: set[str]) -> dict
     }
 
 
+def _suspected(members: dict[str, NodeInfo], now: float) -> list[dict[str, Any]]:
+    """Members some member waited for in vain (seating.py): who, why, by whom, for how long
+    more, and whether that is enough to keep it out of plans now."""
+    out = excluded(members, now=now)
+    shown = []
+    for peer, accused in sorted(accusations(members, now=now).items()):
+        by = [{"peer_id": a.by, "reason": a.reason, "strikes": a.strikes,
+               "left_s": round(a.until - now, 1)} for a in accused]  # fmt: skip
+        shown.append({"peer_id": peer, "excluded": peer in out, "by": by})
+    return shown
+
+
 def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
     """The swarm's step (the furthest any node reports) and that step's loss."""
     progress = [m.training for m in members.values() if m.training is not None]
@@ -146,6 +161,19 @@ def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
         return {"step": None, "loss": None, "finished": False}
     newest = max(progress, key=lambda p: (p.step, p.loss is not None))
     return {"step": newest.step, "loss": newest.loss, "finished": any(p.finished for p in progress)}
+
+
+def _suspect_lines(suspected: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for s in suspected:
+        out = "kept out of plans" if s["excluded"] else "not enough to keep it out"
+        lines.append(f"suspected {_short(s['peer_id'])} ({out}):")
+        for a in s["by"]:
+            lines.append(
+                f"  by {_short(a['peer_id'])}: {a['reason']}, strike {a['strikes']}, "
+                f"{a['left_s']:.0f} s left"
+            )
+    return lines
 
 
 def _short(peer: str) -> str:
@@ -164,11 +192,13 @@ def format_status(status: dict[str, Any]) -> str:
     )
     for p in status["peers"]:
         stage = "" if p["stage"] is None else str(p["stage"])
+        state = "observer" if p.get("observer") else p["state"]
         lines.append(
-            f"  {_short(p['peer_id']):<15} {p['state']:<8} {stage:>5} {p['device'][:22]:<22} "
+            f"  {_short(p['peer_id']):<15} {state:<8} {stage:>5} {p['device'][:22]:<22} "
             f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
             f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f}"
         )
+    lines.extend(_suspect_lines(status.get("suspected", [])))
     lines.append(f"measured links ({len(status['links'])}):")
     for link in status["links"]:
         lines.append(
