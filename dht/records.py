@@ -25,6 +25,7 @@ MAX_LINKS = 32
 MAX_SUSPECTS = 16  # suspicions one record carries (node/control/suspicion.py)
 MAX_STRIKES = 64
 MAX_REASON_CHARS = 32
+MAX_PACE = 1e6
 MAX_NAME_CHARS = 128
 MAX_PEER_ID_CHARS = 128
 MAX_PLAN_BYTES = 512 << 10
@@ -274,6 +275,9 @@ class NodeInfo:
     # plan may seat it. Old records lack the field: they are members as before.
     observer: bool = False
     suspects: tuple[Suspicion, ...] = ()  # members it waited for in vain (suspicion.py)
+    # How many times slower than its device it measured itself (node/control/pace.py): every
+    # planner divides the device's figures by it. Old records lack it: 1, as advertised.
+    pace: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -302,13 +306,14 @@ class NodeInfo:
             **({"beat": self.beat} if self.beat != 1 else {}),
             **({"obs": True} if self.observer else {}),
             **({"sus": [x.to_wire() for x in self.suspects]} if self.suspects else {}),
+            **({"pace": self.pace} if self.pace != 1.0 else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        optional = frozenset({"train", "beat", "obs", "sus"})
+        optional = frozenset({"train", "beat", "obs", "sus", "pace"})
         w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
@@ -349,6 +354,7 @@ class NodeInfo:
             "suspects": tuple(
                 Suspicion.from_wire(x) for x in _list(w.get("sus", []), "suspects", MAX_SUSPECTS)
             ),
+            "pace": _float(w["pace"], "pace", 1.0, MAX_PACE) if "pace" in w else 1.0,
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)

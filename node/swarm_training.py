@@ -67,6 +67,9 @@ class DaemonView:
         records = list(self._daemon.members.values())
         return max((i.training.step for i in records if i.training is not None), default=0)
 
+    def measured(self, compute_s: float) -> None:
+        self._daemon.measured(compute_s)
+
     def suspect(self, peer: str, reason: str) -> None:
         self._daemon.suspect(peer, reason)
 

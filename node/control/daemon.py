@@ -44,6 +44,7 @@ from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
+from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.p2p.control_host import ControlHost
@@ -74,6 +75,8 @@ class NodeDaemon:
         self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
         self.suspicions = SuspicionBook()  # members our trainer waited for in vain
         self._beat_now = threading.Event()  # refresh our record before the next heartbeat
+        self.pace = PaceMeter()  # our measured compute against our device's (pace.py)
+        self._paced_plan: str | None = None  # the plan the meter's steps were measured in
 
     # What the agreement decided (read by the trainer, the status command and our record).
 
@@ -117,6 +120,7 @@ class NodeDaemon:
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids
+        self.costs = costs
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
         self._start_network()
         if self.dht.peer_id != self.peer_id:
@@ -275,6 +279,7 @@ class NodeDaemon:
             beat=beat,
             observer=self.config.observer,
             suspects=self.suspicions.current(),
+            pace=self.pace.published,
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -332,6 +337,25 @@ class NodeDaemon:
         before = self.suspicions.current()
         self.suspicions.suspect(peer, reason)
         if self.suspicions.current() != before:
+            self._beat_now.set()
+
+    def measured(self, compute_s: float) -> None:
+        """One step's compute of our stage (the trainer's report), against what our device
+        predicts for it in the plan we follow; a new pace goes out at once (pace.py)."""
+        adopted = self.adopted
+        if adopted is None:
+            return
+        if adopted.digest != self._paced_plan:
+            self.pace.reset()
+            self._paced_plan = adopted.digest
+        config = self.settings.plan_config()
+        predicted = predicted_compute_s(self.costs, adopted.plan, self.peer_id, self.device, config)
+        if predicted is None:
+            return
+        before = self.pace.published
+        if self.pace.add(compute_s, predicted) != before:
+            logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
+                           self.pace.published)  # fmt: skip
             self._beat_now.set()
 
     def health(self) -> dict[str, int]:

@@ -489,6 +489,7 @@ class PlanAgreement:
             backup=backup,
             members=sorted(members),
             excluded=sorted(self.excluded),
+            paced={p: i.pace for p, i in members.items() if i.pace != 1.0},
             state=str(self.state),
             stride=self.quiet.cadence.stride,
             **fields,

@@ -83,6 +83,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "downlink_mb_s": round(m.downlink / 1e6, 2),
                 "software": m.software,
                 "observer": m.observer,
+                "pace": m.pace,  # measured compute / what its device predicts (pace.py)
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
             }
@@ -198,6 +199,10 @@ def format_status(status: dict[str, Any]) -> str:
             f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
             f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f}"
         )
+    for p in status["peers"]:
+        if p.get("pace", 1.0) != 1.0:
+            lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
+                         "device: planned so")  # fmt: skip
     lines.extend(_suspect_lines(status.get("suspected", [])))
     lines.append(f"measured links ({len(status['links'])}):")
     for link in status["links"]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fusionllm.common.errors import ConfigError
 
 _PLANS_REMEMBERED = 64  # answered (peer, plan) pairs kept; older ones fall off
+ANSWERED = "answered for this plan already"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +70,7 @@ class Answers:
             why = "only the plan's first member asks"
         with self._lock:
             if why is None and (peer, digest) in self._answered:
-                why = "answered for this plan already"
+                why = ANSWERED
             if why is not None:
                 self.refused += 1
                 return why

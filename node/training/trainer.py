@@ -11,7 +11,7 @@ leave, finishes the step and hands its stage's state to a member that stays.
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +29,10 @@ from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
-from fusionllm.node.training.answers import Answers
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
-from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
-from fusionllm.node.training.copies import delivered, send_copy, send_done
-from fusionllm.node.training.holdings import SEED_STEP, Holding
+from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
+from fusionllm.node.training.donor import Donor
 from fusionllm.node.training.placement import CorePlacement
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
@@ -51,8 +49,6 @@ logger = get_logger(__name__)
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
-# A donor mid-step gives its live stage once the step ends: a step rarely takes longer.
-_LIVE_COPY_WAIT_S = 5.0
 _PLANS_REMEMBERED = 8
 DEFAULT_CHECKPOINT_EVERY = 20
 
@@ -69,6 +65,7 @@ class SwarmView(Protocol):
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
     def members(self) -> list[str]: ...  # every live member's peer id
     def progress(self) -> int: ...  # the newest step the members' records say was reached
+    def measured(self, compute_s: float) -> None: ...  # one step's compute of our stage
     def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
     def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
     def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
@@ -143,15 +140,24 @@ class SwarmTrainer:
             shapes=shapes,
             is_member=self.admits,
             on_copy=self._on_copy,
-            on_want=self._on_want,
+            on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
             moves_from=self._meets,
         )
-        self._donated: set[tuple[str, Holding]] = set()
-        self.answers = Answers(full_state_bytes=self.board.state_bytes(self.board.names))
-        self._members_of: dict[str, tuple[tuple[str, ...], bool]] = {}  # digest -> (who, us?)
+        self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
+        self.donor = Donor(
+            run=config.run,
+            peer_id=peer_id,
+            view=view,
+            vault=self.vault,
+            board=self.board,
+            transport=transport,
+            connect=self.connect,
+            emit=on_event,
+            keeper=self._keeper,
+            stop=self._stop,
+        )
         self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
-        self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
         self.finished = threading.Event()
         self.step = 0  # steps the swarm completed, as far as this node knows
@@ -238,67 +244,6 @@ class SwarmTrainer:
             logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
         finally:
             self.board.filed(copy.peer)
-
-    def _on_want(self, peer: str, reached: int, floor: int) -> None:
-        current = self.view.adopted()
-        members, serving = self._plan_members(current) if current else ((), False)
-        why = self.answers.refusal(
-            peer, digest=current[0] if current else None, members=members, serving=serving
-        )
-        if why is not None:
-            logger.info("refused a request for state from %s: %s", peer[:16], why)
-            return
-        self._keeper.submit(self._donate, peer, floor)
-
-    def _plan_members(self, current: tuple[str, Plan]) -> tuple[tuple[str, ...], bool]:
-        """(the plan's members in order, whether it seats us), memoized: WANTs may flood in."""
-        digest = current[0]
-        if digest not in self._members_of:
-            try:
-                plan_of = assign(self.run_spec, current[1], digest, self.peer_id)
-                found = (plan_of.members, plan_of.role is not None)
-            except ConfigError:
-                found = ((), False)
-            while len(self._members_of) >= _PLANS_REMEMBERED:
-                del self._members_of[next(iter(self._members_of))]
-            self._members_of[digest] = found
-        return self._members_of[digest]
-
-    def _donate(self, peer: str, floor: int) -> None:
-        """A plan's member lacks state the swarm reached: send it everything we hold after
-        ``floor`` (once each; the newest may be a partial stage, an older step whole), then
-        DONE, so it stops waiting for us."""
-        self.connect(peer)
-        sent = 0
-        for stage in self._donations(floor):
-            holding = stage.holding
-            if (peer, holding) in self._donated:
-                continue
-            if not self.answers.spend(peer, sum(t.nbytes for t in stage.state.values())):
-                logger.info("%s used up its state budget: no more copies", peer[:16])
-                break
-            self._donated.add((peer, holding))
-            ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
-            sent += ok
-            self._emit({"event": "donated", "to": peer, "step": holding.step,
-                        "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
-        send_done(self.transport, peer, floor, sent)
-
-    def _donations(self, floor: int) -> Iterator[StageState]:
-        """What we hold after ``floor``, newest first: the live stage as it is between steps
-        (a copy taken mid-step would hold step k's update under step k's name), then files."""
-        floor = max(floor, SEED_STEP)  # step 0: every member builds it itself
-        live = self.vault.live_stage(timeout=_LIVE_COPY_WAIT_S)
-        if live is not None and live.holding.step > floor:
-            yield live
-        stored = [h for h in self.vault.stored_holdings() if h.step > floor]
-        for holding in sorted(stored, key=lambda h: -h.step):
-            if live is not None and holding == live.holding:
-                continue
-            try:
-                yield self.vault.stored_stage(holding)
-            except (OSError, FusionError) as exc:
-                logger.warning("cannot donate %s: %s", holding, exc)
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -454,6 +399,7 @@ class SwarmTrainer:
         self.step, self.loss = report.step + 1, report.loss
         role = self._role
         self.view.publish(role, self.step, self.loss, False)
+        self.view.measured(report.busy_s)
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,

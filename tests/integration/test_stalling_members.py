@@ -10,7 +10,9 @@ Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per te
   and keep it out for the backoff;
 - a third node waits in backup and a serving one is SIGSTOPped (its connections stay up, it
   sends nothing): the others go on within 60 s, losing at most one checkpoint interval;
-- a member floods the trainers with requests for state (WANT): at most one answer per plan.
+- a member floods the trainers with requests for state (WANT): at most one answer per plan;
+- a member claims 4x the speed it computes at: its own steps measure it, its record says so,
+  and the swarm re-plans it with the measured figure.
 
 Every test ends its processes (SIGCONT first for a stopped one); steps are read from the nodes'
 ``step`` events.
@@ -213,5 +215,45 @@ def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(tmp_path):
     finally:
         if flooder is not None:
             flooder.close()
+        if swarm is not None:
+            swarm.close()
+
+
+def _paced(node: NodeProcess, peer: str) -> list[dict]:
+    return [e for e in node.snapshot() if e["event"] == "epoch" and e.get("paced", {}).get(peer)]
+
+
+def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_path):
+    swarm = None
+    try:
+        swarm, nodes = _trainers(tmp_path)
+        # Four times the test CPU on every figure the planner reads: its steps take 4x the
+        # claim (more on a loaded machine, as the honest nodes' do too).
+        claim = {**TEST_DEVICE, "flops": 4 * TEST_DEVICE["flops"],
+                 "memory_bandwidth": 4 * TEST_DEVICE["memory_bandwidth"],
+                 "op_overhead": TEST_DEVICE["op_overhead"] / 4}  # fmt: skip
+        boaster = swarm.start("boaster", bootstrap=nodes[0].dht_addr, device=claim)
+        everyone = [*nodes, boaster]
+        wait_for(lambda: _planned(nodes[0], boaster.peer_id, 0.0), 120, "it seated")
+        wait_for(lambda: all(_paced(n, boaster.peer_id) for n in nodes), 120, "its pace")
+        paced = [_paced(n, boaster.peer_id)[0] for n in nodes]
+        paces = paced[0]["paced"]
+        since = min(e["t"] for e in paced)
+        epochs = [e for e in nodes[0].snapshot() if e["event"] == "epoch"]
+        before = [e for e in epochs if e["t"] < since][-1]  # the plan in force until then
+        replanned = wait_for(
+            lambda: [e for e in nodes[0].snapshot() if e["event"] == "epoch" and e["t"] >= since
+                     and e["digest"] != before["digest"]], 60, "a plan on its measured figure",
+        )[0]  # fmt: skip
+        print(f"claimed 4x: paces {paces}; plan estimate {before['estimate']:.4g} s -> "
+              f"{replanned['estimate']:.4g} s")  # fmt: skip
+        pace = paces[boaster.peer_id]
+        assert pace >= 2.0
+        assert all(pace >= p for p in paces.values())  # the slowest against its claim
+        assert {e["paced"][boaster.peer_id] for e in paced} == {pace}  # the same on every node
+        assert replanned["estimate"] > before["estimate"]
+        steps = len(_step_times(everyone))
+        wait_for(lambda: len(_step_times(everyone)) > steps + 10, 120, "training to go on")
+    finally:
         if swarm is not None:
             swarm.close()
