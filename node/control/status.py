@@ -1,6 +1,7 @@
 """``fusionllm status``: what a swarm looks like from its DHT, without joining it.
 
-Starts a client-mode DHT worker (it stores nothing for others and has a throwaway identity),
+Starts a client-mode DHT worker (it stores nothing for others and has a throwaway identity,
+and it writes no node record: the swarm never counts it a member, so no plan can seat it),
 reads the swarm's node records and the plan most of them follow, and describes peers, devices,
 measured links, fences, stages and the backup pool.
 """
