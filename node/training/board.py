@@ -152,6 +152,7 @@ class Board:
         on_copy: Callable[[Copy], None] = lambda copy: None,
         on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
         moves_from: Callable[[str], bool] = lambda peer: True,
+        copies_from: Callable[[str], bool] = lambda peer: True,
     ):
         self.names = sorted(shapes)
         self._numel = {n: int(torch.Size(shapes[n]).numel()) for n in self.names}
@@ -159,6 +160,7 @@ class Board:
         self._on_copy = on_copy
         self._on_want = on_want
         self._moves_from = moves_from  # who may send STATE: the plan we meet's members
+        self._copies_from = copies_from  # who may send copies to keep, besides those asked
         self._asked: frozenset[str] = frozenset()  # who may answer DONE: the last WANT's
         self._done: dict[str, tuple[int, int]] = {}  # peer -> (floor, copies sent) of its DONE
         self._filed: dict[str, int] = {}  # peer -> its copies filed (kept or refused) since
@@ -220,6 +222,10 @@ class Board:
             with self._cond:
                 self._done[item.peer] = (int(floor), int(sent))
                 self._cond.notify_all()
+        elif (is_manifest(header) or custody_index(header) is not None) and not (
+            self._copies_from(item.peer) or item.peer in self._asked
+        ):
+            return self._refuse(item, "a copy from outside the plan")
         elif is_manifest(header):
             self._close_copy(item)
         elif (index := custody_index(header)) is not None:

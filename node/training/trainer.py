@@ -142,7 +142,9 @@ class SwarmTrainer:
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
             moves_from=self._meets,
+            copies_from=self._keeps_for,
         )
+        self._last_members: frozenset[str] = frozenset()  # of the plan we served last
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self.donor = Donor(
             run=config.run,
@@ -207,6 +209,12 @@ class SwarmTrainer:
         """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
         session = self._session
         return session is not None and peer in session.assignment.members
+
+    def _keeps_for(self, peer: str) -> bool:
+        """Whether ``peer`` may give us copies to keep: a member of the plan we serve (its
+        checkpoints, its hand-over) or of the one we served last (frames still on their way
+        as it ended). Nodes we asked for state may too (the board knows them)."""
+        return self._meets(peer) or peer in self._last_members
 
     def start(self) -> "SwarmTrainer":
         self.router.start()
@@ -297,6 +305,7 @@ class SwarmTrainer:
             with self._placement.serving(plan_of, torch.get_num_threads()):
                 ending = self._run_session(session, plan_of)
         finally:
+            self._last_members = frozenset(plan_of.members)
             self._session = None
             session.close()
         self._emit({"event": "plan_end", "digest": digest, "outcome": ending.outcome.value,

@@ -73,7 +73,7 @@ def _done(peer: str, floor: float, sent: float) -> Received:
 class _Keeper:
     """A board over SHAPES whose members are MEMBERS, and the copies and WANTs it hands over."""
 
-    def __init__(self, meeting=MEMBERS) -> None:
+    def __init__(self, meeting=MEMBERS, keeping=MEMBERS) -> None:
         self.copies: list[Copy] = []
         self.wants: list[tuple[str, int, int]] = []
         self.board = Board(
@@ -82,6 +82,7 @@ class _Keeper:
             on_copy=self.copies.append,
             on_want=lambda peer, hint, floor: self.wants.append((peer, hint, floor)),
             moves_from=meeting.__contains__,
+            copies_from=keeping.__contains__,
         )
 
     def put(self, *items: Received) -> None:
@@ -380,6 +381,16 @@ def test_a_manifest_between_its_parts_completes_with_the_last_part() -> None:
     keeper.put(_part("m1", 6, "g", 3.0))
     assert len(keeper.copies) == 1
     _check_copy(keeper.copies[0], "m1", Holding(6, 2, 4), 5, {"w": 1, "g": 3})
+
+
+def test_copies_come_only_from_the_plan_we_keep_for_or_the_nodes_we_asked() -> None:
+    keeper = _Keeper(keeping={"m1"})
+    copy = [_part("m2", 10, "w"), _part("m2", 10, "b"), _manifest("m2", 10, 0, 5, count=2)]
+    keeper.put(*copy)  # a member, but not of our plan: three frames refused
+    assert (keeper.copies, keeper.board.refused) == ([], 3)
+    keeper.board.reset_done(["m2"])  # we asked it for state: its answer counts
+    keeper.put(*copy)
+    assert [(c.peer, c.holding) for c in keeper.copies] == [("m2", Holding(10, 0, 5))]
 
 
 def test_a_missing_part_holds_the_copy_back_until_it_comes() -> None:
