@@ -100,31 +100,6 @@ def _trainers(tmp_path) -> tuple[LocalSwarm, list[NodeProcess]]:
     return swarm, nodes
 
 
-def test_an_observer_with_a_fast_device_is_never_planned(tmp_path):
-    swarm, nodes = None, []
-    try:
-        swarm, nodes = _trainers(tmp_path)
-        joined = time.time()
-        observer = swarm.start(
-            "watcher", bootstrap=nodes[0].dht_addr, device=RTX_4090, extra={"no-train": True}
-        )
-        wait_for(lambda: observer.last("epoch"), 60, "the observer to follow the plan")
-        seen = lambda: all(  # noqa: E731
-            observer.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
-        )
-        wait_for(seen, 60, "the trainers to count the observer a member")
-        time.sleep(30.0)  # many epochs with its links measured: a plan would have seated it
-        now = time.time()
-        for node in [*nodes, observer]:
-            assert not _planned(node, observer.peer_id, joined), swarm.logs()
-        pause = _longest_pause(_step_times(nodes), joined, now)
-        print(f"longest pause in steps after the observer joined: {pause:.1f} s")
-        assert pause < RESUME_S, swarm.logs()
-    finally:
-        if swarm is not None:
-            swarm.close()
-
-
 def _suspected_by(node: NodeProcess, peer: str) -> list[dict]:
     return [e for e in node.snapshot() if e["event"] == "epoch" and peer in e.get("excluded", [])]
 
@@ -180,45 +155,6 @@ def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(tmp_pat
             swarm.close()
 
 
-def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(tmp_path):
-    swarm, flooder = None, None
-    try:
-        swarm, nodes = _trainers(tmp_path)
-        # A member no plan can seat (1 MiB of memory) sends frames with its own key.
-        tiny = {**SLOW_DEVICE, "memory_bytes": 1 << 20}
-        member = swarm.start("x", bootstrap=nodes[0].dht_addr, device=tiny,
-                             extra={"control-only": True})  # fmt: skip
-        seen = lambda: all(  # noqa: E731
-            member.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
-        )
-        wait_for(seen, 60, "the trainers to count it a member")
-        flooder = Transport(TransportConfig(key_path=tmp_path / "x.key", dial_timeout_s=5.0))
-        flooder.start()
-        targets = [flooder.connect(n.last("ready")["addrs"][0]) for n in nodes]
-        header = FrameHeader(step=0, micro_batch=TAG_WANT, kind=FrameKind.CONTROL, stage=0)
-        want = pack_tensor(torch.tensor([1e6, 0.0], dtype=torch.float64))  # (2,) hint, floor
-        began = time.time()
-        for _ in range(100):  # 10 s of 10 requests a second to each trainer
-            for peer in targets:
-                flooder.send_async(peer, header, want, timeout=5.0)
-            time.sleep(0.1)
-        time.sleep(3.0)  # answers still on their way
-        for node in nodes:
-            plans = {e["digest"] for e in node.snapshot() if e["event"] == "epoch"
-                     and e["t"] >= began}  # fmt: skip
-            answers = [e for e in node.snapshot() if e["event"] == "donated" and e["to"] ==
-                       member.peer_id]  # fmt: skip
-            print(f"{node.name}: {len(answers)} answers, {len(plans)} plans during the flood")
-            assert len(answers) <= len(plans), answers
-        assert all(n.alive() for n in nodes)
-        assert len(_step_times(nodes)) > 10
-    finally:
-        if flooder is not None:
-            flooder.close()
-        if swarm is not None:
-            swarm.close()
-
-
 def _paced(node: NodeProcess, peer: str) -> list[dict]:
     return [e for e in node.snapshot() if e["event"] == "epoch" and e.get("paced", {}).get(peer)]
 
@@ -257,3 +193,79 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_p
     finally:
         if swarm is not None:
             swarm.close()
+
+
+# ----- last: the tests that share two trainers (torn down at the end of the module)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Two trainers for the tests that leave their plan alone (an observer, a flood)."""
+    swarm = None
+    try:
+        swarm, nodes = _trainers(tmp_path_factory.mktemp("shared"))
+        yield swarm, nodes
+    finally:
+        if swarm is not None:
+            swarm.close()
+
+
+def test_an_observer_with_a_fast_device_is_never_planned(shared):
+    swarm, nodes = shared
+    joined = time.time()
+    observer = swarm.start(
+        "watcher", bootstrap=nodes[0].dht_addr, device=RTX_4090, extra={"no-train": True}
+    )
+    try:
+        wait_for(lambda: observer.last("epoch"), 60, "the observer to follow the plan")
+        seen = lambda: all(  # noqa: E731
+            observer.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
+        )
+        wait_for(seen, 60, "the trainers to count the observer a member")
+        time.sleep(30.0)  # many epochs with its links measured: a plan would have seated it
+        now = time.time()
+        for node in [*nodes, observer]:
+            assert not _planned(node, observer.peer_id, joined), swarm.logs()
+        pause = _longest_pause(_step_times(nodes), joined, now)
+        print(f"longest pause in steps after the observer joined: {pause:.1f} s")
+        assert pause < RESUME_S, swarm.logs()
+    finally:
+        observer.kill()  # the test's own process; the trainers are the module's
+
+
+def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(shared):
+    swarm, nodes = shared
+    flooder = None
+    # A member no plan can seat (1 MiB of memory) sends frames with its own key.
+    tiny = {**SLOW_DEVICE, "memory_bytes": 1 << 20}
+    member = swarm.start("x", bootstrap=nodes[0].dht_addr, device=tiny,
+                         extra={"control-only": True})  # fmt: skip
+    try:
+        seen = lambda: all(  # noqa: E731
+            member.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
+        )
+        wait_for(seen, 60, "the trainers to count it a member")
+        flooder = Transport(TransportConfig(key_path=swarm.root / "x.key", dial_timeout_s=5.0))
+        flooder.start()
+        targets = [flooder.connect(n.last("ready")["addrs"][0]) for n in nodes]
+        header = FrameHeader(step=0, micro_batch=TAG_WANT, kind=FrameKind.CONTROL, stage=0)
+        want = pack_tensor(torch.tensor([1e6, 0.0], dtype=torch.float64))  # (2,) hint, floor
+        began = time.time()
+        for _ in range(100):  # 10 s of 10 requests a second to each trainer
+            for peer in targets:
+                flooder.send_async(peer, header, want, timeout=5.0)
+            time.sleep(0.1)
+        time.sleep(3.0)  # answers still on their way
+        for node in nodes:
+            plans = {e["digest"] for e in node.snapshot() if e["event"] == "epoch"
+                     and e["t"] >= began}  # fmt: skip
+            answers = [e for e in node.snapshot() if e["event"] == "donated" and e["to"] ==
+                       member.peer_id]  # fmt: skip
+            print(f"{node.name}: {len(answers)} answers, {len(plans)} plans during the flood")
+            assert len(answers) <= len(plans), answers
+        assert all(n.alive() for n in nodes)
+        assert len(_step_times(nodes)) > 10
+    finally:
+        if flooder is not None:
+            flooder.close()
+        member.kill()
