@@ -25,8 +25,19 @@ import time
 import pytest
 import torch
 
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.compression import pack_tensor
+from fusionllm.dag.plan_wire import plan_from_json
+from fusionllm.dag.planner import Plan, PlanConfig
+from fusionllm.dht.client import DhtClient, DhtConfig
+from fusionllm.dht.envelope import open_envelope
+from fusionllm.dht.keys import nodes_key, plans_key
+from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control.agreement import epoch_at
+from fusionllm.node.control.local_facts import learn_local_facts
+from fusionllm.node.control.pace import predicted_compute_s
 from fusionllm.node.local_swarm import (
+    FAST,
     TEST_DEVICE,
     LocalSwarm,
     NodeProcess,
@@ -70,6 +81,7 @@ RTX_4090 = {
 # plan's step time, and a fast newcomer is worth a re-plan (as it is on a real swarm).
 SLOW_DEVICE = {**TEST_DEVICE, "flops": TEST_DEVICE["flops"] / 100}
 RESUME_S = 60.0
+RUN_EPOCH_S = FAST["epoch"]
 
 
 def _step_times(nodes: list[NodeProcess]) -> list[float]:
@@ -159,6 +171,24 @@ def _paced(node: NodeProcess, peer: str) -> list[dict]:
     return [e for e in node.snapshot() if e["event"] == "epoch" and e.get("paced", {}).get(peer)]
 
 
+def _plan_followed(node: NodeProcess, timeout: float) -> tuple[dict, Plan]:
+    """(epoch event, plan) of the plan ``node`` follows, read from the proposals on the DHT (a
+    followed plan is proposed again every epoch)."""
+    config = DhtConfig(swarm="default", initial_peers=(node.dht_addr,), client_mode=True)
+    with DhtClient(config) as client:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            client.get(nodes_key("default"))  # the validator takes plans of known members only
+            event = node.last("epoch")
+            for epoch in range(epoch_at(time.time(), RUN_EPOCH_S), event["epoch"] - 2, -1):
+                for _, value, _ in client.get(plans_key("default", epoch)):
+                    proposal = open_envelope(value).record
+                    if proposal.digest == event["digest"]:
+                        return event, plan_from_json(proposal.plan)
+            time.sleep(0.5)
+    raise AssertionError(f"no proposal of the plan {node.name} follows within {timeout} s")
+
+
 def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_path):
     swarm = None
     try:
@@ -174,20 +204,29 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_p
         wait_for(lambda: all(_paced(n, boaster.peer_id) for n in nodes), 120, "its pace")
         paced = [_paced(n, boaster.peer_id)[0] for n in nodes]
         paces = paced[0]["paced"]
-        since = min(e["t"] for e in paced)
-        epochs = [e for e in nodes[0].snapshot() if e["event"] == "epoch"]
-        before = [e for e in epochs if e["t"] < since][-1]  # the plan in force until then
-        replanned = wait_for(
-            lambda: [e for e in nodes[0].snapshot() if e["event"] == "epoch" and e["t"] >= since
-                     and e["digest"] != before["digest"]], 60, "a plan on its measured figure",
-        )[0]  # fmt: skip
-        print(f"claimed 4x: paces {paces}; plan estimate {before['estimate']:.4g} s -> "
-              f"{replanned['estimate']:.4g} s")  # fmt: skip
         pace = paces[boaster.peer_id]
-        assert pace >= 2.0
-        assert all(pace >= p for p in paces.values())  # the slowest against its claim
+        assert pace >= 2.0, paces
+        assert all(pace >= p for p in paces.values()), paces  # the slowest against its claim
         assert {e["paced"][boaster.peer_id] for e in paced} == {pace}  # the same on every node
-        assert replanned["estimate"] > before["estimate"]
+
+        # The plan the swarm then follows times the boaster's stage at its measured speed:
+        # about pace x what its claimed device predicts for that stage.
+        since = max(e["t"] for e in paced)
+        wait_for(lambda: _planned(nodes[0], boaster.peer_id, since + 2 * RUN_EPOCH_S), 120,
+                 "a plan seating it after its pace")  # fmt: skip
+        event, plan = _plan_followed(nodes[0], 60.0)
+        now_pace = event["paced"][boaster.peer_id]  # it may have grown since: a power of two
+        run = RunSpec(seq_len=64, micro_batch_size=2, micro_batches=4)
+        config = PlanConfig(micro_batches=4, batch_size=run.global_batch, graph_batch_size=1)
+        costs = learn_local_facts(run.model, 64, device_cache=None, measure_device=False).costs
+        stage = next(s for s in plan.stages if boaster.peer_id in s.peers)
+        share = stage.shares[stage.peers.index(boaster.peer_id)]
+        planned = config.micro_batches * share * (stage.forward_time + stage.backward_time)
+        claimed = predicted_compute_s(costs, plan, boaster.peer_id, DeviceInfo(**claim), config)
+        print(f"claimed 4x: first paces {paces}; plan {event['digest'][:12]} times its stage at "
+              f"{planned / claimed:.2f}x its claim, its pace now {now_pace:g}")  # fmt: skip
+        assert now_pace >= pace
+        assert 0.7 * now_pace <= planned / claimed <= 1.4 * now_pace
         steps = len(_step_times(everyone))
         wait_for(lambda: len(_step_times(everyone)) > steps + 10, 120, "training to go on")
     finally:
