@@ -318,7 +318,7 @@ def run(sizes: list[int], timing: dict, idle_seconds: float, settle_s: float) ->
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             swarm = LocalSwarm(
-                root, extra={"max-replicas": 1, "max-stages": 4, "no-train": True, **timing}
+                root, extra={"max-replicas": 1, "max-stages": 4, "control-only": True, **timing}
             )
             try:
                 row = {"nodes": n, **_agreement(swarm, n)}

@@ -22,6 +22,10 @@ MAX_ADDRS = 8
 MAX_WIRE_BEAT = 64  # NodeInfo.beat on the wire; readers believe less (quiet.py)
 MAX_ADDR_CHARS = 256
 MAX_LINKS = 32
+MAX_SUSPECTS = 16  # suspicions one record carries (node/control/suspicion.py)
+MAX_STRIKES = 64
+MAX_REASON_CHARS = 32
+MAX_PACE = 1e6
 MAX_NAME_CHARS = 128
 MAX_PEER_ID_CHARS = 128
 MAX_PLAN_BYTES = 512 << 10
@@ -233,6 +237,31 @@ class TrainingProgress:
         return cls(replica, _int(items[1], "step", 0, 1 << 62), loss, items[3], evaluation)
 
 
+@dataclass(frozen=True)
+class Suspicion:
+    """A member this node waited for in vain: it keeps it out of plans until ``until``."""
+
+    peer: str
+    until: float  # wall clock
+    reason: str  # short and printable, e.g. "barrier" (node/control/suspicion.py)
+    strikes: int  # how many times in a row; the backoff doubled with each
+
+    def to_wire(self) -> list[Any]:
+        return [self.peer, self.until, self.reason, self.strikes]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "Suspicion":
+        items = _list(wire, "suspicion", 4)
+        if len(items) != 4:
+            raise RecordError(f"suspicion must have 4 fields, got {len(items)}")
+        return cls(
+            _str(items[0], "suspect", MAX_PEER_ID_CHARS),
+            _float(items[1], "suspected until", 0.0, 1e11),
+            _str(items[2], "suspicion reason", MAX_REASON_CHARS),
+            _int(items[3], "strikes", 1, MAX_STRIKES),
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeInfo:
     """A node's record under the swarm's key, subkey = its peer id, refreshed by a heartbeat."""
@@ -255,6 +284,13 @@ class NodeInfo:
     # How many heartbeats this record may go unrefreshed: > 1 only in a quiet swarm
     # (node/control/quiet.py); readers cap what they believe of it.
     beat: int = 1
+    # An observer (``fusionllm node --no-train``) follows the swarm and trains nothing: no
+    # plan may seat it. Old records lack the field: they are members as before.
+    observer: bool = False
+    suspects: tuple[Suspicion, ...] = ()  # members it waited for in vain (suspicion.py)
+    # How many times slower than its device it measured itself (node/control/pace.py): every
+    # planner divides the device's figures by it. Old records lack it: 1, as advertised.
+    pace: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -281,13 +317,16 @@ class NodeInfo:
             "t": self.time,
             **({"train": self.training.to_wire()} if self.training is not None else {}),
             **({"beat": self.beat} if self.beat != 1 else {}),
+            **({"obs": True} if self.observer else {}),
+            **({"sus": [x.to_wire() for x in self.suspects]} if self.suspects else {}),
+            **({"pace": self.pace} if self.pace != 1.0 else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        optional = frozenset({"train", "beat"})
+        optional = frozenset({"train", "beat", "obs", "sus", "pace"})
         w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
@@ -324,10 +363,21 @@ class NodeInfo:
             "time": _float(w["t"], "time", 0.0, 1e11),
             "training": TrainingProgress.from_wire(w["train"]) if "train" in w else None,
             "beat": _int(w["beat"], "beat", 1, MAX_WIRE_BEAT) if "beat" in w else 1,
+            "observer": _observer(w.get("obs", False)),
+            "suspects": tuple(
+                Suspicion.from_wire(x) for x in _list(w.get("sus", []), "suspects", MAX_SUSPECTS)
+            ),
+            "pace": _float(w["pace"], "pace", 1.0, MAX_PACE) if "pace" in w else 1.0,
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)
         return obj
+
+
+def _observer(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError(f"observer must be a bool, got {type(value).__name__}")
+    return value
 
 
 # ----------------------------------------------------------------------------- plan proposals

@@ -28,6 +28,7 @@ class SwarmNodeConfig:
     node: NodeConfig
     work_dir: Path
     step_timeout_s: float = 60.0
+    barrier_grace_s: float = 30.0  # the READY barrier's wait for a member (training/session.py)
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it

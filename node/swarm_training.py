@@ -6,6 +6,7 @@ The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ logger = get_logger(__name__)
 # interleave, or their weights differ or a trace breaks.
 _ONE_BUILD_AT_A_TIME = threading.Lock()
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))
+_UNMEASURED_BYTES_PER_S = 12.5e6  # 100 Mbit/s: a link we know nothing of
 
 
 class DaemonView:
@@ -84,6 +86,21 @@ class DaemonView:
     def progress(self) -> int:
         records = list(self._daemon.members.values())
         return max((i.training.step for i in records if i.training is not None), default=0)
+
+    def measured(self, compute_s: float) -> None:
+        self._daemon.measured(compute_s)
+
+    def suspect(self, peer: str, reason: str) -> None:
+        self._daemon.suspect(peer, reason)
+
+    def cleared(self, peer: str) -> None:
+        self._daemon.suspicions.cleared(peer)
+
+    def link_bytes_per_s(self, peer: str) -> float:
+        daemon = self._daemon
+        measured = daemon.book.towards(daemon.peer_id, time.time(), sources={peer})
+        info = daemon.members.get(peer)
+        return max(measured, default=info.uplink if info is not None else _UNMEASURED_BYTES_PER_S)
 
 
 def build_workload(
@@ -157,6 +174,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             run=config.run,
             work_dir=config.work_dir,
             step_timeout_s=config.step_timeout_s,
+            barrier_grace_s=config.barrier_grace_s,
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
             pin_cores=config.pin_cores,

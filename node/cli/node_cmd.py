@@ -71,7 +71,13 @@ def add_parser(commands) -> None:
     node.add_argument(
         "--no-train",
         action="store_true",
-        help="agree on plans but train nothing (a control-plane observer, tests, benchmarks)",
+        help="observe: follow the swarm's plans and train nothing; the node's record says so, "
+        "and no plan seats it",
+    )
+    node.add_argument(
+        "--control-only",
+        action="store_true",
+        help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
     )
     node.add_argument("--events", action="store_true", help="print events as JSON lines")
     node.set_defaults(handler=run)
@@ -128,6 +134,14 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="longest wait for a neighbour's frame inside a step, s (default: %(default)s)",
+    )
+    group.add_argument(
+        "--barrier-grace",
+        type=float,
+        default=30.0,
+        help="how long a plan's start waits for a member, s, plus the time its stage's state "
+        "takes at the measured bandwidth; then the member is suspected and planned around "
+        "for 15 s, twice as long each repeat (default: %(default)s)",
     )
 
 
@@ -204,6 +218,7 @@ def _node_config(args: argparse.Namespace):
         compute_device=args.device,
         uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
         downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
+        observer=args.no_train,
     )
 
 
@@ -262,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
 
     node_config = _node_config(args)
-    if not args.no_train:  # a node that trains nothing never loads torch
+    train = not (args.no_train or args.control_only)
+    if train:  # a node that trains nothing never loads torch
         import torch
 
         from fusionllm.node.devices import resolve_device
@@ -278,8 +294,9 @@ def run(args: argparse.Namespace) -> int:
         node=node_config,
         work_dir=work_dir,
         step_timeout_s=args.step_timeout,
+        barrier_grace_s=args.barrier_grace,
         checkpoint_pause_s=args.checkpoint_pause,
-        train=not args.no_train,
+        train=train,
         pin_cores=args.pin_cores,
         data_path=Path(args.data).expanduser() if args.data else None,
         data_dtype=args.data_dtype,

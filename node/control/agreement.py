@@ -36,6 +36,21 @@ def epoch_start(epoch: int, epoch_s: float) -> float:
     return epoch * epoch_s
 
 
+def next_step(
+    now: float, *, proposed: int, adopted_for: int, epoch_s: float, settle_fraction: float
+) -> tuple[str | None, int, float]:
+    """(action, its epoch, when to look again): "adopt" the epoch we proposed in once its
+    settle time has come (even late: skipping it would stall us a whole epoch), else
+    "propose" in a new epoch, else nothing until the next of those moments."""
+    epoch = epoch_at(now, epoch_s)
+    settle = epoch_start(proposed, epoch_s) + settle_fraction * epoch_s
+    if adopted_for < proposed:
+        return ("adopt", proposed, now) if now >= settle else (None, proposed, settle)
+    if proposed < epoch:
+        return "propose", epoch, now
+    return None, proposed, epoch_start(proposed + 1, epoch_s)
+
+
 def fresh_members(
     records: Mapping[str, NodeInfo],
     *,
@@ -101,6 +116,7 @@ class EpochView:
     config: PlanConfig  # from the swarm settings: micro-batches, compression, memory fraction
     retimer: Retimer  # graph costs + members' devices + our quantized bandwidth book
     limits: AuditLimits = field(default_factory=AuditLimits)
+    seatable: frozenset[str] | None = None  # members a plan may seat (seating.py); None: all
 
 
 class NotAMemberError(RecordError):
@@ -148,6 +164,7 @@ def _check_plan_of(proposal: PlanProposal, view: EpochView) -> Candidate:
         members=view.members,
         node_ids=view.node_ids,
         memory_fraction=view.config.memory_fraction,
+        seatable=view.seatable,
     )
     try:
         retimed = view.retimer.retime(plan)
@@ -167,8 +184,10 @@ def check_plan(
     members: Mapping[str, NodeInfo],
     node_ids: Sequence[str],
     memory_fraction: float,
+    seatable: frozenset[str] | None = None,
 ) -> None:
-    """RecordError unless ``plan`` runs our model on live members that can hold it."""
+    """RecordError unless ``plan`` runs our model on live members that can hold it and that
+    a plan may seat (``seatable``; None: every member)."""
     if not plan.stages:
         raise RecordError("plan has no stages")
     position = 0
@@ -187,6 +206,8 @@ def check_plan(
             info = members.get(peer)
             if info is None:
                 raise RecordError(f"stage {k} peer {peer[:16]}... is not alive in our view")
+            if seatable is not None and peer not in seatable:
+                raise RecordError(f"stage {k} seats {peer[:16]}..., an observer or suspect")
             if peer in seen:
                 raise RecordError(f"peer {peer[:16]}... serves two stages")
             seen.add(peer)

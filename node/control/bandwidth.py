@@ -251,14 +251,15 @@ def _best_of(samples: tuple[LinkSample, ...]) -> LinkSample:
 
 
 def peer_of(info: NodeInfo) -> Peer:
-    """The planner's Peer for a node record (device numbers quantized, see module doc)."""
-    device = info.device
+    """The planner's Peer for a node record (device numbers quantized, see module doc), its
+    compute as slow as the node measured itself (``NodeInfo.pace``, pace.py)."""
+    device, pace = info.device, info.pace
     profile = DeviceProfile(
         name=device.name,
-        flops=quantize(device.flops),
-        memory_bandwidth=quantize(device.memory_bandwidth),
+        flops=quantize(device.flops / pace),
+        memory_bandwidth=quantize(device.memory_bandwidth / pace),
         memory_bytes=device.memory_bytes,
-        op_overhead=quantize(device.op_overhead) if device.op_overhead > 0 else 0.0,
+        op_overhead=quantize(device.op_overhead * pace) if device.op_overhead > 0 else 0.0,
     )
     rtts = [link.rtt for link in info.links]
     rtt = quantize(max(sorted(rtts)[len(rtts) // 2], 1e-4), 2) if rtts else 0.05

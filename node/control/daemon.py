@@ -44,7 +44,9 @@ from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
+from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
 from fusionllm.node.control.quiet import MAX_BEAT
+from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -71,6 +73,10 @@ class NodeDaemon:
         self.links: LinkMonitor | None = None
         self.host: PeerHost | None = None  # the node's one py-libp2p host, from start()
         self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
+        self.suspicions = SuspicionBook()  # members our trainer waited for in vain
+        self._beat_now = threading.Event()  # refresh our record before the next heartbeat
+        self.pace = PaceMeter()  # our measured compute against our device's (pace.py)
+        self._paced_plan: str | None = None  # the plan the meter's steps were measured in
 
     # What the agreement decided (read by the trainer, the status command and our record).
 
@@ -117,6 +123,7 @@ class NodeDaemon:
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids
+        self.costs = costs
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
         self._start_network()
         if self.dht.peer_id != self.peer_id:
@@ -219,6 +226,7 @@ class NodeDaemon:
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat_now.set()  # the heartbeat thread waits on it
 
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
@@ -233,7 +241,7 @@ class NodeDaemon:
         self._emit("left")
 
     def close(self) -> None:
-        self._stop.set()
+        self.stop()
         if self.control is not None:
             self.control.close()  # first: it wakes the gossip thread, blocked in recv()
         for thread in self._threads:
@@ -272,6 +280,9 @@ class NodeDaemon:
             time=now,
             training=self.progress,
             beat=beat,
+            observer=self.config.observer,
+            suspects=self.suspicions.current(),
+            pace=self.pace.published,
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -288,11 +299,16 @@ class NodeDaemon:
     def _heartbeat_loop(self) -> None:
         # Its own thread: a slow epoch (DHT gets waiting on a dead peer) must not let our
         # record expire, or every other node would drop us and re-plan.
-        while not self._stop.wait(self.settings.heartbeat_s):
+        while not self._stop.is_set():
+            asked = self._beat_now.wait(self.settings.heartbeat_s)
+            self._beat_now.clear()
+            if self._stop.is_set():
+                return
             # A quiet node's record promised fewer refreshes (quiet.py); one that woke
             # refreshes at once, so that its record shows what it follows now.
             due = self._beat_written + self.settings.heartbeat_s * (self._beat - 0.5)
-            if time.monotonic() < due and self.agreement.quiet.cadence.beat >= self._beat:
+            quiet = self.agreement.quiet.cadence.beat >= self._beat
+            if not asked and time.monotonic() < due and quiet:
                 continue
             try:
                 self._timed("heartbeat", self._heartbeat)
@@ -317,6 +333,33 @@ class NodeDaemon:
         report = self.book.own_report(self.peer_id, self.settings.swarm, now=time.time())
         with contextlib.suppress(FusionError, ValueError):
             self.control.publish(self.topic, dataclasses.replace(report, wake=True).to_bytes())
+
+    def suspect(self, peer: str, reason: str) -> None:
+        """Our trainer waited for ``peer`` in vain: keep it out of plans (suspicion.py) and say
+        so at once, in our record, so that every node seats the same peers."""
+        before = self.suspicions.current()
+        self.suspicions.suspect(peer, reason)
+        if self.suspicions.current() != before:
+            self._beat_now.set()
+
+    def measured(self, compute_s: float) -> None:
+        """One step's compute of our stage (the trainer's report), against what our device
+        predicts for it in the plan we follow; a new pace goes out at once (pace.py)."""
+        adopted = self.adopted
+        if adopted is None:
+            return
+        if adopted.digest != self._paced_plan:
+            self.pace.reset()
+            self._paced_plan = adopted.digest
+        config = self.settings.plan_config()
+        predicted = predicted_compute_s(self.costs, adopted.plan, self.peer_id, self.device, config)
+        if predicted is None:
+            return
+        before = self.pace.published
+        if self.pace.add(compute_s, predicted) != before:
+            logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
+                           self.pace.published)  # fmt: skip
+            self._beat_now.set()
 
     def health(self) -> dict[str, int]:
         """What this node refused or lost so far: bad peers show up here, not as crashes."""

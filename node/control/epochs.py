@@ -2,8 +2,8 @@
 
 ``PlanAgreement`` sees the world through three narrow things, so that tests can hand it fakes
 and a fake clock: a ``Directory`` (the swarm's records and proposals on the DHT), the node's
-``BandwidthBook`` and a callable giving the node's own current record. ``next_step`` is the
-epoch loop's schedule as a pure function of the clock.
+``BandwidthBook`` and a callable giving the node's own current record. agreement.next_step is
+the epoch loop's schedule as a pure function of the clock; seating.py says whom plans may seat.
 
     epoch e:  [start] propose(e) ...... [settle] adopt(e) ......  [start of e+1] converge, propose
 """
@@ -39,6 +39,7 @@ from fusionllm.node.control.agreement import (
     epoch_start,
     fresh_members,
     keep_incumbent,
+    next_step,
     serving_peers,
 )
 from fusionllm.node.control.audit import AuditLimits
@@ -46,6 +47,7 @@ from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.quiet import QuietNode
+from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
@@ -55,21 +57,6 @@ class Directory(Protocol):
     def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]: ...
     def proposals(self, epoch: int) -> list[PlanProposal]: ...
     def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool: ...
-
-
-def next_step(
-    now: float, *, proposed: int, adopted_for: int, epoch_s: float, settle_fraction: float
-) -> tuple[str | None, int, float]:
-    """(action, its epoch, when to look again): "adopt" the epoch we proposed in once its
-    settle time has come (even late: skipping it would stall us a whole epoch), else
-    "propose" in a new epoch, else nothing until the next of those moments."""
-    epoch = epoch_at(now, epoch_s)
-    settle = epoch_start(proposed, epoch_s) + settle_fraction * epoch_s
-    if adopted_for < proposed:
-        return ("adopt", proposed, now) if now >= settle else (None, proposed, settle)
-    if proposed < epoch:
-        return "propose", epoch, now
-    return None, proposed, epoch_start(proposed + 1, epoch_s)
 
 
 class PlanAgreement:
@@ -101,6 +88,7 @@ class PlanAgreement:
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
+        self.excluded: dict[str, list] = {}  # members kept out of plans now (seating.py)
         self._read: tuple[int, dict[str, NodeInfo]] | None = None  # (epoch read in, records)
         self.adopted: Candidate | None = None
         self.adopted_epoch: int | None = None
@@ -202,6 +190,7 @@ class PlanAgreement:
                          len(everyone) - len(members))  # fmt: skip
         self.quiet.drop_suspects(members)
         members[self.peer_id] = self._own_info()
+        self.excluded = excluded(members, now=self.clock())
         # Members that finished the run leave: their last records tell a backup it is over.
         if any(
             i.training and i.training.finished
@@ -230,7 +219,11 @@ class PlanAgreement:
             config=self.plan_config,
             retimer=Retimer(self.costs, swarm, self.plan_config),
             limits=self.limits,
+            seatable=self._seatable(members),
         )
+
+    def _seatable(self, members: Mapping[str, NodeInfo]) -> frozenset[str]:
+        return frozenset(seatable(members, now=self.clock()))
 
     def _swarm(self, members: Mapping[str, NodeInfo]) -> Swarm:
         ordered = sorted(members.values(), key=lambda m: m.peer_id)
@@ -247,7 +240,8 @@ class PlanAgreement:
         # moment, not only its arrival, is worth planning afresh for, or a faster newcomer
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
-        ids = frozenset((peer, peer in measured) for peer in members)
+        seat = self._seatable(members)
+        ids = frozenset((peer, peer in measured, peer in seat) for peer in members)
         # The gap counts the epochs we act in: a quiet node re-checks as seldom as it acts.
         self._turn += 1
         why = self._replan_reason(epoch, ids, members, incumbent_ok=incumbent is not None)
@@ -259,7 +253,7 @@ class PlanAgreement:
             return
         logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
-            fresh = self._plan(swarm)
+            fresh = self._plan(self._swarm({p: members[p] for p in seat}))
         except InfeasiblePlanError as exc:
             self.backoff.planned(self._turn, ids, None)
             self.counters["plans_failed"] += 1
@@ -494,6 +488,8 @@ class PlanAgreement:
             stages=[list(s.peers) for s in best.plan.stages],
             backup=backup,
             members=sorted(members),
+            excluded=sorted(self.excluded),
+            paced={p: i.pace for p, i in members.items() if i.pace != 1.0},
             state=str(self.state),
             stride=self.quiet.cadence.stride,
             **fields,

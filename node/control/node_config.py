@@ -40,6 +40,7 @@ class NodeConfig:
     uplink: float | None = None  # bytes/s; None: our best measurement
     downlink: float | None = None
     dht_log_level: str = "WARNING"
+    observer: bool = False  # trains nothing, says so in its record: never seated in a plan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_path", Path(self.key_path))
@@ -56,6 +57,7 @@ class NodeConfig:
         # building their configs here makes a bad value a ConfigError now, not at start().
         self.control_config()
         boolean("lanes", self.lanes)
+        boolean("observer", self.observer)
         int_in("lane_port", self.lane_port, 0, 65535)
 
     def transport_config(self) -> "TransportConfig":

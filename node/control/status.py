@@ -1,6 +1,7 @@
 """``fusionllm status``: what a swarm looks like from its DHT, without joining it.
 
-Starts a client-mode DHT worker (it stores nothing for others and has a throwaway identity),
+Starts a client-mode DHT worker (it stores nothing for others and has a throwaway identity,
+and it writes no node record: the swarm never counts it a member, so no plan can seat it),
 reads the swarm's node records and the plan most of them follow, and describes peers, devices,
 measured links, fences, stages and the backup pool.
 """
@@ -15,6 +16,7 @@ from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.seating import accusations, excluded
 
 logger = get_logger(__name__)
 
@@ -84,6 +86,8 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "uplink_mb_s": round(m.uplink / 1e6, 2),
                 "downlink_mb_s": round(m.downlink / 1e6, 2),
                 "software": m.software,
+                "observer": m.observer,
+                "pace": m.pace,  # measured compute / what its device predicts (pace.py)
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
             }
@@ -101,6 +105,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
             for link in m.links
         ],
         **_training(members),
+        "suspected": _suspected(members, now),
         "plan": None,
         "plan_followers": {f"{e}:{d[:12]}": n for (e, d), n in votes.most_common()},
         "skipped_records": skipped,
@@ -142,6 +147,18 @@ def _plan_summary(plan, members: dict[str, NodeInfo], serving: set[str]) -> dict
     }
 
 
+def _suspected(members: dict[str, NodeInfo], now: float) -> list[dict[str, Any]]:
+    """Members some member waited for in vain (seating.py): who, why, by whom, for how long
+    more, and whether that is enough to keep it out of plans now."""
+    out = excluded(members, now=now)
+    shown = []
+    for peer, accused in sorted(accusations(members, now=now).items()):
+        by = [{"peer_id": a.by, "reason": a.reason, "strikes": a.strikes,
+               "left_s": round(a.until - now, 1)} for a in accused]  # fmt: skip
+        shown.append({"peer_id": peer, "excluded": peer in out, "by": by})
+    return shown
+
+
 def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
     """The swarm's step (the furthest any node reports), that step's loss, and the newest
     validation (step, loss) any node reports."""
@@ -156,6 +173,19 @@ def _training(members: dict[str, NodeInfo]) -> dict[str, Any]:
         "finished": any(p.finished for p in progress),
         "eval": list(max(evals)) if evals else None,
     }
+
+
+def _suspect_lines(suspected: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for s in suspected:
+        out = "kept out of plans" if s["excluded"] else "not enough to keep it out"
+        lines.append(f"suspected {_short(s['peer_id'])} ({out}):")
+        for a in s["by"]:
+            lines.append(
+                f"  by {_short(a['peer_id'])}: {a['reason']}, strike {a['strikes']}, "
+                f"{a['left_s']:.0f} s left"
+            )
+    return lines
 
 
 def _short(peer: str) -> str:
@@ -177,11 +207,17 @@ def format_status(status: dict[str, Any]) -> str:
     )
     for p in status["peers"]:
         stage = "" if p["stage"] is None else str(p["stage"])
+        state = "observer" if p.get("observer") else p["state"]
         lines.append(
-            f"  {_short(p['peer_id']):<15} {p['state']:<8} {stage:>5} {p['device'][:22]:<22} "
+            f"  {_short(p['peer_id']):<15} {state:<8} {stage:>5} {p['device'][:22]:<22} "
             f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
             f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f}"
         )
+    for p in status["peers"]:
+        if p.get("pace", 1.0) != 1.0:
+            lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
+                         "device: planned so")  # fmt: skip
+    lines.extend(_suspect_lines(status.get("suspected", [])))
     lines.append(f"measured links ({len(status['links'])}):")
     for link in status["links"]:
         lines.append(

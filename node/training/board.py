@@ -151,12 +151,17 @@ class Board:
         is_member: Callable[[str], bool],
         on_copy: Callable[[Copy], None] = lambda copy: None,
         on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
+        moves_from: Callable[[str], bool] = lambda peer: True,
+        copies_from: Callable[[str], bool] = lambda peer: True,
     ):
         self.names = sorted(shapes)
         self._numel = {n: int(torch.Size(shapes[n]).numel()) for n in self.names}
         self._is_member = is_member
         self._on_copy = on_copy
         self._on_want = on_want
+        self._moves_from = moves_from  # who may send STATE: the plan we meet's members
+        self._copies_from = copies_from  # who may send copies to keep, besides those asked
+        self._asked: frozenset[str] = frozenset()  # who may answer DONE: the last WANT's
         self._done: dict[str, tuple[int, int]] = {}  # peer -> (floor, copies sent) of its DONE
         self._filed: dict[str, int] = {}  # peer -> its copies filed (kept or refused) since
         self._cond = threading.Condition()
@@ -165,6 +170,10 @@ class Board:
         self._parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (peer, step) -> ...
         self._manifests: dict[tuple[str, int], tuple[Holding, int, int]] = {}
         self.refused = 0
+
+    def state_bytes(self, names) -> int:
+        """Bytes the named parameters' STATE frames hold (a parameter and two AdamW moments)."""
+        return sum(4 * (3 * self._numel[n] + 1) for n in names)
 
     def expect(self, header: FrameHeader) -> TensorSpec | None:
         """dtype and shape of a board frame; None if the header is not one."""
@@ -208,14 +217,22 @@ class Board:
             floor, sent = item.tensor.tolist()
             if not (_count(floor) and _count(sent, MAX_HOLDINGS + 1)):
                 return self._refuse(item, "a malformed DONE")
+            if item.peer not in self._asked:
+                return self._refuse(item, "an unasked DONE")
             with self._cond:
                 self._done[item.peer] = (int(floor), int(sent))
                 self._cond.notify_all()
+        elif (is_manifest(header) or custody_index(header) is not None) and not (
+            self._copies_from(item.peer) or item.peer in self._asked
+        ):
+            return self._refuse(item, "a copy from outside the plan")
         elif is_manifest(header):
             self._close_copy(item)
         elif (index := custody_index(header)) is not None:
             self._add_part(item.peer, header.step, self.names[index], item.tensor)
         else:
+            if not self._moves_from(item.peer):
+                return self._refuse(item, "a STATE from outside the plan")
             name = self.names[state_index(header)]  # type: ignore[index]
             with self._cond:
                 self._state[(header.step, name)] = item.tensor
@@ -275,9 +292,11 @@ class Board:
             self._filed[peer] = self._filed.get(peer, 0) + 1
             self._cond.notify_all()
 
-    def reset_done(self) -> None:
-        """Before a new WANT: answers to an older one do not count."""
+    def reset_done(self, asked: list[str]) -> None:
+        """Before a new WANT to ``asked``: answers to an older one do not count, and only
+        those asked may answer."""
         with self._cond:
+            self._asked = frozenset(asked)
             self._done.clear()
             self._filed.clear()
 

@@ -97,6 +97,10 @@ class SessionHooks:
     progress: Callable[[], int]  # the newest step the swarm's records show reached
     donors: Callable[[], list[str]]  # nodes that may hold state outside the plan
     connect: Callable[[str], None]  # dial a peer (by id) on the data plane
+    suspect: Callable[[str, str], None] = lambda peer, reason: None  # (peer, why): keep it out
+    cleared: Callable[[str], None] = lambda peer: None  # it met us at the barrier
+    link_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, from the peer
+    barrier_grace_s: float = 30.0  # the READY wait for a member beyond its state's transfer
 
 
 class PlanSession:
@@ -184,6 +188,7 @@ class PlanSession:
     def _hear(self, others, mine, round_: int, hint: int, *, current, stop) -> dict | None:
         ready: dict = {}
         next_send = 0.0
+        late = _Latecomers(self, others)
         while len(ready) < len(others):
             if stop.is_set() or not current():
                 return None
@@ -195,7 +200,20 @@ class PlanSession:
                 timeout=0.5,
             )
             ready = self.board.ready_of(others, self.vote, round_)
+            late.check(ready)
+        for peer in ready:
+            self.hooks.cleared(peer)
         return ready
+
+    def barrier_wait_s(self, peer: str) -> float:
+        """How long the READY barrier waits for ``peer`` before suspecting it: the grace, plus
+        its stage's state (parameters and AdamW moments) at the link's measured bandwidth (it
+        may still be receiving a copy of that state as the plan starts)."""
+        role = next(r for r, p in self.assignment.peers.items() if p == peer)
+        names = self.hooks.params_of(*self.assignment.ranges[role.stage])
+        return self.hooks.barrier_grace_s + self.board.state_bytes(names) / max(
+            self.hooks.link_bytes_per_s(peer), 1.0
+        )
 
     def _decide(self, ready: dict, mine: list[Holding]):
         holdings = {peer: r.holdings for peer, r in ready.items()}
@@ -209,7 +227,7 @@ class PlanSession:
         than ``floor`` are filed), we hold the whole model at a step >= ``reached``, or
         _DONOR_WAIT_S (a donor may be gone)."""
         donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
-        self.board.reset_done()
+        self.board.reset_done(donors)
         want = torch.tensor([float(reached), float(floor)], dtype=torch.float64)  # (2,)
         self._announce(donors, want, TAG_WANT)
         everything = self.hooks.params_of(0, self.assignment.ranges[-1][1])
@@ -370,3 +388,26 @@ class PlanSession:
 
     def _held(self, next_step: int) -> Held:
         return Held(self.assignment, self.layout, self.runner.worker, next_step)
+
+
+class _Latecomers:
+    """One barrier round's members that are late: each suspected once, when its wait ends."""
+
+    def __init__(self, session: PlanSession, others: list[str]) -> None:
+        self._session, self._others = session, others
+        self._started = time.monotonic()
+        self._suspected: set[str] = set()
+        self._waits: dict[str, float] = {}
+
+    def check(self, ready: dict) -> None:
+        waited = time.monotonic() - self._started
+        for peer in self._others:
+            if peer in ready or peer in self._suspected:
+                continue
+            if peer not in self._waits:
+                self._waits[peer] = self._session.barrier_wait_s(peer)
+            if waited >= self._waits[peer]:
+                self._suspected.add(peer)
+                logger.warning("member %s is not at the READY barrier after %.0f s: suspecting it",
+                               peer[:16], waited)  # fmt: skip
+                self._session.hooks.suspect(peer, "barrier")

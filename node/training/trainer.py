@@ -11,7 +11,7 @@ leave, finishes the step and hands its stage's state to a member that stays.
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +32,8 @@ from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
-from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
-from fusionllm.node.training.copies import delivered, send_copy, send_done
-from fusionllm.node.training.holdings import SEED_STEP, Holding
+from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
+from fusionllm.node.training.donor import Donor
 from fusionllm.node.training.placement import CorePlacement
 from fusionllm.node.training.session import (
     LEAVE_VOTE,
@@ -51,8 +50,6 @@ logger = get_logger(__name__)
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
-# A donor mid-step gives its live stage once the step ends: a step rarely takes longer.
-_LIVE_COPY_WAIT_S = 5.0
 _PLANS_REMEMBERED = 8
 DEFAULT_CHECKPOINT_EVERY = 20
 
@@ -74,6 +71,10 @@ class SwarmView(Protocol):
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
     def members(self) -> list[str]: ...  # every live member's peer id
     def progress(self) -> int: ...  # the newest step the members' records say was reached
+    def measured(self, compute_s: float) -> None: ...  # one step's compute of our stage
+    def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
+    def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
+    def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,10 +86,14 @@ class TrainerConfig:
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
     device: str = "cpu"  # where a stage we serve computes (compute.resolve_device)
+    # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
+    barrier_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         object.__setattr__(self, "device", str(resolve_device(self.device)))
+        if not 0 < self.barrier_grace_s <= 3600:
+            raise ConfigError(f"barrier_grace_s must be in (0, 3600], got {self.barrier_grace_s}")
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -143,12 +148,29 @@ class SwarmTrainer:
         # after it left the member list, or the state it handed over on its way out (frames
         # still queued when its record goes) would be refused while we wait for it.
         self.board = Board(
-            shapes=shapes, is_member=self.admits, on_copy=self._on_copy, on_want=self._on_want
+            shapes=shapes,
+            is_member=self.admits,
+            on_copy=self._on_copy,
+            on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
+            moves_from=self._meets,
+            copies_from=self._keeps_for,
         )
-        self._donated: set[tuple[str, Holding]] = set()
+        self._last_members: frozenset[str] = frozenset()  # of the plan we served last
+        self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
+        self.donor = Donor(
+            run=config.run,
+            peer_id=peer_id,
+            view=view,
+            vault=self.vault,
+            board=self.board,
+            transport=transport,
+            connect=self.connect,
+            emit=on_event,
+            keeper=self._keeper,
+            stop=self._stop,
+        )
         self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
-        self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
         self.finished = threading.Event()
         self.step = 0  # steps the swarm completed, as far as this node knows
@@ -195,6 +217,17 @@ class SwarmTrainer:
             return True
         return self.view.is_member(peer)
 
+    def _meets(self, peer: str) -> bool:
+        """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
+        session = self._session
+        return session is not None and peer in session.assignment.members
+
+    def _keeps_for(self, peer: str) -> bool:
+        """Whether ``peer`` may give us copies to keep: a member of the plan we serve (its
+        checkpoints, its hand-over) or of the one we served last (frames still on their way
+        as it ended). Nodes we asked for state may too (the board knows them)."""
+        return self._meets(peer) or peer in self._last_members
+
     def start(self) -> "SwarmTrainer":
         self.router.start()
         self._thread.start()
@@ -231,42 +264,6 @@ class SwarmTrainer:
             logger.warning("could not keep a copy from %s: %s", copy.peer[:16], exc)
         finally:
             self.board.filed(copy.peer)
-
-    def _on_want(self, peer: str, reached: int, floor: int) -> None:
-        self._keeper.submit(self._donate, peer, floor)
-
-    def _donate(self, peer: str, floor: int) -> None:
-        """A plan's member lacks state the swarm reached: send it everything we hold after
-        ``floor`` (once each; the newest may be a partial stage, an older step whole), then
-        DONE, so it stops waiting for us."""
-        self.connect(peer)
-        sent = 0
-        for stage in self._donations(floor):
-            holding = stage.holding
-            if (peer, holding) in self._donated:
-                continue
-            self._donated.add((peer, holding))
-            ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
-            sent += ok
-            self._emit({"event": "donated", "to": peer, "step": holding.step,
-                        "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
-        send_done(self.transport, peer, floor, sent)
-
-    def _donations(self, floor: int) -> Iterator[StageState]:
-        """What we hold after ``floor``, newest first: the live stage as it is between steps
-        (a copy taken mid-step would hold step k's update under step k's name), then files."""
-        floor = max(floor, SEED_STEP)  # step 0: every member builds it itself
-        live = self.vault.live_stage(timeout=_LIVE_COPY_WAIT_S)
-        if live is not None and live.holding.step > floor:
-            yield live
-        stored = [h for h in self.vault.stored_holdings() if h.step > floor]
-        for holding in sorted(stored, key=lambda h: -h.step):
-            if live is not None and holding == live.holding:
-                continue
-            try:
-                yield self.vault.stored_stage(holding)
-            except (OSError, FusionError) as exc:
-                logger.warning("cannot donate %s: %s", holding, exc)
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -321,6 +318,7 @@ class SwarmTrainer:
             with self._placement.serving(plan_of, torch.get_num_threads()):
                 ending = self._run_session(session, plan_of)
         finally:
+            self._last_members = frozenset(plan_of.members)
             self._session = None
             session.close()
         self._emit({"event": "plan_end", "digest": digest, "outcome": ending.outcome.value,
@@ -359,6 +357,10 @@ class SwarmTrainer:
             progress=self._reached,
             donors=self.view.members,
             connect=self.connect,
+            suspect=self.view.suspect,
+            cleared=self.view.cleared,
+            link_bytes_per_s=self.view.link_bytes_per_s,
+            barrier_grace_s=self.config.barrier_grace_s,
         )
 
     def _followed(self) -> str | None:
@@ -421,6 +423,7 @@ class SwarmTrainer:
             self.evaluation = (report.step, report.eval_loss)
         role = self._role
         self.view.publish(role, self.step, self.loss, False, self.evaluation)
+        self.view.measured(report.busy_s)
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,

@@ -46,7 +46,7 @@ def _forged_envelope(body_wire: dict, *, key: str, subkey: str, expiration: floa
 
 
 def test_a_rogue_peer_changes_nothing_and_status_shows_the_swarm(tmp_path) -> None:
-    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 2, "no-train": True})
+    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 2, "control-only": True})
     rogue_dht = rogue_host = None
     try:
         first = swarm.start("n0")

@@ -60,7 +60,7 @@ def swarm(tmp_path_factory):
     # Never quiet (node/control/quiet.py): the attacks propose for epochs ahead, and the
     # tests count every node's refusal of them; a quiet node would sit those epochs out.
     local = LocalSwarm(
-        root, extra={"max-replicas": 1, "max-stages": 2, "no-train": True, "quiet-stride": 1}
+        root, extra={"max-replicas": 1, "max-stages": 2, "control-only": True, "quiet-stride": 1}
     )
     try:
         first = local.start("n0")

@@ -31,7 +31,7 @@ def _log_has(node, text: str, *, after: int = 0) -> bool:
 
 
 def test_a_quiet_swarm_wakes_for_a_crash_and_a_newcomer(tmp_path) -> None:
-    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 2, "no-train": True})
+    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 2, "control-only": True})
     try:
         first = swarm.start("n0")
         wait_for(lambda: first.last("ready"), 120, "the first node to start")

@@ -32,7 +32,7 @@ def test_eight_nodes_agree_replan_after_a_crash_and_place_a_newcomer(tmp_path) -
     # one CI run here); test_quiet_swarm.py checks that path against its own bound.
     swarm = LocalSwarm(
         tmp_path,
-        extra={"max-replicas": 1, "max-stages": 3, "no-train": True, "quiet-stride": 1},
+        extra={"max-replicas": 1, "max-stages": 3, "control-only": True, "quiet-stride": 1},
     )
     try:
         first = swarm.start("n0")

@@ -73,7 +73,7 @@ def _done(peer: str, floor: float, sent: float) -> Received:
 class _Keeper:
     """A board over SHAPES whose members are MEMBERS, and the copies and WANTs it hands over."""
 
-    def __init__(self) -> None:
+    def __init__(self, meeting=MEMBERS, keeping=MEMBERS) -> None:
         self.copies: list[Copy] = []
         self.wants: list[tuple[str, int, int]] = []
         self.board = Board(
@@ -81,6 +81,8 @@ class _Keeper:
             is_member=MEMBERS.__contains__,
             on_copy=self.copies.append,
             on_want=lambda peer, hint, floor: self.wants.append((peer, hint, floor)),
+            moves_from=meeting.__contains__,
+            copies_from=keeping.__contains__,
         )
 
     def put(self, *items: Received) -> None:
@@ -256,6 +258,7 @@ def test_a_board_frame_of_the_wrong_shape_is_refused_not_raised(tag, shape) -> N
 
 def test_done_counts_once_the_copies_it_announces_are_filed() -> None:
     board = _Keeper().board
+    board.reset_done(["m1", "m2"])
     board.put(_done("m1", 20.0, 2.0))
     board.put(_done("m2", 20.0, 0.0))
     assert board.done_of(["m1", "m2"], 20) == {"m2"}  # m1's two copies are still on their way
@@ -268,8 +271,9 @@ def test_done_counts_once_the_copies_it_announces_are_filed() -> None:
 
 def test_done_answers_are_reset_before_a_new_want_and_after_a_meeting() -> None:
     board = _Keeper().board
+    board.reset_done(["m1"])
     board.put(_done("m1", 20.0, 0.0))
-    board.reset_done()
+    board.reset_done(["m1"])
     assert board.done_of(["m1"], 20) == set()
     board.put(_done("m1", 20.0, 1.0))
     board.filed("m1")
@@ -279,6 +283,7 @@ def test_done_answers_are_reset_before_a_new_want_and_after_a_meeting() -> None:
 
 def test_a_done_wakes_a_waiter() -> None:
     board = _Keeper().board
+    board.reset_done(["m1"])
     timer = threading.Timer(0.05, board.put, [_done("m1", 4.0, 0.0)])
     timer.start()
     assert board.wait(lambda: board.done_of(["m1"], 4) == {"m1"}, 5.0)
@@ -288,9 +293,20 @@ def test_a_done_wakes_a_waiter() -> None:
 @pytest.mark.parametrize("bad", [(float("nan"), 0.0), (4.0, -1.0), (4.0, 9.0), (-1.0, 0.0)])
 def test_a_malformed_or_non_member_done_is_refused(bad) -> None:
     board = _Keeper().board
+    board.reset_done(["m1", "outsider"])
     board.put(_done("m1", *bad))
     board.put(_done("outsider", 4.0, 0.0))
     assert board.done_of(["m1", "outsider"], int(bad[0]) if bad[0] == bad[0] else 0) == set()
+    assert board.refused == 2
+
+
+def test_only_the_members_asked_may_answer() -> None:
+    board = _Keeper().board
+    board.put(_done("m1", 4.0, 0.0))  # asked nothing yet
+    board.reset_done(["m2"])
+    board.put(_done("m1", 4.0, 0.0))  # a member, not asked
+    board.put(_done("m2", 4.0, 0.0))
+    assert board.done_of(["m1", "m2"], 4) == {"m2"}
     assert board.refused == 2
 
 
@@ -365,6 +381,16 @@ def test_a_manifest_between_its_parts_completes_with_the_last_part() -> None:
     keeper.put(_part("m1", 6, "g", 3.0))
     assert len(keeper.copies) == 1
     _check_copy(keeper.copies[0], "m1", Holding(6, 2, 4), 5, {"w": 1, "g": 3})
+
+
+def test_copies_come_only_from_the_plan_we_keep_for_or_the_nodes_we_asked() -> None:
+    keeper = _Keeper(keeping={"m1"})
+    copy = [_part("m2", 10, "w"), _part("m2", 10, "b"), _manifest("m2", 10, 0, 5, count=2)]
+    keeper.put(*copy)  # a member, but not of our plan: three frames refused
+    assert (keeper.copies, keeper.board.refused) == ([], 3)
+    keeper.board.reset_done(["m2"])  # we asked it for state: its answer counts
+    keeper.put(*copy)
+    assert [(c.peer, c.holding) for c in keeper.copies] == [("m2", Holding(10, 0, 5))]
 
 
 def test_a_missing_part_holds_the_copy_back_until_it_comes() -> None:
@@ -514,6 +540,15 @@ def test_state_frames_are_taken_per_step_once_every_name_is_there() -> None:
     assert torch.equal(taken["w"], _part_tensor("w", 4.0))
     assert torch.equal(taken["b"], _part_tensor("b", 2.0))
     assert board.take_state(5, ["w"]) is None  # taken means removed
+
+
+def test_only_the_plan_we_meet_may_move_state_to_us() -> None:
+    keeper = _Keeper(meeting={"m1"})
+    keeper.put(Received("m2", _header(5, TAG_STATE), _part_tensor("b", 2.0)))  # a member, not ours
+    assert keeper.board.refused == 1
+    assert keeper.board.missing_state(5, ["b"]) == ["b"]
+    keeper.put(Received("m1", _header(5, TAG_STATE), _part_tensor("b", 2.0)))
+    assert keeper.board.missing_state(5, ["b"]) == []
 
 
 def test_forget_drops_moved_state_before_a_step_only() -> None:

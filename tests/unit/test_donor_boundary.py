@@ -1,6 +1,6 @@
 """A donor's copies of its live stage against a step in progress.
 
-The real step loop (``PlanSession._steps``), vault and donate path (``SwarmTrainer._donate``)
+The real step loop (``PlanSession._steps``), vault and donate path (``Donor.donate``)
 around fakes: a runner whose step changes the stage in place and then holds, as a stage stands
 after AdamW's ``clip_and_step`` and before ``set_live`` names the next step, and a transport
 that records the copies. Events order every move: no timing decides what a test sees.
@@ -12,13 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.runner import StepReport
-from fusionllm.node.training import trainer as trainer_module
+from fusionllm.node.training import donor as donor_module
 from fusionllm.node.training.checkpoints import CheckpointStore, StageState
+from fusionllm.node.training.donor import Donor as Donations
 from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import Held, Outcome, PlanSession
-from fusionllm.node.training.trainer import SwarmTrainer
 from fusionllm.node.training.vault import Vault
 
 RANGE = (0, 4)  # the stage's node range
@@ -69,16 +70,22 @@ class Donor:
             vault=self.vault, runner=self.runner, assignment=assignment, layout=None, vote=0.5
         )
         self.session.parting = SimpleNamespace(checkpoint=lambda held: None)
-        self.trainer = object.__new__(SwarmTrainer)
-        self.trainer.__dict__.update(
-            vault=self.vault, _donated=set(), transport=None, board=SimpleNamespace(names=["w"])
+        self.trainer = Donations(
+            run=RunSpec(),
+            peer_id="peer-a",
+            view=None,
+            vault=self.vault,
+            board=SimpleNamespace(names=["w"], state_bytes=lambda names: 1 << 20),
+            transport=None,
+            connect=lambda peer: None,
+            emit=lambda event: None,
+            keeper=None,
+            stop=threading.Event(),
         )
-        self.trainer.connect = lambda peer: None
-        self.trainer._emit = lambda event: None
         self.sent: list[tuple[str, StageState]] = []
         self.done: list[tuple[str, int]] = []
-        monkeypatch.setattr(trainer_module, "send_copy", self._send_copy)
-        monkeypatch.setattr(trainer_module, "send_done", self._send_done)
+        monkeypatch.setattr(donor_module, "send_copy", self._send_copy)
+        monkeypatch.setattr(donor_module, "send_done", self._send_done)
         self.vault.set_live(Held(assignment, None, self.runner.worker, STEP))
         self.ending: list = []
         self._thread = threading.Thread(target=self._step_once, daemon=True)
@@ -126,16 +133,16 @@ def test_a_donor_that_stays_mid_step_gives_no_copy_under_the_old_steps_name(
     """Asked while a step holds after its update, the donor refuses the live stage once its
     wait runs out (DONE, nothing sent); before the fix it sent the updated state named STEP,
     and the new members redid that step."""
-    monkeypatch.setattr(trainer_module, "_LIVE_COPY_WAIT_S", 0.2)
+    monkeypatch.setattr(donor_module, "_LIVE_COPY_WAIT_S", 0.2)
     donor.hold_mid_step()
-    donor.trainer._donate("peer-c", 0)  # the step is held all along: it cannot end meanwhile
+    donor.trainer.donate("peer-c", 0)  # the step is held all along: it cannot end meanwhile
     wrong = [(s.holding, s.state["w"].tolist()) for _, s in donor.sent if s.holding.step == STEP]
     assert not wrong, f"a copy taken mid-step holds the update under the old name: {wrong}"
     assert donor.sent == []
     assert donor.done == [("peer-c", 0)]
     donor.finish_step()
     assert donor.ending[0].outcome is Outcome.FINISHED
-    donor.trainer._donate("peer-d", 0)
+    donor.trainer.donate("peer-d", 0)
     ((to, stage),) = donor.sent
     assert (to, stage.holding) == ("peer-d", Holding(STEP + 1, *RANGE))
     assert _label_matches_content(stage)
@@ -143,7 +150,7 @@ def test_a_donor_that_stays_mid_step_gives_no_copy_under_the_old_steps_name(
 
 def test_a_donor_asked_mid_step_waits_for_the_step_and_names_its_copy_after_it(donor) -> None:
     donor.hold_mid_step()
-    asking = threading.Thread(target=donor.trainer._donate, args=("peer-c", 0), daemon=True)
+    asking = threading.Thread(target=donor.trainer.donate, args=("peer-c", 0), daemon=True)
     asking.start()
     donor.finish_step()  # whether the copy waited or came after: the same answer
     asking.join(30.0)

@@ -18,10 +18,10 @@ from fusionllm.dht.records import (
     PlanProposal,
     TrainingProgress,
 )
-from fusionllm.node.control.agreement import epoch_at
+from fusionllm.node.control.agreement import epoch_at, next_step
 from fusionllm.node.control.backoff import routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
-from fusionllm.node.control.epochs import PlanAgreement, next_step
+from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.swarm_settings import SwarmSettings
 

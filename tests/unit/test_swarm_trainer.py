@@ -40,6 +40,9 @@ class FakeView:
         self.current: tuple[str, Plan] | None = None
         self.published: list[tuple] = []
         self.finished = False
+        self.suspected: list[tuple[str, str]] = []
+        self.met: set[str] = set()
+        self.computed: list[float] = []
 
     def adopted(self):
         return self.current
@@ -62,6 +65,18 @@ class FakeView:
 
     def progress(self) -> int:
         return self.reached()
+
+    def measured(self, compute_s: float) -> None:
+        self.computed.append(compute_s)
+
+    def suspect(self, peer: str, reason: str) -> None:
+        self.suspected.append((peer, reason))
+
+    def cleared(self, peer: str) -> None:
+        self.met.add(peer)
+
+    def link_bytes_per_s(self, peer: str) -> float:
+        return 1e9
 
 
 @functools.cache
@@ -91,7 +106,12 @@ def _plan(peers: list[str], stages: int) -> Plan:
 
 class Cluster:
     def __init__(
-        self, peers: list[str], tmp_path, checkpoint_every: int = 0, run: RunSpec = RUN
+        self,
+        peers: list[str],
+        tmp_path,
+        checkpoint_every: int = 0,
+        run: RunSpec = RUN,
+        barrier_grace_s: float = 30.0,
     ) -> None:
         self.network = MemoryNetwork()
         self.views = {p: FakeView(peers) for p in peers}
@@ -106,6 +126,7 @@ class Cluster:
                     work_dir=tmp_path / peer,
                     step_timeout_s=TIMEOUT_S,
                     checkpoint_every=checkpoint_every,
+                    barrier_grace_s=barrier_grace_s,
                 ),
                 peer_id=peer,
                 transport=transport,
@@ -279,6 +300,28 @@ def test_a_node_whose_plan_never_meets_sees_the_end_of_the_run_it_missed(cluster
     cluster.wait(lambda: cluster.trainers["peer-a"].finished.is_set(), "a to see the end")
     assert not cluster.losses("peer-a")
     assert sorted(cluster.losses("peer-b")) == list(range(RUN.steps))
+
+
+def test_a_member_that_never_comes_to_the_barrier_is_suspected_and_planned_around(cluster_of):
+    """c is named by the plan and never trains (an observer that did not say so): a and b
+    suspect it once their barrier wait ends, not before, and train on once the plan drops it."""
+    peers = ["peer-a", "peer-b", "peer-c"]
+    cluster = cluster_of(peers, barrier_grace_s=1.0)
+    cluster.adopt(_plan(peers, 3))
+    for peer in ("peer-a", "peer-b"):
+        cluster.trainers[peer].start()
+    began = time.monotonic()
+    views = [cluster.views[p] for p in ("peer-a", "peer-b")]
+    cluster.wait(lambda: all(v.suspected for v in views), "a and b to suspect c", timeout=60.0)
+    assert time.monotonic() - began >= 1.0
+    assert all(v.suspected == [("peer-c", "barrier")] for v in views)
+    assert views[0].met == set()  # nobody met at a barrier that never completed
+    cluster.adopt(_plan(peers[:2], 2), peers[:2])  # what the daemons then agree on
+    cluster.wait_finished(peers[:2])
+    assert views[0].met == {"peer-b"}
+    assert sorted(cluster.losses("peer-a")) == list(range(RUN.steps))
+    # once, though its barrier went on (a tiny grace may also catch a or b building slowly)
+    assert all(v.suspected.count(("peer-c", "barrier")) == 1 for v in views)
 
 
 def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_path):

@@ -1,0 +1,58 @@
+"""Which members a plan may seat: not observers, not members the swarm suspects.
+
+Pure functions of the members' signed records and the clock, so every node that reads the
+same records seats the same peers and the leaderless agreement does not split over it:
+
+- an observer (its record's ``observer``) is never seated;
+- a member is kept out while enough of the members serving a plan with it suspect it (their
+  records' ``suspects``, written by suspicion.py): at least half of the others that serve,
+  and at least one. One member's word is then not enough to keep a peer out of a swarm where
+  others trained with it, and a member left alone with a silent partner still goes on.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fusionllm.dht.records import NodeInfo, NodeState
+
+
+@dataclass(frozen=True)
+class Accusation:
+    by: str  # the member whose record suspects the peer
+    reason: str
+    until: float  # wall clock
+    strikes: int
+
+
+def accusations(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[Accusation]]:
+    """Suspicions in force now, by suspect, from members that train (observers' do not
+    count: they wait for nobody)."""
+    found: dict[str, list[Accusation]] = {}
+    for by in sorted(members):
+        info = members[by]
+        if info.observer:
+            continue
+        for s in info.suspects:
+            if s.until > now and s.peer != by and s.peer in members:
+                found.setdefault(s.peer, []).append(Accusation(by, s.reason, s.until, s.strikes))
+    return found
+
+
+def excluded(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[Accusation]]:
+    """The members kept out of plans now, with the accusations that keep them out."""
+    out = {}
+    for peer, accused in accusations(members, now=now).items():
+        serving = [
+            p
+            for p, i in members.items()
+            if p != peer and not i.observer and i.state is NodeState.SERVING
+        ]
+        if 2 * len(accused) >= max(1, len(serving)):
+            out[peer] = accused
+    return out
+
+
+def seatable(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, NodeInfo]:
+    """The members a plan may seat now."""
+    out = excluded(members, now=now)
+    return {p: i for p, i in members.items() if not i.observer and p not in out}

@@ -1,0 +1,173 @@
+"""Who a plan may seat: suspicion.py's backoff (fake clock), seating.py's rules, and the
+epoch agreement on fake records: observers and suspects stay out of every node's plan."""
+
+import dataclasses
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dht.records import MAX_SUSPECTS, DeviceInfo, NodeState, Suspicion
+from fusionllm.node.control.agreement import serving_peers
+from fusionllm.node.control.seating import accusations, excluded, seatable
+from fusionllm.node.control.suspicion import SuspicionBook, SuspicionConfig
+from tests.unit.test_epochs import T0, FakeClock, Node, epoch_round, record, swarm_of
+from tests.unit.test_epochs import FakeDirectory as Directory
+
+# ----------------------------------------------------------------------------- the backoff
+
+
+def test_a_suspect_is_kept_out_15_s_then_twice_as_long_each_repeat():
+    clock = FakeClock()
+    book = SuspicionBook(clock=clock)
+    lengths = []
+    for _ in range(4):
+        s = book.suspect("p", "barrier")
+        lengths.append(s.until - clock.now)
+        assert book.current() == (s,)
+        clock.now = s.until  # it served its time, was planned again, and failed again
+        assert book.current() == ()
+    assert lengths == [15.0, 30.0, 60.0, 120.0]
+
+
+def test_asking_again_while_it_is_out_changes_nothing():
+    clock = FakeClock()
+    book = SuspicionBook(clock=clock)
+    first = book.suspect("p", "barrier")
+    clock.now += 10
+    assert book.suspect("p", "stalled") == first
+
+
+def test_meeting_us_at_a_barrier_forgives_the_strikes():
+    clock = FakeClock()
+    book = SuspicionBook(SuspicionConfig(first_backoff_s=5.0), clock=clock)
+    clock.now = book.suspect("p", "barrier").until
+    clock.now = book.suspect("p", "barrier").until  # strike 2: 10 s
+    book.cleared("p")
+    again = book.suspect("p", "barrier")
+    assert (again.strikes, again.until - clock.now) == (1, 5.0)
+
+
+def test_the_backoff_has_a_ceiling():
+    config = SuspicionConfig(first_backoff_s=15.0, max_backoff_s=100.0)
+    assert [config.backoff_s(k) for k in (1, 3, 4, 40)] == [15.0, 60.0, 100.0, 100.0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"first_backoff_s": 0.0}, "first_backoff_s"),
+        ({"first_backoff_s": 20.0, "max_backoff_s": 10.0}, "max_backoff_s"),
+        ({"factor": 0.5}, "factor must be"),
+        ({"factor": float("nan")}, "factor must be"),
+    ],
+)
+def test_bad_settings_are_refused(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        SuspicionConfig(**changes)
+
+
+def test_a_flood_of_suspects_stays_bounded():
+    clock = FakeClock()
+    book = SuspicionBook(clock=clock)
+    for i in range(10 * MAX_SUSPECTS):
+        book.suspect(f"p{i}", "barrier")
+        clock.now += 0.01  # all still out: the book must drop some anyway
+    assert len(book.current()) == MAX_SUSPECTS
+    assert len(book._held) <= 4 * MAX_SUSPECTS
+    assert book.current()[0].peer == f"p{10 * MAX_SUSPECTS - 1}"  # the newest kept
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def _serving(peer: str, *suspects: str, until: float = T0 + 15, **changes):
+    found = tuple(Suspicion(s, until, "barrier", 1) for s in suspects)
+    return record(peer, state=NodeState.SERVING, suspects=found, **changes)
+
+
+def test_an_observer_is_never_seatable():
+    members = {"a": _serving("a"), "w": record("w", observer=True)}
+    assert set(seatable(members, now=T0)) == {"a"}
+
+
+def test_two_of_two_waiting_members_keep_a_suspect_out():
+    members = {"a": _serving("a", "c"), "b": _serving("b", "c"), "c": _serving("c")}
+    out = excluded(members, now=T0)
+    assert sorted(a.by for a in out["c"]) == ["a", "b"]
+    assert set(seatable(members, now=T0)) == {"a", "b"}
+
+
+def test_half_the_others_that_serve_are_enough_and_fewer_are_not():
+    members = {p: _serving(p) for p in "abcde"}
+    members["a"] = _serving("a", "e")
+    assert "e" not in excluded(members, now=T0)  # 1 of the 4 others: one member's word
+    members["b"] = _serving("b", "e")
+    assert "e" in excluded(members, now=T0)  # 2 of 4
+
+
+def test_a_suspicion_ends_with_its_backoff():
+    members = {"a": _serving("a", "c"), "c": _serving("c")}
+    assert "c" in excluded(members, now=T0 + 14.9)
+    assert excluded(members, now=T0 + 15.0) == {}
+
+
+def test_observers_and_self_accusations_and_strangers_do_not_count():
+    members = {
+        "a": _serving("a", "a", "zz"),  # itself, and a peer that is no member
+        "w": record("w", observer=True, suspects=(Suspicion("a", T0 + 15, "barrier", 1),)),
+    }
+    assert accusations(members, now=T0) == {}
+
+
+# ----------------------------------------------------------------------------- the agreement
+
+FAST = DeviceInfo(name="RTX 4090", kind="cuda", memory_bytes=24 << 30, flops=8e13,
+                  memory_bandwidth=1e12, op_overhead=1e-6, cpu_cores=16,
+                  ram_bytes=64 << 30)  # fmt: skip
+
+
+class Marked(Node):
+    """A node whose record adds fields (observer, suspects) to what the test Node writes."""
+
+    def __init__(self, *args, marks: dict, **kw) -> None:
+        self.marks = marks
+        super().__init__(*args, **kw)
+
+    def info(self):
+        return dataclasses.replace(super().info(), **self.marks)
+
+
+def _seated_after_rounds(newcomer_marks: dict, rounds: int = 3) -> list[set[str]]:
+    clock = FakeClock()
+    directory, nodes = swarm_of(2, clock)
+    fast = Marked("fast", directory, clock, marks=newcomer_marks, device=FAST, memory=24 << 30)
+    nodes.append(fast)
+    fast.heartbeat()
+    seated = []
+    for k in range(rounds):
+        epoch_round(nodes, 850_000_000 + k)
+        clock.now += 2.0
+        seated.extend(serving_peers(n.agreement.adopted.plan) for n in nodes)
+    return seated
+
+
+def test_a_fast_newcomer_is_seated_unless_it_observes():
+    assert any("fast" in s for s in _seated_after_rounds({}))  # the plan wants it
+    assert not any("fast" in s for s in _seated_after_rounds({"observer": True}))
+
+
+def test_every_node_plans_around_a_member_the_others_suspect():
+    clock = FakeClock()
+    directory = Directory()
+    suspects = {"suspects": (Suspicion("fast", T0 + 60, "barrier", 1),), "state": NodeState.SERVING}
+    nodes = [Marked(f"peer{i}", directory, clock, marks=suspects) for i in (0, 1)]
+    nodes.append(Node("fast", directory, clock, device=FAST, memory=24 << 30))
+    for node in nodes:
+        node.heartbeat()
+    for k in range(3):
+        epoch_round(nodes, 850_000_000 + k)
+        clock.now += 2.0
+        adopted = {n.agreement.adopted.digest for n in nodes}
+        assert len(adopted) == 1  # the suspect too: it reads the same records
+        assert "fast" not in serving_peers(nodes[0].agreement.adopted.plan)
+        assert all(n.agreement.excluded.keys() == {"fast"} for n in nodes)
