@@ -100,4 +100,7 @@ def test_prepare_swarm_export_trains_a_hugging_face_folder_on_prepared_data(tmp_
     tokens = load_prepared(data).store.read(1000, 1000 + 2 * 32).astype(np.int64)
     idx = torch.from_numpy(tokens).view(2, 32)  # (B, T) ids of the prepared data
     with torch.no_grad():
-        torch.testing.assert_close(loaded.eval()(idx).logits, ours.eval()(idx), atol=1e-4, rtol=0)
+        expected = ours.eval()(idx)  # (B, T, V)
+        torch.testing.assert_close(loaded.eval()(idx).logits, expected, atol=1e-4, rtol=0)
+        again = from_pretrained(work / "export").eval()(idx)  # our own loader reads it back too
+        torch.testing.assert_close(again, expected, atol=0, rtol=0)
