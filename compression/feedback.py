@@ -54,6 +54,12 @@ class ErrorFeedback:
     def load(self, key: Hashable, residual: torch.Tensor) -> None:
         self._residuals[key] = residual.detach().clone()
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` in place: what a sender whose tensors change
+        units (fp16's loss scale moving, a power of two, so exactly) keeps them in step with."""
+        for residual in self._residuals.values():
+            residual.mul_(factor)
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget one key's residual, or all of them."""
         if key is None:

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("a local swarm needs an end: --steps must be >= 1")
     if args.min_stages > args.nodes:
         raise FusionError(f"--min-stages {args.min_stages} needs at least as many --nodes")
-    run_spec_from(args, load_data(args))  # validate before starting anything
+    _check_folder(run_spec_from(args, load_data(args)))  # validate before starting anything
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="fusionllm-swarm-")).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else _print
@@ -170,6 +170,25 @@ def run(args: argparse.Namespace) -> int:
     exported = _export(root)
     say(f"the trained model, as a Hugging Face folder: {exported}")
     return _report(progress, args, root, launched, say, exported)
+
+
+def _check_folder(run) -> None:
+    """A folder this run cannot train is one error here, not a train_error from every node
+    after they met: its vocabulary must cover the data's ids, its positions the sequence."""
+    if run.model_dir is None:
+        return
+    from fusionllm.dag.models import read_config
+
+    config = read_config(run.model_dir)
+    if config.vocab_size < run.vocab_size:
+        raise FusionError(
+            f"{run.model_dir} has a vocabulary of {config.vocab_size}; the data's token ids go "
+            f"up to {run.vocab_size - 1} (prepare it with the folder's tokenizer)"
+        )
+    if run.seq_len > config.block_size:
+        raise FusionError(
+            f"--seq-len {run.seq_len} exceeds {run.model_dir}'s {config.block_size} positions"
+        )
 
 
 def _export(root: Path) -> Path:

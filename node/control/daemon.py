@@ -120,6 +120,7 @@ class NodeDaemon:
             measure_device=cfg.device is None,
             device=cfg.compute_device,
             precision=settings.run.precision,
+            vocab_size=settings.run.vocab_size,
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids

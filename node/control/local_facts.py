@@ -19,6 +19,7 @@ from typing import Any
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.run_spec import STDLIB_VOCAB
 from fusionllm.dag.graph import GraphCosts, costs_from_json, costs_to_json
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.children import JsonChild
@@ -49,20 +50,23 @@ def learn_local_facts(
     model_dir: str | None = None,
     device: str = "auto",
     precision: str = "fp32",
+    vocab_size: int = STDLIB_VOCAB,
 ) -> LocalFacts:
     """The model's costs (cached) and, if ``measure_device``, this machine's ``device`` (the
     one our stages train on) at the run's ``precision``.
 
     ``model`` names the cache (``RunSpec.model_key``: a folder's digest, not its path);
-    ``model_dir`` is the Hugging Face folder whose config.json the child costs.
+    ``model_dir`` is the Hugging Face folder whose config.json the child costs; a preset is
+    costed at ``vocab_size`` (the run's data's: the embedding and the head scale with it).
     """
     cache_dir = device_cache.parent if device_cache else Path.home() / ".cache" / "fusionllm"
-    costs_path = cache_dir / costs_file_name(model, seq_len)
+    costs_path = cache_dir / costs_file_name(model, seq_len, vocab_size)
     cached = _read_costs(costs_path)
     if cached is not None and not measure_device:
         return LocalFacts(device=None, costs=cached)
     probe = ["--device", device, "--precision", precision] if measure_device else []
-    facts = _ask_child(model, seq_len, device_cache, probe, timeout_s, model_dir)
+    sizes = ["--seq-len", str(seq_len), "--vocab-size", str(vocab_size)]
+    facts = _ask_child(model, sizes, device_cache, probe, timeout_s, model_dir)
     if cached is None:
         try:
             write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
@@ -71,10 +75,11 @@ def learn_local_facts(
     return facts
 
 
-def costs_file_name(model: str, seq_len: int) -> str:
-    """One file per model, sequence length, and the versions that could change a trace."""
+def costs_file_name(model: str, seq_len: int, vocab_size: int = STDLIB_VOCAB) -> str:
+    """One file per model, sequence length, vocabulary and the versions that could change a
+    trace."""
     versions = f"fusionllm{_version('fusionllm')}-torch{_version('torch')}"
-    name = f"costs-v{_COSTS_FORMAT}-{model}-{seq_len}-{versions}.json"
+    name = f"costs-v{_COSTS_FORMAT}-{model}-{seq_len}-v{vocab_size}-{versions}.json"
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
 
 
@@ -97,7 +102,7 @@ def _read_costs(path: Path) -> GraphCosts | None:
 
 def _ask_child(
     model: str,
-    seq_len: int,
+    sizes: list[str],
     device_cache: Path | None,
     probe: list[str],
     timeout_s: float,
@@ -105,7 +110,7 @@ def _ask_child(
 ) -> LocalFacts:
     """Run the facts child (node/control/facts_main.py) and check what it says."""
     argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]
-    argv += ["--model", model, "--seq-len", str(seq_len)]
+    argv += ["--model", model, *sizes]
     if model_dir is not None:
         argv += ["--model-dir", model_dir]
     if device_cache is not None:

@@ -10,6 +10,7 @@
 - compute.py:       ``Compute`` (device and precision, autocast), ``Staging`` (pinned host
                     buffers per link for device <-> host frames)
 - loss_scale.py:    ``LossScale`` (fp16's dynamic loss scale, the same on every stage)
+- link_feedback.py: ``GradientFeedback`` (error feedback per gradient link, across loss scales)
 - summary.py:       ``Summary`` (a step's norm, losses, vote and overflow flag), ``combine``
 - steps.py:         ``StepReport``, ``Sends``
 - mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``

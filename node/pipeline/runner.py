@@ -33,7 +33,7 @@ Frame headers: ``stage`` is always the sender's stage (checked against the sende
 Compression per link and direction, at the config's top-k ratio's bytes: activations as
 ``activation_codec`` picks (a ternary code of every element while it fits, else top-k; no error
 feedback, each micro-batch is new data), gradients as the config's ``gradient_codec`` (top-k, or
-the ternary code) with error feedback (``ErrorFeedback``, one residual per link and receiver).
+the ternary code) with error feedback (link_feedback.py: one residual per link and receiver).
 """
 
 import math
@@ -48,7 +48,6 @@ import torch
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import (
     Codec,
-    ErrorFeedback,
     Float16Codec,
     activation_codec,
     budget_codec,
@@ -68,6 +67,7 @@ from fusionllm.node.pipeline.expectations import (
     roles_of,
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.link_feedback import GradientFeedback
 from fusionllm.node.pipeline.loss_scale import LossScale
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
@@ -162,7 +162,7 @@ class PipelineRunner:
         self.replicas = config.stage_replicas
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
-        self._feedback = ErrorFeedback()
+        self._feedback = GradientFeedback()
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
         self._summary_first = _summary_first(role, self.tied_names, layout)
         self.expectations = Expectations(config, layout, role)
@@ -208,18 +208,15 @@ class PipelineRunner:
         self.mailbox.close(reason)
 
     def residuals(self) -> dict[str, torch.Tensor]:
-        """Error-feedback residuals by link and receiver ("gradient/<link>/<stage>.<replica>")."""
-        return {
-            f"{kind}/{link}/{target.stage}.{target.replica}": residual
-            for (kind, link, target), residual in self._feedback.residuals().items()
-        }
+        """Error-feedback residuals by link and receiver, in true gradient units."""
+        return self._feedback.table(self._scale())
 
     def load_residuals(self, table: dict[str, torch.Tensor]) -> None:
         """Take ``residuals()`` back (same plan only: keys name this plan's links and peers)."""
-        for key, residual in table.items():
-            kind, link, target = key.split("/")
-            stage, replica = (int(x) for x in target.split("."))
-            self._feedback.load((kind, int(link), Role(stage, replica)), residual)
+        self._feedback.load(table, self._scale())
+
+    def _scale(self) -> float:
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -229,7 +226,7 @@ class PipelineRunner:
         sends = Sends()
         self._compute_cpu_s = 0.0
         self._overflow = False
-        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        scale = self._scale()
         self.worker.loss_scale = scale
         eval_sum, eval_count = eval_pass(self, step, sends)  # before the step changes anything
         losses, busy, wait, order = self._schedule(step, sends)
@@ -251,6 +248,7 @@ class PipelineRunner:
             self.worker.clip_and_step(norm)
         if self.loss_scale is not None:
             self.loss_scale.update(totals.overflow)
+            self._feedback.rescale(scale, self.loss_scale.scale)
         self.completed_steps = step + 1  # from here on the step counts, even if a send fails
         sends.wait(self.timeout_s)
         return StepReport(
@@ -479,7 +477,7 @@ class PipelineRunner:
             return pack_tensor(flat, Float16Codec(HALF_WIRE) if half else None)
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
-        return self._feedback.pack(("gradient", link, target), flat, codec)
+        return self._feedback.pack(link, target, flat, codec)
 
     def _send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
         header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)

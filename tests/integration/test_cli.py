@@ -81,3 +81,21 @@ def test_node_refuses_a_bad_swarm_name_before_starting_anything(tmp_path):
     assert result.returncode == 1
     assert "swarm name" in result.stderr
     assert not (tmp_path / "k.key").exists()
+
+
+def test_swarm_refuses_a_folder_the_data_does_not_fit_before_starting_anything(tmp_path):
+    from tests.support.hf_models import hf_llama
+
+    hf_llama(vocab=96).save_pretrained(tmp_path / "llama")  # 64 positions
+    work = tmp_path / "w"
+    narrow = _fusionllm("swarm", "--model-dir", str(tmp_path / "llama"), "--work-dir", str(work))
+    assert narrow.returncode == 1
+    assert "has a vocabulary of 96; the data's token ids go up to 255" in narrow.stderr
+    assert "Traceback" not in narrow.stderr
+    hf_llama(vocab=256).save_pretrained(tmp_path / "bytes")
+    long = _fusionllm("swarm", "--model-dir", str(tmp_path / "bytes"), "--seq-len", "65",
+                      "--work-dir", str(work))  # fmt: skip
+    assert long.returncode == 1
+    assert "--seq-len 65 exceeds" in long.stderr
+    assert "64 positions" in long.stderr
+    assert not work.exists()  # no node was started

@@ -18,9 +18,9 @@ from fusionllm.node.control.local_facts import FactsError, learn_local_facts, pa
 from tests.support.identities import cpu_device
 
 
-def _costs(seq_len: int):
+def _costs(seq_len: int, vocab_size: int = STDLIB_VOCAB):
     with torch.device("meta"):
-        model = gpt2("tiny", vocab_size=STDLIB_VOCAB)
+        model = gpt2("tiny", vocab_size=vocab_size)
     return trace(model, (torch.zeros(1, seq_len, dtype=torch.long),)).costs()
 
 
@@ -40,11 +40,23 @@ def test_the_child_traces_what_the_node_used_to_trace(tmp_path) -> None:
     assert not cache.exists()  # told not to measure: it did not
 
 
+def test_a_preset_is_costed_at_the_run_vocabulary_and_cached_apart(tmp_path) -> None:
+    cache = tmp_path / "device.json"
+    wide = learn_local_facts("tiny", 16, device_cache=cache, measure_device=False, vocab_size=384)
+    assert wide.costs == _costs(16, vocab_size=384)
+    (head,) = [n for n in wide.costs.nodes if n.node_id.endswith("lm_head")]
+    assert head.param_bytes == 384 * 64 * 4  # (V, C) fp32, not the bytes' 256
+    narrow = learn_local_facts("tiny", 16, device_cache=cache, measure_device=False)
+    assert narrow.costs == _costs(16)  # not the 384 run's cache entry
+    assert (tmp_path / local_facts.costs_file_name("tiny", 16, 384)).exists()
+
+
 def test_the_child_measures_and_caches_the_device(tmp_path) -> None:
     cache = tmp_path / "device.json"
     facts = learn_local_facts("tiny", 16, device_cache=cache, measure_device=True)
     assert isinstance(facts.device, DeviceInfo)
-    assert facts.device.kind == "cpu"
+    # --device auto: the GPU where torch sees one (the child asks the same torch we do).
+    assert facts.device.kind == ("cuda" if torch.cuda.is_available() else "cpu")
     assert facts.device.flops > 0
     assert cache.exists()
 

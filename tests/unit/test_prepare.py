@@ -4,13 +4,14 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from fusionllm.data import prepare as prepare_module
 from fusionllm.data.corpus import load_corpus, load_prepared
 from fusionllm.data.manifest import MANIFEST, DataError, read_manifest
 from fusionllm.data.prepare import PrepareConfig, prepare
 from fusionllm.node.cli.main import main
+from tests.support.bpe import train_bpe
 
 TEXT = "def f(x):\n    return x + 1\n" * 40 + "último\n"
 RECORDS = [{"text": "first document"}, {"text": "second, with ünïcode"}]
@@ -26,14 +27,7 @@ def inputs(tmp_path):
 
 
 def _bpe(tmp_path, vocab: int = 400):
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([TEXT, *(r["text"] for r in RECORDS)] * 5, trainer)
+    tokenizer = train_bpe([TEXT, *(r["text"] for r in RECORDS)] * 5, vocab)
     path = tmp_path / "tok"
     path.mkdir()
     tokenizer.save(str(path / "tokenizer.json"))

@@ -1,0 +1,18 @@
+"""A tiny byte-level BPE tokenizer trained here (the `tokenizers` package; nothing downloaded)."""
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """GPT-2's kind of tokenizer at ``vocab_size`` (with one special token, <|endoftext|>)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
