@@ -16,6 +16,7 @@
 - mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``
 - runner.py:        ``PipelineRunner`` (one process's steps over a transport), ``Expectations``
 - evaluation.py:    ``eval_pass``: validation micro-batches forward through the stages
+- exchanges.py:     ``all_reduce_replicas``, ``sum_tied``: the exchanges after a step's schedule
 - local_train.py:   ``train_local``, the one-process reference run
 - launcher.py:      ``run_swarm``: every stage replica as a process (the launcher reference run)
 - stage_main.py:    one stage replica as a launcher's child process (JSON lines)

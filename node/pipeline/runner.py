@@ -59,10 +59,9 @@ from fusionllm.node.p2p.transport import Received, Transport
 from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
+from fusionllm.node.pipeline.exchanges import all_reduce_replicas, sum_tied
 from fusionllm.node.pipeline.expectations import (
-    TAG_DP,
     TAG_SUMMARY,
-    TAG_TIED,
     Expectations,
     roles_of,
 )
@@ -232,12 +231,12 @@ class PipelineRunner:
         losses, busy, wait, order = self._schedule(step, sends)
         if self.loss_scale is not None:  # before any gradient leaves: they must be finite
             self._overflow |= self.worker.unscale_or_zero(scale)
-        self._all_reduce_replicas(step, sends)
+        all_reduce_replicas(self, step, sends)
         mine = Summary(0.0, sum(float(x) for x in losses), len(losses), 0.0, self._overflow,
                        eval_sum, eval_count)  # fmt: skip
         if self._summary_first:
             mine = self._send_summary(step, sends, mine)
-        self._sum_tied(step, sends)
+        sum_tied(self, step, sends)
         if not self._summary_first:
             mine = self._send_summary(step, sends, mine)
         totals = self._gather_summary(step, sends, mine)  # checks the counts: never half-apply
@@ -379,57 +378,7 @@ class PipelineRunner:
             sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
         return computed, t1 - t0
 
-    # ----- the exchanges after the schedule ----------------------------------------------------
-
-    def _all_reduce_replicas(self, step: int, sends: Sends) -> None:
-        s, count = self.role.stage, self.replicas[self.role.stage]
-        if count == 1:
-            return
-        mine = self.worker.flat_grads()
-        body = pack_tensor(self.staging.to_host(("dp", s), mine))
-        for r in range(count):
-            if r != self.role.replica:
-                sends.futures.append(self._send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
-        total = None
-        for r in range(count):  # the same order on every replica: the same bits
-            part = (
-                mine
-                if r == self.role.replica
-                else self.staging.to_device(
-                    ("dp", r), self._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
-                )
-            )
-            total = part.clone() if total is None else total + part
-        self.worker.set_flat_grads(total)
-
-    def _sum_tied(self, step: int, sends: Sends) -> None:
-        s, r = self.role.stage, self.role.replica
-        for name in self.tied_names:
-            tag = TAG_TIED + self._tied_index[name]
-            holders = self.layout.tied[name]
-            mine = self.worker.grad(name)
-            body = pack_tensor(self.staging.to_host(("tied", name), mine))
-            # Replica r of a holder stage hears from replica r mod R of every other holder.
-            for other in holders:
-                if other == s:
-                    continue
-                for rr in range(self.replicas[other]):
-                    if rr % self.replicas[s] == r:
-                        sends.futures.append(
-                            self._send(Role(other, rr), FrameKind.CONTROL, step, tag, body)
-                        )
-            total = None
-            for other in holders:  # stage order on every holder
-                if other == s:
-                    part = mine
-                else:
-                    sender = Role(other, r % self.replicas[other])
-                    part = self.staging.to_device(
-                        ("tied", name, other),
-                        self._take(FrameKind.CONTROL, step, tag, sender, sends),
-                    )
-                total = part.clone() if total is None else total + part
-            self.worker.set_grad(name, total)
+    # ----- the exchanges after the schedule (exchanges.py) and the summary --------------------
 
     def _send_summary(self, step: int, sends: Sends, losses: Summary) -> Summary:
         """Our summary (summary.py: ``losses`` with our norm share and vote), sent to every
