@@ -48,7 +48,7 @@ def test_nodes_on_other_data_are_never_planned_together(tmp_path, prepared):
     tokens = load_prepared(prepared).store.read(0, 50_000).astype("<u2")
     tokens[:10] = 0  # the same vocabulary and dtype: only the digest differs
     tokens.tofile(other)
-    swarm = LocalSwarm(tmp_path, extra={"no-train": True, "min-stages": 1})
+    swarm = LocalSwarm(tmp_path, extra={"control-only": True, "min-stages": 1})
     try:
         first = swarm.start("a", extra={"data": str(prepared)})
         wait_for(lambda: first.last("ready"), 60, "the first node")
