@@ -106,7 +106,7 @@ class DaemonView:
 def build_workload(
     run: RunSpec, data_path: Path | None = None, data_dtype: str | None = None
 ) -> tuple[OpGraph, TokenDataset]:
-    """The run's seeded model traced at the micro-batch shape, and the corpus: the same in
+    """The run's model, on meta, traced at the micro-batch shape, and the corpus: the same in
     every node (seconds of CPU: done when a node first serves, not at start). A corpus whose
     digest is not the run's (the file changed since the node started) is refused."""
     config = TrainConfig.for_run(
@@ -118,8 +118,8 @@ def build_workload(
     )
     example = registry.example_input(run.micro_batch_size, run.seq_len)  # (B, T)
     with _ONE_BUILD_AT_A_TIME:
-        model = build_model(config)
-        graph = trace_micro_batch(model, example)
+        # On meta: the graph needs shapes only; a session makes its stage's parameters real.
+        graph = trace_micro_batch(build_model(config, meta=True), example)
     dataset = load_dataset(config)
     if run.data_digest and dataset.digest != run.data_digest:
         raise DataError(

@@ -6,6 +6,8 @@
 - resnet.py:      ``resnet(depth)``: ResNet-18/34/50/101/152, torchvision names
 - registry.py:    every architecture and preset; the one way a run builds its model
 - pretrained.py:  ``from_pretrained(folder)`` / ``save_pretrained(model, folder)``
+- materialise.py: a model on meta made real one parameter at a time (seeded per name, or
+                  read by name from a folder), so a pipeline stage holds only its own
 - hf_config.py:   config.json <-> our configs (transformers 4.x and 5.x forms)
 - hf_tensors.py:  safetensors files read checked and written atomically
 - hf_errors.py:   the typed errors a folder is refused with

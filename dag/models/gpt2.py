@@ -218,6 +218,20 @@ class GPT2(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def init_rule(config: GPT2Config, name: str) -> tuple[str, float]:
+    """How a seeded run initialises parameter ``name``: ("normal", std), ("zeros", 0) or
+    ("ones", 0); what ``_init_weights`` does, per parameter (``dag/models/seeded.py``)."""
+    if name.endswith(".bias"):
+        return ("zeros", 0.0)
+    if ".ln_" in name or name.startswith("transformer.ln_"):
+        return ("ones", 0.0)
+    if name.endswith("c_proj.weight"):
+        return ("normal", 0.02 / math.sqrt(2 * config.n_layer))
+    if name.endswith(".weight"):  # embeddings, c_attn, c_fc, an untied head
+        return ("normal", 0.02)
+    raise ConfigError(f"GPT-2 has no parameter named {name!r}")
+
+
 def gpt2(
     name: str = "small",
     *,

@@ -10,7 +10,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -106,8 +106,10 @@ def read_tensors(
     expected: Mapping[str, tuple[int, ...]],
     optional: frozenset[str],
     rename: Renamer,
+    only: Collection[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every expected tensor (plus any of ``optional`` the folder has) as float32, by our names.
+    """Every expected tensor (plus any of ``optional`` the folder has) as float32, by our names;
+    with ``only``, just those of them (a pipeline stage's), every header still checked.
 
     Raises ``TensorShapeError`` for a missing, unexpected, duplicated or misshapen tensor and
     ``TensorValueError`` for a non-float dtype or a non-finite value, before loading any values
@@ -117,6 +119,8 @@ def read_tensors(
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, (path, theirs) in plan.items():
+        if only is not None and ours not in only:
+            continue
         by_file.setdefault(path, []).append((ours, theirs))
     for path, names in by_file.items():
         with _opened(path) as file:

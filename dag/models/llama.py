@@ -247,6 +247,18 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def init_rule(config: LlamaConfig, name: str) -> tuple[str, float]:
+    """How a seeded run initialises parameter ``name``: ("normal", std), ("zeros", 0) or
+    ("ones", 0); what ``_init_weights`` does, per parameter (``dag/models/seeded.py``)."""
+    if name.endswith(".bias"):
+        return ("zeros", 0.0)
+    if name.endswith("norm.weight"):  # RMSNorm: input_layernorm, post_attention_layernorm, norm
+        return ("ones", 0.0)
+    if name.endswith(".weight"):  # embeddings, projections, an untied head
+        return ("normal", 0.02)
+    raise ConfigError(f"Llama has no parameter named {name!r}")
+
+
 def llama(
     name: str = "llama-tiny",
     *,

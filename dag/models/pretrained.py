@@ -11,7 +11,7 @@ float32 GPT2LMHeadModel or LlamaForCausalLM (a tied head is not stored), so its
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,32 +49,55 @@ def from_pretrained(path: str | os.PathLike[str]) -> nn.Module:
     """The folder's model in float32 on the CPU: ``model(idx)`` -> logits (B, T, vocab)."""
     folder = Path(path)
     config = read_config(folder)
+    check_layers(folder, config)
+    with torch.device("meta"):
+        model = registry.build(config)
+    tensors = read_parameters(folder, config, model)
+    arch = registry.architecture_of(config)
+    if config.tie_word_embeddings:
+        tensors[_HEAD] = tensors[arch.embedding]
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.tie_weights()  # assign=True gave the head its own Parameter
+    logger.info("loaded %s (%s) from %s", type(model).__name__, arch.family, folder)
+    return model
+
+
+def check_layers(folder: Path, config: ModelConfig) -> None:
+    """Refuse a config.json asking for more layers than the folder has tensors: call it before
+    building the model, as a module per layer costs time even on meta."""
     layers = config.num_hidden_layers
     tensors_in_folder = tensor_count(folder)
-    if layers > tensors_in_folder:  # checked before building: a module per layer costs time
+    if layers > tensors_in_folder:
         raise TensorShapeError(
             f"config.json asks for {layers} layers; the folder holds {tensors_in_folder} tensors"
         )
+
+
+def read_parameters(
+    folder: Path, config: ModelConfig, meta_model: nn.Module, only: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The folder's tensors for ``meta_model`` (``config``'s, built on meta) as float32, by
+    our names (a tied head under the embedding's name only); with ``only``, just those, so a
+    pipeline stage reads its own slice of the file. Every header is checked either way."""
     arch = registry.architecture_of(config)
-    with torch.device("meta"):
-        model = registry.build(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
     optional: frozenset[str] = frozenset()
+    wanted = None if only is None else set(only)
     if config.tie_word_embeddings:
         del expected[_HEAD]
         optional = frozenset({_HEAD})  # some writers store the tied head anyway
-    tensors = read_tensors(folder, expected=expected, optional=optional, rename=arch.from_hf_name)
+        if wanted is not None and arch.embedding in wanted:
+            wanted.add(_HEAD)  # to check it against the embedding, as a whole load does
+    tensors = read_tensors(
+        folder, expected=expected, optional=optional, rename=arch.from_hf_name, only=wanted
+    )
     if config.tie_word_embeddings:
         head = tensors.pop(_HEAD, None)
         if head is not None and not torch.equal(head, tensors[arch.embedding]):
             raise TensorValueError(
                 f"{folder}: config.json ties {_HEAD} to {arch.embedding} but the file's differ"
             )
-        tensors[_HEAD] = tensors[arch.embedding]
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.tie_weights()  # assign=True gave the head its own Parameter
-    logger.info("loaded %s (%s) from %s", type(model).__name__, arch.family, folder)
-    return model
+    return tensors
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> Path:

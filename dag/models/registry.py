@@ -5,9 +5,10 @@ facts child that costs a model for the planner, ``from_pretrained``), so a new a
 plugs in at one place: write its module (a kw-only config with ``vocab_size``,
 ``block_size``, ``num_hidden_layers`` and ``tie_word_embeddings``; an nn.Module
 ``forward(idx (B, T) int64) -> logits (B, T, V)`` that traces with torch.fx; named presets;
-``from_hf_name``), add an ``Architecture`` to ``ARCHITECTURES``, and its config.json fields
-to ``hf_config.py``. Preset names are global: ``common.run_spec.MODELS`` lists the same names
-(a unit test keeps them equal).
+``from_hf_name``; ``init_rule``, how a seeded run initialises each parameter), add an
+``Architecture`` to ``ARCHITECTURES``, and its config.json fields to ``hf_config.py``.
+Preset names are global: ``common.run_spec.MODELS`` lists the same names (a unit test keeps
+them equal).
 """
 
 from collections.abc import Callable, Mapping
@@ -22,9 +23,11 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.dag.models.gpt2 import GPT2, GPT2Config
 from fusionllm.dag.models.gpt2 import PRESETS as GPT2_PRESETS
 from fusionllm.dag.models.gpt2 import from_hf_name as gpt2_name
+from fusionllm.dag.models.gpt2 import init_rule as gpt2_init
 from fusionllm.dag.models.llama import PRESETS as LLAMA_PRESETS
 from fusionllm.dag.models.llama import Llama, LlamaConfig
 from fusionllm.dag.models.llama import from_hf_name as llama_name
+from fusionllm.dag.models.llama import init_rule as llama_init
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +38,8 @@ class Architecture:
     presets: Mapping[str, Any]
     embedding: str  # the input embedding's parameter name (the tied head is the same tensor)
     from_hf_name: Callable[[str], str | None]
+    # (config, parameter name) -> ("normal", std) | ("zeros", 0) | ("ones", 0): seeded.py
+    init_rule: Callable[[Any, str], tuple[str, float]]
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -45,6 +50,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         presets=GPT2_PRESETS,
         embedding="transformer.wte.weight",
         from_hf_name=gpt2_name,
+        init_rule=gpt2_init,
     ),
     Architecture(
         family="llama",
@@ -53,6 +59,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         presets=LLAMA_PRESETS,
         embedding="model.embed_tokens.weight",
         from_hf_name=llama_name,
+        init_rule=llama_init,
     ),
 )
 

@@ -73,7 +73,7 @@ from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.steps import Sends, StepReport
 from fusionllm.node.pipeline.summary import StepTotals, Summary, combine
-from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
 
 logger = get_logger(__name__)
 
@@ -154,6 +154,7 @@ class PipelineRunner:
             optimizer=config.optimizer,
             micro_batches=config.micro_batches,
             compute=self.compute,
+            weights=weight_source(config),
         )
         self.staging = Staging(self.compute)
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None

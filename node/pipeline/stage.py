@@ -22,6 +22,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.materialise import WeightSource, materialise
 from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.compute import Compute
@@ -73,6 +74,18 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+def _own_stage(layout: PipelineLayout, stage: int, weights: WeightSource | None) -> torch.nn.Module:
+    """A copy of the stage's module owning its parameters, those on meta made real."""
+    module = copy.deepcopy(layout.stage_module(stage))  # of meta tensors: nothing allocated
+    if any(p.is_meta for p in module.parameters()):
+        if weights is None:
+            raise PipelineError(
+                f"stage {stage}'s model was built on the meta device and no weights were given"
+            )
+        materialise(module, weights, layout.graph.canonical_parameter_names())
+    return module
+
+
 @dataclass
 class _Saved:
     leaves: dict[str, torch.Tensor]  # what the stage received, as autograd leaves
@@ -90,7 +103,10 @@ class StageWorker:
         optimizer: OptimizerConfig,
         micro_batches: int,
         compute: Compute | None = None,
+        weights: WeightSource | None = None,
     ) -> None:
+        """``weights``: where the stage's parameters come from when ``layout`` was traced from
+        a model on the meta device (only this stage's are made real)."""
         if not 0 <= stage < layout.num_stages:
             raise ValueError(f"stage must be in [0, {layout.num_stages}), got {stage}")
         if micro_batches < 1:
@@ -103,7 +119,7 @@ class StageWorker:
         self.compute = compute if compute is not None else Compute()
         self.device = self.compute.device
         # float32 master weights on the device, whatever the precision (autocast casts).
-        self.module = copy.deepcopy(layout.stage_module(stage)).to(self.device)
+        self.module = _own_stage(layout, stage, weights).to(self.device)
         self.module.train()
         canonical = layout.stage_parameter_names(stage)
         # named_parameters lists a parameter tied inside the stage once: one entry per tensor.

@@ -120,9 +120,8 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
     config = TrainConfig.from_json(Path(args.config).read_text())
     role = Role(args.stage, args.replica)
     compute = Compute.of(args.device, config.precision)
-    model = build_model(config)
-    layout = build_layout(config, model)
-    del model  # the worker deep-copies its stage module; the rest of the model is not needed
+    # On meta: the worker makes only its own stage's parameters real (the runner's weights).
+    layout = build_layout(config, build_model(config, meta=True))
     dataset = load_dataset(config)
     expectations = Expectations(config, layout, role)
     # Every frame is delivered before "done" (the last step ends in an all-gather), so a long

@@ -1,13 +1,15 @@
 """What a training run is: model, data, batch, optimizer, stages, replicas, link compression.
 
 One kw-only dataclass, validated on construction, serialisable to JSON so a launcher can
-hand the same run to every stage process. ``build`` makes the model, graph and layout the
-same way in every process (seeded init, same trace), which is what lets stages that never
-exchange parameters start from identical weights.
+hand the same run to every stage process. ``build_model`` and ``build_layout`` make the model,
+graph and layout the same way in every process (per-parameter seeded init, same trace), which
+is what lets stages that never exchange parameters start from identical weights; a stage
+process builds the model on meta and makes only its own parameters real (``weight_source``).
 """
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +18,9 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import FOLDER, PRECISIONS, RunSpec
 from fusionllm.dag import OpGraph, trace
-from fusionllm.dag.models import from_pretrained, read_config, registry
+from fusionllm.dag.models import read_config, registry
+from fusionllm.dag.models.materialise import FolderWeights, SeededInit, WeightSource, materialise
+from fusionllm.dag.models.pretrained import check_layers
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.stage import OptimizerConfig
@@ -230,21 +234,29 @@ def model_config(config: TrainConfig) -> Any:
     return folder_config
 
 
-def build_model(config: TrainConfig) -> torch.nn.Module:
-    """The model with the run's seeded initialisation, or the folder's weights (identical in
-    every process)."""
+def build_model(config: TrainConfig, *, meta: bool = False) -> torch.nn.Module:
+    """The run's model: its preset's seeded initialisation or its folder's weights (identical
+    in every process). ``meta``: on the meta device (shapes only), for tracing and cutting;
+    a stage then makes only its own parameters real (``weight_source``)."""
+    architecture = model_config(config)  # a folder's vocabulary must cover the data's
     if config.model == FOLDER:
-        model_config(config)  # the folder's vocabulary must cover the data's
-        model = from_pretrained(config.model_dir)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            model = registry.build(model_config(config))
-    if config.seq_len > model.config.block_size:
+        check_layers(Path(config.model_dir), architecture)
+    if config.seq_len > architecture.block_size:
         raise ConfigError(
-            f"seq_len {config.seq_len} exceeds the model's block_size {model.config.block_size}"
+            f"seq_len {config.seq_len} exceeds the model's block_size {architecture.block_size}"
         )
+    with torch.device("meta"):
+        model = registry.build(architecture)
+    if not meta:
+        materialise(model, weight_source(config))
     return model
+
+
+def weight_source(config: TrainConfig) -> WeightSource:
+    """Where the run's parameters come from: seeded per parameter name, or the folder."""
+    if config.model == FOLDER:
+        return FolderWeights(config.model_dir, model_config(config))
+    return SeededInit(model_config(config), config.seed)
 
 
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:
@@ -261,9 +273,12 @@ def trace_micro_batch(model: torch.nn.Module, example: torch.Tensor) -> OpGraph:
     A small model: a real forward (the model is allocated anyway, and propagating meta tensors
     first imports torch's meta kernels, ~1.5 s per process here). A large one: meta tensors,
     as a real CPU forward of GPT-2 medium at 4 x 1024 tokens would take each process tens of
-    seconds before it trains on its GPU."""
-    work = sum(p.numel() for p in model.parameters()) * example.numel()
-    return trace(model, (example,), meta=work > _REAL_TRACE_MAX_WORK)
+    seconds before it trains on its GPU. A model built on meta is traced on meta, whatever
+    its size."""
+    parameters = list(model.parameters())
+    work = sum(p.numel() for p in parameters) * example.numel()
+    on_meta = any(p.is_meta for p in parameters)
+    return trace(model, (example,), meta=on_meta or work > _REAL_TRACE_MAX_WORK)
 
 
 def load_dataset(config: TrainConfig) -> TokenDataset:

@@ -62,7 +62,10 @@ class ThreadSwarm:
         compute: Compute | None = None,
     ) -> None:
         self.config = config
-        self.layout = build_layout(config, build_model(config)) if layout is None else layout
+        # On meta, as a stage process builds it: each runner makes only its own stage real.
+        if layout is None:
+            layout = build_layout(config, build_model(config, meta=True))
+        self.layout = layout
         self.network = MemoryNetwork() if network is None else network
         self.roles = roles_of(config)
         self.peer_of = {role: peer_id_of(role) for role in self.roles}

@@ -15,7 +15,7 @@ from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.stage import StageWorker
-from fusionllm.node.pipeline.train_config import TrainConfig
+from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
 from fusionllm.node.swarm_training import build_workload
 from fusionllm.node.training.assignment import Assignment
 from fusionllm.node.training.board import Copy
@@ -41,7 +41,11 @@ class Model:
         self.layout = PipelineLayout(self.graph, self.config.cuts)
         self.ranges = ((0, cut), (cut, len(self.graph.node_ids)))
         self.worker = StageWorker(
-            self.layout, 1, optimizer=self.config.optimizer, micro_batches=RUN.micro_batches
+            self.layout,
+            1,
+            optimizer=self.config.optimizer,
+            micro_batches=RUN.micro_batches,
+            weights=weight_source(self.config),  # the workload's graph is on meta
         )
 
     def params_of(self, start: int, stop: int) -> frozenset[str]:
