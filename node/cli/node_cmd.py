@@ -87,6 +87,15 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         help="never compress a link (AdaTopK off): the run then equals one process's",
     )
     group.add_argument(
+        "--planner",
+        choices=("opfence", "balanced", "naive"),
+        default="opfence",
+        help="how stages are planned: opfence (fences of fast links, cuts that balance compute "
+        "and links, AdaTopK unless --dense), or a baseline that ignores links and sends dense: "
+        "balanced (cuts that balance measured compute), naive (even layer split in peer-id "
+        "order) (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-replicas",
         type=int,
         default=64,
@@ -173,6 +182,7 @@ def _node_config(args: argparse.Namespace):
         swarm=args.swarm,
         run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
+        planner=args.planner,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
         max_replicas=args.max_replicas,
