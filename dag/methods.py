@@ -19,7 +19,10 @@ __all__ = ["PLANNERS", "InfeasiblePlanError", "Plan", "plan_for"]
 
 
 def plan_for(graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> Plan:
-    """The plan of ``config.planner`` for ``swarm``; InfeasiblePlanError if none fits."""
+    """The plan of ``config.planner`` for ``swarm``; InfeasiblePlanError if none fits, or if
+    the swarm has fewer than ``config.min_peers`` peers."""
+    if swarm.n < config.min_peers:
+        raise InfeasiblePlanError(f"{swarm.n} peers, the swarm waits for {config.min_peers}")
     if config.planner == "naive":
         return naive_plan(graph, swarm, config)
     if config.planner == "balanced":

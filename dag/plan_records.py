@@ -54,8 +54,13 @@ class PlanConfig:
     # How stages are found (PLANNERS): OP-Fence, or a baseline that ignores links (balanced:
     # compute-balanced cuts; naive: even layer split in peer-id order). Baselines send dense.
     planner: str = "opfence"
+    # Plan nothing for a swarm of fewer peers: a run that must start on the whole swarm (an
+    # experiment) would otherwise train on the first node alone while the others join.
+    min_peers: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.min_peers, int) or self.min_peers < 1:
+            raise ConfigError(f"min_peers must be an integer >= 1, got {self.min_peers!r}")
         if self.planner not in PLANNERS:
             raise ConfigError(f"planner must be one of {sorted(PLANNERS)}, got {self.planner!r}")
         if self.micro_batches < 1:

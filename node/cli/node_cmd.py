@@ -96,6 +96,13 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         "order) (default: %(default)s)",
     )
     group.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        help="plan and train nothing until this many nodes are present, so a run starts on "
+        "the whole swarm, not on the first node alone (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-replicas",
         type=int,
         default=64,
@@ -183,6 +190,7 @@ def _node_config(args: argparse.Namespace):
         run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
         planner=args.planner,
+        min_peers=args.min_peers,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
         max_replicas=args.max_replicas,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.dag.methods import PLANNERS, plan_for
+from fusionllm.dag.methods import PLANNERS, InfeasiblePlanError, plan_for
 from fusionllm.dag.plan_records import PlanConfig
 from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.synthetic import generate_swarm, gpt2_costs
@@ -78,3 +78,14 @@ def test_opfence_dense_is_opfence_without_adatopk():
 def test_naive_respects_max_stages():
     config = dataclasses.replace(CONFIG, planner="naive", max_stages=2)
     assert len(plan_for(GRAPH, _sites(), config).stages) == 2
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_no_plan_for_fewer_peers_than_min_peers(planner):
+    swarm = _sites()  # 4 peers
+    waiting = dataclasses.replace(CONFIG, planner=planner, min_peers=5)
+    with pytest.raises(InfeasiblePlanError, match="4 peers, the swarm waits for 5"):
+        plan_for(GRAPH, swarm, waiting)
+    enough = dataclasses.replace(waiting, min_peers=4)
+    alone = dataclasses.replace(waiting, min_peers=1)
+    assert plan_for(GRAPH, swarm, enough).digest() == plan_for(GRAPH, swarm, alone).digest()

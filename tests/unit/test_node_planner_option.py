@@ -13,6 +13,7 @@ from fusionllm.node.cli.node_cmd import _node_config
         (["--dense"], "opfence", False),
         (["--planner", "balanced"], "balanced", True),
         (["--planner", "naive", "--dense"], "naive", False),
+        (["--min-peers", "4"], "opfence", True),
     ],
 )
 def test_planner_and_dense_become_swarm_settings(tmp_path, argv, planner, compress):
@@ -20,6 +21,7 @@ def test_planner_and_dense_become_swarm_settings(tmp_path, argv, planner, compre
     settings = _node_config(args).settings
     assert (settings.planner, settings.compress) == (planner, compress)
     assert settings.plan_config().planner == planner
+    assert settings.min_peers == settings.plan_config().min_peers == (4 if "4" in argv else 1)
 
 
 def test_an_unknown_planner_is_a_usage_error(capsys):
