@@ -126,6 +126,9 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         watch = _Watch(bed, nodes, warmup, steps)
         deadline = time.monotonic() + 60 + 20 * steps
         while not watch.poll():
+            crashed = [n.name for n in nodes if not n.alive() and n.process.returncode != 0]
+            if crashed:  # the rest would wait for it (--min-peers) until the deadline
+                raise AssertionError(f"{method}: {crashed} exited with an error")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{method}: {steps} steps not done in time:\n{swarm.logs()}")
             time.sleep(0.5)
@@ -215,7 +218,13 @@ def run_topology(name: str, methods: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as root, Testbed(topology) as bed:
         for method in methods:
             print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
-            results.append(run_method(bed, Path(root), method, steps, devices))
+            try:
+                results.append(run_method(bed, Path(root), method, steps, devices))
+            except (TimeoutError, AssertionError) as exc:  # one failed run, not the others
+                logs = "".join(p.read_text()[-1500:] for p in Path(root, method).glob("*.log"))
+                results.append({"method": method, "steps": steps, "error": f"{exc}"[:3000],
+                                "logs": logs})  # fmt: skip
+                print(f"[{topology.name}] {method} failed: {str(exc)[:300]}", file=sys.stderr)
     return {"topology": topology.name, "devices": devices, "runs": results}
 
 
@@ -238,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 10:
         parser.error("--steps must be at least 10 (a warm-up, then medians)")
     started = time.time()
-    results = {"command": " ".join(sys.argv), "started": started,
-               "topologies": [run_topology(t, methods, steps) for t in topologies]}  # fmt: skip
-    results["seconds"] = time.time() - started
+    results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
+    for name in topologies:
+        results["topologies"].append(run_topology(name, methods, steps))
+        results["seconds"] = time.time() - started
+        if args.json:  # after each topology: a later failure keeps what was measured
+            args.json.write_text(json.dumps(results, indent=2))
     print_tables(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     if args.plots:
         write_plots(results, args.plots)
     return 0
