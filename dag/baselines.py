@@ -1,7 +1,8 @@
 """Plans to compare OP-Fence against, all built by planner.build_plan and timed by the simulator.
 
-- naive_plan: peers in random order, dealt into S = min(peers, layers) stages, an even layer
-  split, no compression.
+- naive_plan: peers in random order (or in peer-id order, as a swarm setting wants: every node
+  must make the same plan), dealt into S = min(peers, layers, max_stages) stages, an even
+  layer split, no compression.
 - compute_balanced_plan: the same stage groups, cut to balance compute (memory respected),
   blind to bandwidth; no compression.
 - brute_force_plan: every ordered sequence of disjoint peer groups (the rest in backup), each cut
@@ -38,8 +39,13 @@ def layer_boundaries(graph: GraphCosts) -> list[int]:
     return [b + 1 for b, c in enumerate(cuts) if c == smallest]
 
 
-def _random_groups(swarm: Swarm, stages: int, rng: np.random.Generator) -> list[list[str]]:
-    order = [swarm.peer_ids[i] for i in rng.permutation(swarm.n)]
+def _groups(swarm: Swarm, stages: int, rng: np.random.Generator | None) -> list[list[str]]:
+    """Peers dealt into ``stages`` consecutive groups: in random order, or with no ``rng`` in
+    peer-id order (deterministic, so every node of a swarm makes the same plan)."""
+    if rng is None:
+        order = sorted(swarm.peer_ids)
+    else:
+        order = [swarm.peer_ids[i] for i in rng.permutation(swarm.n)]
     return [list(chunk) for chunk in np.array_split(np.array(order, dtype=object), stages)]
 
 
@@ -54,28 +60,30 @@ def _even_cuts(graph: GraphCosts, stages: int) -> list[int]:
     return [0, *inner, n]
 
 
-def _stage_count(graph: GraphCosts, swarm: Swarm) -> int:
-    return max(1, min(swarm.n, len(layer_boundaries(graph)) + 1, len(graph.nodes)))
+def _stage_count(graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> int:
+    most = min(swarm.n, len(layer_boundaries(graph)) + 1, len(graph.nodes), config.max_stages)
+    return max(1, most)
 
 
 def naive_plan(
-    graph: GraphCosts, swarm: Swarm, config: PlanConfig, rng: np.random.Generator
+    graph: GraphCosts, swarm: Swarm, config: PlanConfig, rng: np.random.Generator | None = None
 ) -> Plan:
-    """Random peer order, even layer split, dense tensors. May raise InfeasiblePlanError."""
+    """Random (no ``rng``: peer-id) order, even layer split, dense tensors. May raise
+    InfeasiblePlanError."""
     config = _without_compression(config)
-    stages = _stage_count(graph, swarm)
-    groups = _random_groups(swarm, stages, rng)
+    stages = _stage_count(graph, swarm, config)
+    groups = _groups(swarm, stages, rng)
     return build_plan(graph, swarm, config, groups, _even_cuts(graph, stages), method="naive")
 
 
 def compute_balanced_plan(
-    graph: GraphCosts, swarm: Swarm, config: PlanConfig, rng: np.random.Generator
+    graph: GraphCosts, swarm: Swarm, config: PlanConfig, rng: np.random.Generator | None = None
 ) -> Plan:
     """The naive groups, cut so that stage compute (not communication) is balanced."""
     config = _without_compression(config)
     model = _Model(graph, swarm, config)
-    stages = _stage_count(graph, swarm)
-    groups = _random_groups(swarm, stages, rng)
+    stages = _stage_count(graph, swarm, config)
+    groups = _groups(swarm, stages, rng)
     units = [
         _blind(_make_unit(model, np.array(sorted(swarm.index(p) for p in g)), 0)) for g in groups
     ]

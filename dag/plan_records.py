@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.simulate import PipelineTimes
 
+# The planning methods a swarm may run (a swarm setting), and the ``Plan.method`` each makes.
+PLANNERS = {"opfence": "op-fence", "balanced": "compute-balanced", "naive": "naive"}
+
 
 class InfeasiblePlanError(ConfigError):
     """No assignment of the graph to the swarm fits in memory; the message gives the numbers."""
@@ -48,8 +51,18 @@ class PlanConfig:
     max_replicas: int = 64
     min_relative_speed: float = 0.05  # slower than this x the fence's fastest -> backup
     fence_levels: int = 6  # clustering thresholds tried (widest log-bandwidth gaps)
+    # How stages are found (PLANNERS): OP-Fence, or a baseline that ignores links (balanced:
+    # compute-balanced cuts; naive: even layer split in peer-id order). Baselines send dense.
+    planner: str = "opfence"
+    # Plan nothing for a swarm of fewer peers: a run that must start on the whole swarm (an
+    # experiment) would otherwise train on the first node alone while the others join.
+    min_peers: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.min_peers, int) or self.min_peers < 1:
+            raise ConfigError(f"min_peers must be an integer >= 1, got {self.min_peers!r}")
+        if self.planner not in PLANNERS:
+            raise ConfigError(f"planner must be one of {sorted(PLANNERS)}, got {self.planner!r}")
         if self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.batch_size < self.micro_batches:

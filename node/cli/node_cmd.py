@@ -93,6 +93,22 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         help="never compress a link (AdaTopK off): the run then equals one process's",
     )
     group.add_argument(
+        "--planner",
+        choices=("opfence", "balanced", "naive"),
+        default="opfence",
+        help="how stages are planned: opfence (fences of fast links, cuts that balance compute "
+        "and links, AdaTopK unless --dense), or a baseline that ignores links and sends dense: "
+        "balanced (cuts that balance measured compute), naive (even layer split in peer-id "
+        "order) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        help="plan and train nothing until this many nodes are present, so a run starts on "
+        "the whole swarm, not on the first node alone (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-replicas",
         type=int,
         default=64,
@@ -187,6 +203,8 @@ def _node_config(args: argparse.Namespace):
         swarm=args.swarm,
         run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
+        planner=args.planner,
+        min_peers=args.min_peers,
         min_stages=args.min_stages,
         max_stages=args.max_stages,
         max_replicas=args.max_replicas,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.plan_check import PlanCheckError, Retimer
+from fusionllm.dag.plan_records import PLANNERS
 from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import NodeInfo, NodeState, PlanProposal, RecordError
@@ -159,6 +160,8 @@ def _check_plan_of(proposal: PlanProposal, view: EpochView) -> Candidate:
         raise RecordError(f"proposal from {proposal.proposer[:16]}: {exc}") from exc
     if not math.isclose(plan.estimated_step_time, proposal.estimate, rel_tol=1e-9):
         raise RecordError("proposal's estimate is not its plan's estimated step time")
+    if plan.method != PLANNERS[view.config.planner]:  # a swarm runs one planning method
+        raise RecordError(f"a {plan.method} plan, but the swarm plans {view.config.planner}")
     check_plan(
         plan,
         members=view.members,

@@ -16,9 +16,9 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.methods import InfeasiblePlanError, Plan, plan_for
 from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.plan_wire import plan_to_json
-from fusionllm.dag.planner import InfeasiblePlanError, Plan, plan
 from fusionllm.dag.swarm import Swarm
 from fusionllm.dht.records import (
     MAX_CLOCK_SKEW_S,
@@ -355,7 +355,7 @@ class PlanAgreement:
         ).digest()
         if key in self._plans:
             return self._plans[key]
-        fresh = plan(self.costs, swarm, self.plan_config)
+        fresh = plan_for(self.costs, swarm, self.plan_config)
         if len(self._plans) >= 4:  # the whole swarm, and the incumbent's peers (_bar)
             del self._plans[next(iter(self._plans))]
         self._plans[key] = fresh

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.run_spec import MODELS, RunSpec
+from fusionllm.dag.plan_records import PLANNERS
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dht.keys import check_swarm_name
 from fusionllm.node.control.quiet import check_stride
@@ -25,6 +26,10 @@ class SwarmSettings:
     max_stages: int = 8
     max_replicas: int = 64  # data-parallel width per stage; the rest wait in backup
     compress: bool = True  # AdaTopK on the slowest links; False: every link dense (exact runs)
+    # The planning method (dag/methods.py): "opfence", or a baseline that ignores links and
+    # sends dense ("balanced", "naive"), for experiments against OP-Fence on the same swarm.
+    planner: str = "opfence"
+    min_peers: int = 1  # plan nothing until this many members are present (PlanConfig)
     heartbeat_s: float = 5.0  # a node refreshes its record this often
     ttl_s: float = 15.0  # ... and its record expires this long after the last refresh
     epoch_s: float = 10.0  # plan epochs: propose at the start, adopt at settle_fraction
@@ -41,6 +46,10 @@ class SwarmSettings:
         check_swarm_name(self.swarm)
         if not isinstance(self.compress, bool):
             raise ConfigError(f"compress must be a bool, got {self.compress!r}")
+        if self.planner not in PLANNERS:
+            raise ConfigError(f"planner must be one of {sorted(PLANNERS)}, got {self.planner!r}")
+        if not isinstance(self.min_peers, int) or self.min_peers < 1:
+            raise ConfigError(f"min_peers must be an integer >= 1, got {self.min_peers!r}")
         if not isinstance(self.run, RunSpec):
             raise ConfigError(f"run must be a RunSpec, got {type(self.run).__name__}")
         for name in ("min_stages", "max_stages", "max_replicas"):
@@ -84,6 +93,8 @@ class SwarmSettings:
             batch_size=run.global_batch,
             graph_batch_size=1,
             compression=self.compress,
+            planner=self.planner,
+            min_peers=self.min_peers,
             min_stages=self.min_stages,
             max_stages=self.max_stages,
             # The runtime gives each replica whole micro-batches: never more replicas than that.

@@ -67,6 +67,19 @@ def build_adamw(
     )
 
 
+class _NoParameters:
+    """The optimizer of a stage that holds no parameters: nothing to step or zero."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """What torch.nn.utils.clip_grad_norm_ multiplies the gradients by."""
     if max_norm <= 0 or math.isinf(max_norm):
@@ -127,8 +140,12 @@ class StageWorker:
             canonical[name]: p for name, p in self.module.named_parameters()
         }
         self.config = optimizer
-        self.optimizer = build_adamw(
-            self.parameters.values(), optimizer, fused=self.compute.fused_optimizer
+        # A cut may leave a stage only parameter-free ops (a GELU between two Linears: the
+        # compute-balanced baseline seated a 0.2-core host so); torch's AdamW refuses none.
+        self.optimizer = (
+            build_adamw(self.parameters.values(), optimizer, fused=self.compute.fused_optimizer)
+            if self.parameters
+            else _NoParameters()
         )
         self.loss_scale = 1.0  # fp16: the step's scale (loss_scale.py), set by the runner
         self.in_link = layout.links[stage - 1] if not self.is_first else None

@@ -524,3 +524,9 @@ def test_serving_peers_and_backup_pool(pipeline):
     assert not used & set(pool)
     assert backup_pool(pipeline, []) == []
     assert backup_pool(pipeline, used) == []
+
+
+def test_a_plan_of_another_method_than_the_swarms_is_refused(pipeline):
+    naive = view_of(members_of(8), config=dataclasses.replace(CONFIG, planner="naive"))
+    with pytest.raises(RecordError, match="op-fence plan, but the swarm plans naive"):
+        check_proposal(proposal_of(pipeline), naive)

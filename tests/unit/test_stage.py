@@ -176,3 +176,17 @@ def test_gradient_codec_is_validated_and_survives_json() -> None:
     assert _config().gradient_codec == "topk"
     with pytest.raises(ConfigError, match="gradient_codec"):
         _config(gradient_codec="sign")
+
+
+def test_a_stage_without_parameters_steps(dataset) -> None:
+    """Cuts around the GELU between two Linears leave the middle stage no parameters (the
+    compute-balanced baseline made such a plan on the testbed, and AdamW raised on it)."""
+    config = _config(stages=3, cuts=(43, 44))
+    layout = build_layout(config, build_model(config))
+    assert layout.graph.costs().nodes[43].param_bytes == 0
+    middle = StageWorker(layout, 1, optimizer=config.optimizer, micro_batches=1)
+    assert middle.parameters == {}
+    assert middle.local_grad_sq_norm() == 0.0
+    assert middle.clip_and_step(2.0) == pytest.approx(config.optimizer.max_grad_norm / 2.0)
+    middle.skip_step()
+    assert middle.state_dict() == {}

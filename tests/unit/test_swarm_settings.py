@@ -31,6 +31,10 @@ def test_defaults_are_valid():
         {"min_stages": 3, "max_stages": 2},
         {"run": {"model": "tiny"}},
         {"compress": 1},
+        {"planner": "opfence-fast"},
+        {"planner": ""},
+        {"min_peers": 0},
+        {"min_peers": 2.0},
         {"heartbeat_s": 0.0},
         {"heartbeat_s": -1.0},
         {"heartbeat_s": 7.6, "ttl_s": 15.0},
@@ -100,6 +104,8 @@ _OTHER_VALUES = {
     "run": RunSpec(seq_len=128),
     "min_stages": 2,
     "compress": False,
+    "planner": "naive",
+    "min_peers": 3,
     "max_stages": 4,
     "max_replicas": 2,
     "heartbeat_s": 4.0,
@@ -222,3 +228,12 @@ def test_data_digest_and_vocab_are_validated():
     with pytest.raises(ConfigError, match="vocab_size"):
         RunSpec(vocab_size=0)
     assert RunSpec(data_digest="0" * 64).data_digest == "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("planner", "compress", "compression"),
+    [("opfence", True, True), ("opfence", False, False), ("naive", True, True)],
+)
+def test_planner_and_dense_reach_the_plan_config(planner, compress, compression):
+    config = SwarmSettings(planner=planner, compress=compress).plan_config()
+    assert (config.planner, config.compression) == (planner, compression)

@@ -1,0 +1,263 @@
+"""The FusionLLM experiment on real daemons: four planning methods on emulated WAN topologies.
+
+    sudo python -m benchmarks.testbed [--topology A|B|C|mini ...] [--quick] [--steps N]
+                                      [--json PATH] [--plots DIR]
+
+For each topology (fusionllm.testbed) and each method — naive (even layer split in peer-id
+order, dense), balanced (cuts by measured compute, links ignored, dense), OP-Fence dense
+(``--dense``) and OP-Fence + AdaTopK — one run of real ``fusionllm node`` daemons, one per
+host, with the same model, data and seed, ``--steps`` steps to the end. Each host advertises
+the device this machine measured for one torch thread, scaled by the host's CPU quota, so the
+planner sees the compute the cgroups really give. Measured per run: step time (median after
+a warm-up) and tokens/s, the loss after the fixed steps, bytes on each emulated link per step
+(the emulator's counters: everything the hosts sent, control traffic included), the plan
+trained longest with its estimated step time, how many plans ran, and the links the nodes
+measured (``fusionllm status`` once mid-run) beside the configured caps. ``--quick``: topology
+``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the `testbed` test runs it).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.testbed_report import print_tables, write_plots
+from benchmarks.testbed_swarm import _links, _status
+from fusionllm.node.control.probe import measure_device
+from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.testbed.bed import Testbed, unavailable
+from fusionllm.testbed.topology import Topology, load_topology
+
+METHODS = {
+    "naive": {"planner": "naive"},
+    "balanced": {"planner": "balanced"},
+    "opfence-dense": {"dense": True},
+    "opfence": {},
+}
+# The same run everywhere: GPT-2 tiny on the stdlib bytes, 4 micro-batches of 8 x 64 tokens
+# (128 KiB of activations per micro-batch and cut: a home link's worth of work). Two stages
+# at least, as in the papers' setting (a model no single device holds): tiny fits one host,
+# and OP-Fence then trains it on one host alone (measured on mini: 3.9x naive).
+RUN = {"seq-len": 64, "micro-batch-size": 8, "micro-batches": 4, "lr": 3e-3, "seed": 0,
+       "threads": 1, "step-timeout": 120, "min-stages": 2}  # fmt: skip
+TOKENS_PER_STEP = 64 * 8 * 4
+TIMING = {**FAST, "heartbeat": 2.0, "ttl": 10.0, "epoch": 4.0, "probe-kib": 1024}
+QUICK = {"topologies": ["mini"], "methods": ["naive", "opfence"], "steps": 30}
+
+
+def host_devices(topology: Topology) -> dict[str, dict]:
+    """Per host: one torch thread's device as measured here, scaled by the host's CPU quota."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = measure_device("cpu")
+    finally:
+        torch.set_num_threads(threads)
+    devices = {}
+    for host in topology.hosts:
+        share = min(host.cpu or 1.0, 1.0)
+        devices[host.name] = {
+            "name": f"cpu-x{share:g}", "kind": "cpu", "memory_bytes": 4 << 30,
+            "flops": m.flops * share, "memory_bandwidth": m.memory_bandwidth * share,
+            "op_overhead": m.op_overhead / share, "cpu_cores": 1, "ram_bytes": 8 << 30,
+        }  # fmt: skip
+    return devices
+
+
+def _merged_steps(nodes) -> dict[int, dict]:
+    """step -> {t: when its last stage reported it, loss, bytes_out per node}."""
+    steps: dict[int, dict] = {}
+    for node in nodes:
+        for e in node.snapshot():
+            if e["event"] != "step":
+                continue
+            s = steps.setdefault(e["step"], {"t": e["t"], "loss": e["loss"]})
+            s["t"] = max(s["t"], e["t"])
+    return steps
+
+
+class _Watch:
+    """What a run samples while it goes: the emulator's counters at the warm-up's end and at
+    the last step, and one ``fusionllm status`` (in a thread: it takes seconds)."""
+
+    def __init__(self, bed: Testbed, nodes, warmup: int, steps: int) -> None:
+        self.bed, self.nodes, self.warmup, self.steps = bed, nodes, warmup, steps
+        self.counters: dict[int, dict] = {}
+        self.status: dict = {}
+        self._asked: threading.Thread | None = None
+
+    def poll(self) -> bool:
+        """Sample what is due; True once every node has exited."""
+        done = _merged_steps(self.nodes)
+        last = max(done, default=-1)
+        for mark in (self.warmup, self.steps - 1):
+            if last >= mark and mark not in self.counters:
+                self.counters[mark] = {"step": last, **self.bed.emulator_stats()["fifos"]}
+        if last >= self.steps // 2 and self._asked is None:
+            self._asked = threading.Thread(target=self._ask, daemon=True)
+            self._asked.start()
+        return all(not n.alive() for n in self.nodes)
+
+    def _ask(self) -> None:
+        self.status = _status(self.bed, self.nodes[0].dht_addr)
+
+    def join(self) -> None:
+        if self._asked is not None:
+            self._asked.join(timeout=120)
+
+
+def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
+    """One swarm of the method on ``bed``, ``steps`` steps to the end."""
+    (root / method).mkdir(parents=True, exist_ok=True)
+    # Every run starts on the whole swarm: nobody trains alone while the others join.
+    extra = {**TIMING, **RUN, **METHODS[method], "steps": steps, "min-peers": len(bed.hosts)}
+    swarm = LocalSwarm(root / method, extra=extra)
+    warmup = max(3, steps // 5)
+    launched = time.time()
+    try:
+        nodes = _start(swarm, bed, devices)
+        ready_at = time.time()
+        watch = _Watch(bed, nodes, warmup, steps)
+        deadline = time.monotonic() + 60 + 20 * steps
+        while not watch.poll():
+            crashed = [n.name for n in nodes if not n.alive() and n.process.returncode != 0]
+            if crashed:  # the rest would wait for it (--min-peers) until the deadline
+                raise AssertionError(f"{method}: {crashed} exited with an error")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{method}: {steps} steps not done in time:\n{swarm.logs()}")
+            time.sleep(0.5)
+        watch.join()
+    finally:
+        swarm.close()
+    hosts = {n.peer_id: n.name for n in nodes}
+    return {
+        "method": method, "steps": steps, "ready_s": ready_at - launched,
+        **_timing(_merged_steps(nodes), warmup, steps),
+        **_plans(nodes, hosts),
+        "wire": _wire(watch.counters, warmup, steps),
+        "links": _links(watch.status, hosts, bed.topology),
+        "exit_codes": {n.name: n.process.returncode for n in nodes},
+    }  # fmt: skip
+
+
+def _start(swarm: LocalSwarm, bed: Testbed, devices: dict) -> list:
+    def start(name: str, bootstrap: str | None = None):
+        extra, prefix = {"host": bed.address(name)}, bed.command(name, [])
+        return swarm.start(name, bootstrap=bootstrap, device=devices[name], extra=extra,
+                           prefix=prefix)  # fmt: skip
+
+    first = start(bed.hosts[0])
+    wait_for(lambda: first.last("ready"), 120, "the first node to be ready")
+    nodes = [first, *(start(h, first.dht_addr) for h in bed.hosts[1:])]
+    wait_for(lambda: all(n.last("ready") for n in nodes), 180, "every node to be ready")
+    return nodes
+
+
+def _timing(steps: dict[int, dict], warmup: int, total: int) -> dict:
+    if sorted(steps) != list(range(total)):
+        return {"error": f"steps reported: {sorted(steps)}"}
+    t = [steps[s]["t"] for s in range(total)]
+    after = [b - a for a, b in zip(t[warmup - 1 :], t[warmup:], strict=False)]
+    step_s = statistics.median(after)
+    losses = [steps[s]["loss"] for s in range(total)]
+    return {
+        "step_s": step_s, "tokens_per_s": TOKENS_PER_STEP / step_s,
+        "final_loss": losses[-1], "last5_loss": statistics.fmean(losses[-5:]),
+        "curve": [[t[s] - t[0], losses[s]] for s in range(total)],
+    }  # fmt: skip
+
+
+def _plans(nodes, hosts: dict[str, str]) -> dict:
+    """The plans trained (by steps run under each), the longest one's estimate and hosts."""
+    estimates, stages = {}, {}
+    for node in nodes:
+        for e in node.snapshot():
+            if e["event"] == "epoch":
+                estimates[e["digest"]] = e["estimate"]
+                stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
+    starts = sorted({(e["start_step"], e["digest"]) for n in nodes for e in n.snapshot()
+                     if e["event"] == "train_plan"})  # fmt: skip
+    runs: dict[str, int] = {}
+    for (start, digest), nxt in zip(starts, [*starts[1:], (None, None)], strict=True):
+        end = nxt[0] if nxt[0] is not None else max(start, len(_merged_steps(nodes)))
+        runs[digest] = runs.get(digest, 0) + max(0, end - start)
+    longest = max(runs, key=runs.get, default=None)
+    return {
+        "plans_trained": len(runs),
+        "plan": stages.get(longest),
+        "estimate_s": estimates.get(longest),
+        "plan_steps": runs.get(longest, 0),
+    }
+
+
+def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float]:
+    """Bytes per step on every emulated link between the warm-up's end and the last step."""
+    a, b = counters.get(warmup), counters.get(steps - 1)
+    if a is None or b is None or b["step"] <= a["step"]:
+        return {}
+    span = b["step"] - a["step"]
+    per_step = {}
+    for name, fifo in b.items():
+        if name.startswith("link:") and isinstance(fifo, dict):
+            sent = fifo["bytes"] - a[name]["bytes"]
+            if sent > 1024 * span:  # links that carried more than control chatter
+                per_step[name[5:]] = sent / span
+    return per_step
+
+
+def run_topology(name: str, methods: list[str], steps: int) -> dict:
+    topology = load_topology(name)
+    devices = host_devices(topology)
+    results = []
+    with tempfile.TemporaryDirectory() as root, Testbed(topology) as bed:
+        for method in methods:
+            print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
+            try:
+                results.append(run_method(bed, Path(root), method, steps, devices))
+            except (TimeoutError, AssertionError) as exc:  # one failed run, not the others
+                logs = "".join(p.read_text()[-1500:] for p in Path(root, method).glob("*.log"))
+                results.append({"method": method, "steps": steps, "error": f"{exc}"[:3000],
+                                "logs": logs})  # fmt: skip
+                print(f"[{topology.name}] {method} failed: {str(exc)[:300]}", file=sys.stderr)
+    return {"topology": topology.name, "devices": devices, "runs": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topology", action="append", help="A, B, C, mini or a file (B and C)")
+    parser.add_argument("--method", action="append", choices=sorted(METHODS), help="(all four)")
+    parser.add_argument("--steps", type=int, help="steps per run (40; --quick: 30)")
+    parser.add_argument("--quick", action="store_true", help="mini, naive and opfence, 30 steps")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        print(f"testbed unavailable: {reason}", file=sys.stderr)
+        return 1
+    topologies = args.topology or (QUICK["topologies"] if args.quick else ["B", "C"])
+    methods = args.method or (QUICK["methods"] if args.quick else list(METHODS))
+    steps = args.steps or (QUICK["steps"] if args.quick else 40)
+    if steps < 10:
+        parser.error("--steps must be at least 10 (a warm-up, then medians)")
+    started = time.time()
+    results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
+    for name in topologies:
+        results["topologies"].append(run_topology(name, methods, steps))
+        results["seconds"] = time.time() - started
+        if args.json:  # after each topology: a later failure keeps what was measured
+            args.json.write_text(json.dumps(results, indent=2))
+    print_tables(results)
+    if args.plots:
+        write_plots(results, args.plots)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Tables and PNG plots of benchmarks/testbed.py's results (one dict, as its --json writes).
+
+    python -m benchmarks.testbed_report RESULTS.json [--plots DIR]
+
+Speed-ups are against the better of naive and balanced measured on the same topology in the
+same invocation; the time to a target loss uses the highest last-5-step mean loss of the
+topology's runs as the target, so every method reaches it.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+BASELINES = ("naive", "balanced")
+
+
+def _baseline_rate(runs: list[dict]) -> float | None:
+    rates = [r["tokens_per_s"] for r in runs if r["method"] in BASELINES and "tokens_per_s" in r]
+    return max(rates) if rates else None
+
+
+def _time_to(run: dict, target: float) -> float | None:
+    """Seconds from the first step to the first 5-step mean loss at or below ``target``."""
+    curve = run.get("curve", [])
+    for i in range(4, len(curve)):
+        if sum(loss for _, loss in curve[i - 4 : i + 1]) / 5 <= target:
+            return curve[i][0]
+    return None
+
+
+def _method_rows(topology: dict) -> list[str]:
+    runs = topology["runs"]
+    base = _baseline_rate(runs)
+    target = max((r["last5_loss"] for r in runs if "last5_loss" in r), default=None)
+    head = (f"{'method':14} {'step s':>7} {'tok/s':>7} {'x best':>7} {'est s':>7} "
+            f"{'est/meas':>8} {'loss@N':>7} {'last5':>7} {'t→target':>8} {'plans':>5}  "
+            "plan (hosts per stage)")  # fmt: skip
+    rows = [f"topology {topology['topology']} (target loss {target})", head]
+    for r in runs:
+        if "error" in r:
+            rows.append(f"{r['method']:14} error: {r['error'][:80]}")
+            continue
+        speedup = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        est = r.get("estimate_s")
+        ratio = f"{est / r['step_s']:.2f}" if est else "-"
+        reach = _time_to(r, target) if target is not None else None
+        rows.append(
+            f"{r['method']:14} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} {speedup:>7} "
+            f"{est or 0:7.3f} {ratio:>8} {r['final_loss']:7.3f} {r['last5_loss']:7.3f} "
+            f"{reach if reach is None else round(reach, 1)!s:>8} {r['plans_trained']:5d}  "
+            f"{r['plan']}"
+        )
+    return rows
+
+
+def _wire_rows(topology: dict) -> list[str]:
+    rows = [f"bytes per step on the emulated links ({topology['topology']}, KiB):"]
+    for r in topology["runs"]:
+        wire = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r.get("wire", {}).items()))
+        rows.append(f"  {r['method']:14} {wire or '-'}")
+    return rows
+
+
+def _link_rows(topology: dict) -> list[str]:
+    rows = [f"links measured by the nodes ({topology['topology']}, mid-run, under training load):",
+            f"  {'method':14} {'link':10} {'cap MB/s':>8} {'measured':>8} {'rtt ms':>7} "
+            f"{'measured':>8}"]  # fmt: skip
+    for r in topology["runs"]:
+        for link in r.get("links", []):
+            cap = f"{link['cap_mb_s']:.2f}" if link["cap_mb_s"] else "-"
+            rows.append(
+                f"  {r['method']:14} {link['src'] + '>' + link['dst']:10} {cap:>8} "
+                f"{link['measured_mb_s']:8.2f} {link['rtt_ms']:7.1f} {link['measured_rtt_ms']:8.1f}"
+            )
+    return rows
+
+
+def tables(results: dict) -> str:
+    lines: list[str] = []
+    for topology in results["topologies"]:
+        lines += [*_method_rows(topology), *_wire_rows(topology), *_link_rows(topology), ""]
+    return "\n".join(lines)
+
+
+def print_tables(results: dict) -> None:
+    print(tables(results))
+
+
+def write_plots(results: dict, folder: Path) -> list[Path]:
+    """loss against wall time per topology, tokens/s per topology and method, and the
+    planner's estimate against the measured step time; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    topologies = results["topologies"]
+    written = []
+    fig, axes = plt.subplots(1, len(topologies), figsize=(5 * len(topologies), 3.6), squeeze=False)
+    for ax, topology in zip(axes[0], topologies, strict=True):
+        for r in topology["runs"]:
+            if r.get("curve"):
+                ax.plot(*zip(*r["curve"], strict=True), label=r["method"])
+        ax.set(title=f"topology {topology['topology']}", xlabel="wall time, s", ylabel="loss")
+        ax.legend()
+    written.append(_save(fig, folder / "loss_vs_time.png"))
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    methods = sorted({r["method"] for t in topologies for r in t["runs"]})
+    width = 0.8 / max(1, len(methods))
+    for k, method in enumerate(methods):
+        xs, ys = [], []
+        for i, topology in enumerate(topologies):
+            for r in topology["runs"]:
+                if r["method"] == method and "tokens_per_s" in r:
+                    xs.append(i + k * width)
+                    ys.append(r["tokens_per_s"])
+        ax.bar(xs, ys, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(topologies))])
+    ax.set_xticklabels([t["topology"] for t in topologies])
+    ax.set(ylabel="tokens/s (median step)")
+    ax.legend()
+    written.append(_save(fig, folder / "tokens_per_s.png"))
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    for topology in topologies:
+        for r in topology["runs"]:
+            if r.get("estimate_s") and r.get("step_s"):
+                ax.scatter(r["estimate_s"], r["step_s"])
+                ax.annotate(f"{topology['topology']} {r['method']}",
+                            (r["estimate_s"], r["step_s"]), fontsize=7)  # fmt: skip
+    top = max([*ax.get_xlim(), *ax.get_ylim()])
+    ax.plot([0, top], [0, top], "k:", linewidth=0.8)
+    ax.set(xlabel="planner's estimated step, s", ylabel="measured step, s")
+    written.append(_save(fig, folder / "estimate_vs_measured.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="a JSON file benchmarks/testbed.py wrote")
+    parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    print_tables(results)
+    if args.plots:
+        for path in write_plots(results, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
