@@ -36,7 +36,7 @@ def eval_pass(runner, step: int, sends) -> tuple[float, int]:
             inputs = {"idx": idx}
         else:
             sender = Role(s - 1, owner(mb, replicas[s - 1]))
-            flat = runner._take(FrameKind.ACTIVATION, step, EVAL_TAG + mb, sender, sends)
+            flat = runner.take(FrameKind.ACTIVATION, step, EVAL_TAG + mb, sender, sends)
             inputs = layout.links[s - 1].unpack(flat)
         out = worker.evaluate(inputs, targets if worker.is_last else None)
         if worker.is_last:
@@ -45,5 +45,5 @@ def eval_pass(runner, step: int, sends) -> tuple[float, int]:
         flat = runner.staging.to_host(("eval", s), layout.links[s].pack(out))
         body = runner.activation_body(s, flat)
         target = Role(s + 1, owner(mb, replicas[s + 1]))
-        sends.futures.append(runner._send(target, FrameKind.ACTIVATION, step, EVAL_TAG + mb, body))
+        sends.futures.append(runner.send(target, FrameKind.ACTIVATION, step, EVAL_TAG + mb, body))
     return total, count

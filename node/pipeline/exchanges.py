@@ -24,14 +24,14 @@ def all_reduce_replicas(runner, step: int, sends: Sends) -> None:
     body = pack_tensor(runner.staging.to_host(("dp", s), mine))
     for r in range(count):
         if r != runner.role.replica:
-            sends.futures.append(runner._send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
+            sends.futures.append(runner.send(Role(s, r), FrameKind.CONTROL, step, TAG_DP, body))
     total = None
     for r in range(count):  # the same order on every replica: the same bits
         part = (
             mine
             if r == runner.role.replica
             else runner.staging.to_device(
-                ("dp", r), runner._take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
+                ("dp", r), runner.take(FrameKind.CONTROL, step, TAG_DP, Role(s, r), sends)
             )
         )
         total = part.clone() if total is None else total + part
@@ -42,7 +42,7 @@ def sum_tied(runner, step: int, sends: Sends) -> None:
     """Step 3: every holder of a tied parameter sums its copies' gradients in stage order."""
     s, r = runner.role.stage, runner.role.replica
     for name in runner.tied_names:
-        tag = TAG_TIED + runner._tied_index[name]
+        tag = TAG_TIED + runner.tied_index[name]
         holders = runner.layout.tied[name]
         mine = runner.worker.grad(name)
         body = pack_tensor(runner.staging.to_host(("tied", name), mine))
@@ -53,7 +53,7 @@ def sum_tied(runner, step: int, sends: Sends) -> None:
             for rr in range(runner.replicas[other]):
                 if rr % runner.replicas[s] == r:
                     sends.futures.append(
-                        runner._send(Role(other, rr), FrameKind.CONTROL, step, tag, body)
+                        runner.send(Role(other, rr), FrameKind.CONTROL, step, tag, body)
                     )
         total = None
         for other in holders:  # stage order on every holder
@@ -63,7 +63,7 @@ def sum_tied(runner, step: int, sends: Sends) -> None:
                 sender = Role(other, r % runner.replicas[other])
                 part = runner.staging.to_device(
                     ("tied", name, other),
-                    runner._take(FrameKind.CONTROL, step, tag, sender, sends),
+                    runner.take(FrameKind.CONTROL, step, tag, sender, sends),
                 )
             total = part.clone() if total is None else total + part
         runner.worker.set_grad(name, total)

@@ -161,7 +161,7 @@ class PipelineRunner:
         self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
-        self._tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
+        self.tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
         self._feedback = GradientFeedback()
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
         self._summary_first = _summary_first(role, self.tied_names, layout)
@@ -312,7 +312,7 @@ class PipelineRunner:
         if worker.is_first:
             inputs = {"idx": self.dataset.batch(self.config.batch, step, mb)[0]}
         else:
-            flat = self._take(
+            flat = self.take(
                 FrameKind.ACTIVATION,
                 step,
                 mb,
@@ -333,7 +333,7 @@ class PipelineRunner:
         # the error-feedback residuals stay in host memory (checkpoints save them).
         flat = self.staging.to_host(("activation", s), self.layout.links[s].pack(out))
         body = self.activation_body(s, flat)
-        sends.futures.append(self._send(target, FrameKind.ACTIVATION, step, mb, body))
+        sends.futures.append(self.send(target, FrameKind.ACTIVATION, step, mb, body))
         return computed, t1 - t0, None
 
     def activation_body(self, link: int, flat: torch.Tensor) -> bytes:
@@ -353,7 +353,7 @@ class PipelineRunner:
         t0 = time.perf_counter()
         grads = None
         if not worker.is_last:
-            flat = self._take(
+            flat = self.take(
                 FrameKind.GRADIENT,
                 step,
                 mb,
@@ -376,7 +376,7 @@ class PipelineRunner:
                 # tells everyone to skip the step.
                 self._overflow, flat = True, torch.zeros_like(flat)
             body = self._pack_gradient(s - 1, target, flat)
-            sends.futures.append(self._send(target, FrameKind.GRADIENT, step, mb, body))
+            sends.futures.append(self.send(target, FrameKind.GRADIENT, step, mb, body))
         return computed, t1 - t0
 
     # ----- the exchanges after the schedule (exchanges.py) and the summary --------------------
@@ -391,7 +391,7 @@ class PipelineRunner:
         body = pack_tensor(mine.to_tensor())
         for other in self.roles:
             if other != self.role:
-                sends.futures.append(self._send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
+                sends.futures.append(self.send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
         return mine
 
     def _gather_summary(self, step: int, sends: Sends, mine: Summary) -> StepTotals:
@@ -401,7 +401,7 @@ class PipelineRunner:
             mine
             if other == self.role
             else Summary.from_tensor(
-                self._take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends),
+                self.take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends),
                 step=step,
                 sender=other,
             )
@@ -429,11 +429,11 @@ class PipelineRunner:
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
         return self._feedback.pack(link, target, flat, codec)
 
-    def _send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
+    def send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
         header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)
         return self.transport.send_async(self.peer_of[target], header, body, timeout=self.timeout_s)
 
-    def _take(
+    def take(
         self, kind: FrameKind, step: int, tag: int, sender: Role, sends: Sends
     ) -> torch.Tensor:
         key = (kind.value, step, tag, self.roles.index(sender))
