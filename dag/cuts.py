@@ -6,11 +6,31 @@ cut is usable only if every crossing value is a single floating-point tensor and
 output is made before it. The planner never proposes the other cuts (``GraphCosts.uncuttable``).
 """
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from fusionllm.dag.flops import TensorMeta
-from fusionllm.dag.opgraph import OpGraph
 
 
-def crossing_values(graph: OpGraph, cut: int) -> tuple[str, ...]:
+class CutView(Protocol):
+    """What cutting needs of a traced graph (``OpGraph`` has it); a protocol, so that
+    ``opgraph`` can ask this module for its uncuttable positions without a circle."""
+
+    @property
+    def node_ids(self) -> Sequence[str]: ...
+
+    @property
+    def input_names(self) -> Sequence[str]: ...
+
+    @property
+    def output_names(self) -> Sequence[str]: ...
+
+    def node(self, node_id: str): ...
+
+    def value_meta(self, name: str): ...
+
+
+def crossing_values(graph: CutView, cut: int) -> tuple[str, ...]:
     """Values made before position ``cut`` (or model inputs) that nodes from ``cut`` on need."""
     ids = graph.node_ids
     if not 0 < cut < len(ids):
@@ -27,7 +47,7 @@ def crossing_values(graph: OpGraph, cut: int) -> tuple[str, ...]:
     return tuple(needed)
 
 
-def cut_problem(graph: OpGraph, cut: int) -> str | None:
+def cut_problem(graph: CutView, cut: int) -> str | None:
     """Why a cut cannot be a pipeline link (a value is not a float tensor), or None."""
     for name in crossing_values(graph, cut):
         meta = graph.value_meta(name)
@@ -40,6 +60,6 @@ def cut_problem(graph: OpGraph, cut: int) -> str | None:
     return None
 
 
-def uncuttable(graph: OpGraph) -> frozenset[int]:
+def uncuttable(graph: CutView) -> frozenset[int]:
     """Positions in [1, len(nodes)) where ``cut_problem`` finds a reason not to cut."""
     return frozenset(c for c in range(1, len(graph.node_ids)) if cut_problem(graph, c) is not None)

@@ -15,6 +15,7 @@ from typing import Any
 import torch.fx as fx
 
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.cuts import uncuttable
 from fusionllm.dag.flops import TensorMeta
 from fusionllm.dag.graph import GraphCosts, OpNode
 
@@ -104,8 +105,6 @@ class OpGraph:
     def costs(self) -> GraphCosts:
         """The pure numeric view the planner consumes, with the cuts it must not choose."""
         if not self._costs_checked:
-            from fusionllm.dag.cuts import uncuttable  # cuts.py needs this module
-
             self._costs = dataclasses.replace(self._costs, uncuttable=uncuttable(self))
             self._costs_checked = True
         return self._costs
