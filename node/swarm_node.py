@@ -8,38 +8,17 @@ host. Only that half imports torch, so a node run with ``train=False`` never loa
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import RunSpec
-from fusionllm.node.control.daemon import NodeConfig, NodeDaemon
+from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.swarm_config import SwarmNodeConfig
 
 if TYPE_CHECKING:
     from fusionllm.node.p2p.transport import Transport
     from fusionllm.node.training.trainer import SwarmTrainer
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SwarmNodeConfig:
-    node: NodeConfig
-    work_dir: Path
-    step_timeout_s: float = 60.0
-    barrier_grace_s: float = 30.0  # the READY barrier's wait for a member (training/session.py)
-    checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
-    train: bool = True  # False: the control plane alone (tests and benchmarks of it)
-    pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
-    # This node's copy of the data (RunSpec names it by digest); None: the stdlib source.
-    data_path: Path | None = None
-    data_dtype: str | None = None  # a token file's element type (default uint16)
-    device: str = "cpu"  # where the stages this node serves compute (--device)
-
-    @property
-    def run(self) -> RunSpec:
-        return self.node.settings.run
 
 
 def run_node(

@@ -30,7 +30,7 @@ from fusionllm.node.pipeline.train_config import (
     model_config,
     trace_micro_batch,
 )
-from fusionllm.node.swarm_node import SwarmNodeConfig
+from fusionllm.node.swarm_config import SwarmNodeConfig
 from fusionllm.node.training.export import write_model_config
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 

@@ -292,7 +292,8 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionllm.node.swarm_node import SwarmNodeConfig, run_node
+    from fusionllm.node.swarm_config import SwarmNodeConfig
+    from fusionllm.node.swarm_node import run_node
 
     node_config = _node_config(args)
     train = not (args.no_train or args.control_only)

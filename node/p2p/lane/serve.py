@@ -11,24 +11,49 @@ one the hook does not take waits for the inbox's slots in the event loop (the sl
 streams' too), after it is decoded: a lane holds at most that one decoded frame outside them.
 """
 
-from typing import TYPE_CHECKING
+import threading
+from typing import Protocol
 
 import torch
 
-from fusionllm.compression import decode_frame
+from fusionllm.compression import ParsedFrame, decode_frame
 from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
-from fusionllm.node.p2p.framing import keep_warm
+from fusionllm.node.p2p.framing import FrameHeader, keep_warm
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
-from fusionllm.node.p2p.transport_types import Received, TensorSpec
+from fusionllm.node.p2p.limits import ByteBudget
+from fusionllm.node.p2p.transport_types import PeerCounters, Received, TensorSpec, TransportConfig
 
-if TYPE_CHECKING:
-    from fusionllm.node.p2p.inbound import Inbound
+
+class LaneInbox(Protocol):
+    """What a lane's thread needs of the node's inbound side (``inbound.Inbound`` has it): a
+    protocol, so that inbound.py can serve lanes with this class without an import circle."""
+
+    config: TransportConfig
+    thread_decoders: threading.Semaphore
+
+    @property
+    def budget(self) -> ByteBudget: ...
+
+    @property
+    def counters(self) -> PeerCounters: ...
+
+    def head_limits(self) -> dict[str, float]: ...
+
+    def spec_for(self, header: FrameHeader, body_len: int) -> TensorSpec | None: ...
+
+    def reserve(self, peer: str, body_len: int) -> None: ...
+
+    def parse(self, body: bytearray | memoryview, spec: TensorSpec | None) -> ParsedFrame: ...
+
+    def delivered(self, received: Received) -> bool: ...
+
+    def queue_from_thread(self, received: Received, body_len: int) -> None: ...
 
 
 class LaneFrames:
     """Reads one lane's frames for ``inbound`` until the lane ends (call ``serve`` in a thread)."""
 
-    def __init__(self, inbound: "Inbound", peer: str, reader: BlockingLaneReader) -> None:
+    def __init__(self, inbound: LaneInbox, peer: str, reader: BlockingLaneReader) -> None:
         self.inbound = inbound
         self.peer = peer
         self.reader = reader
