@@ -59,12 +59,8 @@ def payload_bytes(frame: bytes) -> int:
     return sum(len(v) for v in fields.values() if isinstance(v, bytes))
 
 
-def run(numel: int, repeats: int) -> dict:
-    generator = torch.Generator().manual_seed(0)
-    tensor = torch.randn(numel, generator=generator)  # (N,) fp32
-    dense_bytes = numel * 4
-    mb = dense_bytes / 1e6
-    frames = {ratio: pack_tensor(tensor, TopKCodec(ratio)) for ratio in RATIOS}
+def _time_codecs(tensor: torch.Tensor, frames: dict, repeats: int) -> dict[str, float]:
+    """MB/s per operation (median of ``repeats`` rounds, each operation once a round)."""
     timings: dict[str, list[float]] = {"memcpy": []}
     for ratio in RATIOS:
         for name in ("encode", "decode", "torch_topk_encode"):
@@ -79,27 +75,35 @@ def run(numel: int, repeats: int) -> dict:
                 _seconds(lambda r=ratio: encode_with_torch_topk(tensor, r))
             )
         print(f"round {round_index + 1}/{repeats} done", file=sys.stderr)
-    speed = {key: mb / statistics.median(values) for key, values in timings.items()}
-    rows = []
-    for ratio in RATIOS:
-        frame = frames[ratio]
-        payload = payload_bytes(frame)
-        rows.append(
-            {
-                "ratio": ratio,
-                "k": topk_count(numel, ratio),
-                "wire_bytes": len(frame),
-                "wire_vs_dense": len(frame) / dense_bytes,
-                "frame_overhead_pct": 100 * (len(frame) - payload) / payload,
-                "encode_mb_s": speed[f"encode@{ratio}"],
-                "decode_mb_s": speed[f"decode@{ratio}"],
-                "torch_topk_encode_mb_s": speed[f"torch_topk_encode@{ratio}"],
-                "encode_vs_torch_topk": speed[f"encode@{ratio}"]
-                / speed[f"torch_topk_encode@{ratio}"],
-                "encode_vs_memcpy": speed[f"encode@{ratio}"] / speed["memcpy"],
-                "decode_vs_memcpy": speed[f"decode@{ratio}"] / speed["memcpy"],
-            }
-        )
+    mb = tensor.numel() * 4 / 1e6
+    return {key: mb / statistics.median(values) for key, values in timings.items()}
+
+
+def _ratio_row(ratio: float, frame: bytes, numel: int, speed: dict[str, float]) -> dict:
+    payload = payload_bytes(frame)
+    dense_bytes = numel * 4
+    return {
+        "ratio": ratio,
+        "k": topk_count(numel, ratio),
+        "wire_bytes": len(frame),
+        "wire_vs_dense": len(frame) / dense_bytes,
+        "frame_overhead_pct": 100 * (len(frame) - payload) / payload,
+        "encode_mb_s": speed[f"encode@{ratio}"],
+        "decode_mb_s": speed[f"decode@{ratio}"],
+        "torch_topk_encode_mb_s": speed[f"torch_topk_encode@{ratio}"],
+        "encode_vs_torch_topk": speed[f"encode@{ratio}"] / speed[f"torch_topk_encode@{ratio}"],
+        "encode_vs_memcpy": speed[f"encode@{ratio}"] / speed["memcpy"],
+        "decode_vs_memcpy": speed[f"decode@{ratio}"] / speed["memcpy"],
+    }
+
+
+def run(numel: int, repeats: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    tensor = torch.randn(numel, generator=generator)  # (N,) fp32
+    dense_bytes = numel * 4
+    frames = {ratio: pack_tensor(tensor, TopKCodec(ratio)) for ratio in RATIOS}
+    speed = _time_codecs(tensor, frames, repeats)
+    rows = [_ratio_row(ratio, frames[ratio], numel, speed) for ratio in RATIOS]
     dense_frame = pack_tensor(tensor[: 1 << 18])  # 1 MiB, the smallest size the target covers
     dense_overhead = 100 * (len(dense_frame) - (1 << 20)) / (1 << 20)
     at_001 = next(row for row in rows if row["ratio"] == 0.01)

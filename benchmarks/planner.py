@@ -67,16 +67,24 @@ def main() -> None:
     parser.add_argument("--model", default="medium", choices=["small", "medium", "large", "xl"])
     parser.add_argument("--scale", default="1000,10000", help="peer counts to time planning on")
     args = parser.parse_args()
-    graph = gpt2_costs(args.model)
     config = PlanConfig(micro_batches=8, batch_size=32)
     results: dict = {"model": f"gpt2-{args.model}", "config": repr(config)}
+    results["speedup"] = _speedups(args, config)
+    results["brute_force"] = _against_brute_force(args)
+    results["planning_time"] = _planning_time(args, config)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
 
+
+def _speedups(args: argparse.Namespace, config: PlanConfig) -> list[dict]:
+    """Each method's step time against naive's, per topology, in two scenarios."""
     methods = ["naive", "compute-balanced", "op-fence (dense)", "op-fence + AdaTopK"]
     scenarios = [
         (args.model, 0.3, "30% datacenter GPUs: one often holds the whole model"),
         ("xl", 0.0, "consumer GPUs only: gpt2-xl must be pipelined across peers"),
     ]
-    results["speedup"] = []
+    found = []
     for model_name, share, what in scenarios:
         print(f"== speedup over naive, gpt2-{model_name}, {what}; batch 32 x 1024 tokens, M=8 ==")
         scenario_graph = gpt2_costs(model_name)
@@ -92,10 +100,12 @@ def main() -> None:
             cells = " ".join(f"{row[m]:9.2f}s ({row['speedup ' + m]:6.1f}x)" for m in methods)
             print(f"{row['topology']:10} {row['peers']:5d} {cells}")
         print()
-        results["speedup"].append(
-            {"model": f"gpt2-{model_name}", "datacenter_share": share, "rows": table}
-        )
+        found.append({"model": f"gpt2-{model_name}", "datacenter_share": share, "rows": table})
+    return found
 
+
+def _against_brute_force(args: argparse.Namespace) -> dict:
+    """OP-Fence's step time over the optimum's on small swarms (branch and bound)."""
     lo, hi = (int(x) for x in args.small_peers.split("-"))
     small_graph = gpt2_costs("small")
     small_config = PlanConfig(micro_batches=8, batch_size=64)
@@ -125,8 +135,12 @@ def main() -> None:
         f"max {max(ratios):.4f}  within 5%: {within}/{len(ratios)}  "
         f"(brute force {bf_time:.0f}s total)"
     )
-    results["brute_force"] = {"ratios": ratios, "median": statistics.median(ratios)}
+    return {"ratios": ratios, "median": statistics.median(ratios)}
 
+
+def _planning_time(args: argparse.Namespace, config: PlanConfig) -> list[dict]:
+    """Seconds to plan swarms of thousands of peers (median of 3)."""
+    graph = gpt2_costs(args.model)
     print(f"\n== planning time, gpt2-{args.model}, sites topology, 32 probes per peer ==")
     timings = []
     for n in (int(x) for x in args.scale.split(",")):
@@ -143,10 +157,7 @@ def main() -> None:
             f"{n:6d} peers: median {elapsed:6.2f}s of {len(runs)} ({len(result.stages)} stages, "
             f"{len(result.backup)} in backup, step {result.estimated_step_time:.2f}s)"
         )
-    results["planning_time"] = timings
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+    return timings
 
 
 if __name__ == "__main__":
