@@ -6,6 +6,7 @@ browsers cost one DHT read per interval). The page draws every peer-supplied str
 only: a peer name that holds markup shows as text and can run nothing.
 """
 
+import signal
 import socket
 from importlib import resources
 from pathlib import Path
@@ -96,6 +97,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(app: Starlette, sock: socket.socket) -> None:
-    """Serve until Ctrl-C or SIGTERM (uvicorn handles both and returns)."""
+    """Serve until Ctrl-C or SIGTERM. uvicorn stops gracefully on either, then raises the
+    signal again under the handler it found: for SIGTERM that is a no-op here, so the caller
+    closes its DHT client and the command exits 0, as a node does on SIGTERM."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-    uvicorn.Server(config).run(sockets=[sock])
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
