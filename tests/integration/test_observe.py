@@ -221,3 +221,54 @@ def test_the_status_page_renders_the_swarm_in_chromium(nodes, tmp_path):
         driver.quit()
         code = server.stop()
     assert code == 0, (tmp_path / "status.log").read_text()[-2000:]
+
+
+_HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>'
+
+
+def _hostile_status() -> dict:
+    """A swarm description whose every peer-supplied string carries markup."""
+    peer = {"peer_id": _HOSTILE, "state": "serving", "stage": 0, "replica": 0, "step": 4,
+            "loss": 2.5, "device": _HOSTILE, "kind": "cpu", "gflops": 1.0, "memory_gib": 1.0,
+            "uplink_mb_s": 1.0, "downlink_mb_s": 1.0, "observer": False, "pace": 1.0,
+            "record_age_s": 0.5, "addrs": [_HOSTILE]}  # fmt: skip
+    return {
+        "swarm": "hostile", "peers": [peer], "step": 4, "loss": 2.5, "finished": False,
+        "links": [{"src": _HOSTILE, "dst": _HOSTILE, "mb_s": 1.0, "rtt_ms": 1.0, "age_s": 1.0}],
+        "plan": {"digest": "ab" * 32, "estimated_step_time_s": 0.1, "bubble_fraction": 0.5,
+                 "fences": [[_HOSTILE]], "backup": [_HOSTILE],
+                 "stages": [{"index": 0, "nodes": [0, 3], "first_node": _HOSTILE,
+                             "last_node": _HOSTILE, "peers": [_HOSTILE], "memory_mib": [1.0]}],
+                 "links": [{"after_stage": 0, "forward": _HOSTILE, "backward": _HOSTILE}]},
+    }  # fmt: skip
+
+
+def test_the_page_shows_peer_strings_as_text_in_chromium():
+    """Markup in a peer's id, device, addresses and plan strings is shown, never run."""
+    import uvicorn
+
+    from fusionllm.node.observe.feed import FeedConfig, StatusFeed
+    from fusionllm.node.observe.page import listening_socket, status_app
+
+    driver = _browser()
+    feed = StatusFeed(_hostile_status, FeedConfig())
+    feed.poll()
+    sock = listening_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(status_app(feed), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        driver.get(f"http://127.0.0.1:{sock.getsockname()[1]}/")
+        view = wait_for(lambda: (v := _rendered(driver))["peers"] and v, 30, "the peer row")
+        assert _HOSTILE in view["peers"][0]
+        assert _HOSTILE in view["stages"][0]
+        counts = driver.execute_script(
+            "return [document.querySelectorAll('main img, main script').length, "
+            "window.pwned === undefined]"
+        )
+        assert counts == [0, True]
+    finally:
+        driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
