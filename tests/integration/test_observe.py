@@ -5,9 +5,7 @@ a free port) trains a run too long to end during the module; both tests watch it
 """
 
 import math
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -33,6 +31,8 @@ RUN = {
     "metrics": "127.0.0.1:0",
 }
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+# Kept after the run (git ignores it; pytest's tmp dirs are pruned after three runs).
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CLI = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING"]
 
 
@@ -164,7 +164,7 @@ def _browser():
 _READ_VIEW = """
 const rows = (id) => [...document.querySelectorAll(`#${id} tbody tr`)].map((r) => r.innerText);
 const curve = document.getElementById("loss-curve");
-return {stages: rows("stages"), peers: rows("peers"),
+return {stages: rows("stages"), peers: rows("peers"), links: rows("links"),
         points: Number(curve.getAttribute("data-points") || 0),
         dots: curve.querySelectorAll("circle").length,
         plan: document.getElementById("plan").innerText,
@@ -202,14 +202,15 @@ def test_the_status_page_renders_the_swarm_in_chromium(nodes, tmp_path):
             and all(any(p in row for row in v["peers"]) for p in ids) and v,
             120, "the page to show two stages, both peers and three loss points",
         )  # fmt: skip
-        shot = tmp_path / "status-page.png"
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "status-page.png"
         assert driver.save_screenshot(str(shot))
         print(f"status page screenshot: {shot}")
-        artifacts = os.environ.get("FUSIONLLM_TEST_ARTIFACTS")
-        if artifacts:
-            Path(artifacts).mkdir(parents=True, exist_ok=True)
-            shutil.copy(shot, Path(artifacts) / shot.name)
         assert view["dots"] == min(view["points"], 200)
+        # Links between the two stages, with the bandwidth measured and the plan's codec.
+        assert view["links"], view
+        for row in view["links"]:
+            assert re.search(r"\d+\.\d\d\s.*(forward|backward) (dense|fp16|topk) ", row), row
         assert "peers; step" in view["summary"], view
         plan = _served(nodes, view["plan"])
         for index, row in enumerate(view["stages"]):  # who serves what, as the nodes say

@@ -92,6 +92,21 @@ function drawPlan(plan) {
     "backup: " + (backup.length ? backup.map(short).join(", ") : "none");
 }
 
+// The plan's codec for what src sends dst: forward across cut s from stage s to s + 1,
+// backward from s + 1 to s; "" for peers the plan does not join by a cut.
+function codecOf(plan) {
+  const stageOf = new Map();
+  for (const s of plan ? plan.stages : []) for (const p of s.peers) stageOf.set(p, s.index);
+  const cuts = new Map((plan ? plan.links : []).map((c) => [c.after_stage, c]));
+  return (src, dst) => {
+    const [a, b] = [stageOf.get(src), stageOf.get(dst)];
+    if (a === undefined || b === undefined) return "";
+    if (b === a + 1 && cuts.has(a)) return "forward " + cuts.get(a).forward;
+    if (a === b + 1 && cuts.has(b)) return "backward " + cuts.get(b).backward;
+    return "";
+  };
+}
+
 function draw(data) {
   const error = document.getElementById("error");
   error.hidden = !data.error;
@@ -113,9 +128,10 @@ function draw(data) {
     [num(p.downlink_mb_s, 1), "num"], [p.step === null ? "" : p.step, "num"],
     [num(p.loss, 4), "num"], [num(p.record_age_s, 1), "num"], [p.addrs.join(" "), "id"],
   ]));
+  const codec = codecOf(status.plan);
   fillRows("links", status.links.map((l) => [
     [short(l.src), "id"], [short(l.dst), "id"], [num(l.mb_s, 2), "num"],
-    [num(l.rtt_ms, 2), "num"], [num(l.age_s, 1), "num"],
+    [num(l.rtt_ms, 2), "num"], [num(l.age_s, 1), "num"], [codec(l.src, l.dst)],
   ]));
 }
 
