@@ -71,7 +71,11 @@ def _check_metrics(node: NodeProcess) -> None:
     url = node.last("metrics")["url"]
     first = _scrape(url)
     wait_for(lambda: max(trained_steps(node)) > first[("fusionllm_step", ())] + 2, 60, "more steps")
+    checkpoint = wait_for(lambda: node.last("checkpoint"), 120, "a checkpoint (every 20 steps)")
+    # The plan may change while we scrape: what the node says just before and just after.
+    before = (node.last("epoch")["digest"], node.last("train_plan")["stage"])
     later = _scrape(url)
+    after = (node.last("epoch")["digest"], node.last("train_plan")["stage"])
     assert later[("fusionllm_step", ())] > first[("fusionllm_step", ())], (first, later)
     assert later[("fusionllm_steps_total", ())] > first[("fusionllm_steps_total", ())]
     assert math.isfinite(later[("fusionllm_loss", ())])
@@ -81,20 +85,21 @@ def _check_metrics(node: NodeProcess) -> None:
     assert later[("fusionllm_members", ())] == 2
     assert later[("fusionllm_plan_stages", ())] == 2
     assert later[("fusionllm_peers", (("seen_by", "dht_members"),))] == 2
-    plan = [k for k in later if k[0] == "fusionllm_plan_info"]
+    plan = [dict(k[1]) for k in later if k[0] == "fusionllm_plan_info"]
     assert len(plan) == 1
-    assert dict(plan[0][1])["digest"] == node.last("epoch")["digest"]
+    assert plan[0]["digest"] in (before[0], after[0])
+    assert later[("fusionllm_stage", ())] in (before[1], after[1])
     # The first stage sends activations forward, the second gradients back: each node
     # counts its own link direction, compressed or not, and names its codec.
-    kind = "activation" if node.last("train_plan")["stage"] == 0 else "gradient"
+    kind = "activation" if before[1] == 0 else "gradient"
     labels = (("kind", kind), ("link", "0"))
-    dense = later[("fusionllm_link_dense_bytes_total", labels)]
-    wire = later[("fusionllm_link_wire_bytes_total", labels)]
-    assert dense > 0
-    assert wire > 0
+    assert later[("fusionllm_link_dense_bytes_total", labels)] > 0
+    assert later[("fusionllm_link_wire_bytes_total", labels)] > 0
     assert any(k[0] == "fusionllm_link_codec_info" and dict(k[1])["kind"] == kind
                for k in later)  # fmt: skip
     assert later[("fusionllm_dht_round_seconds_count", (("round", "heartbeat"),))] >= 1
+    assert later[("fusionllm_checkpoint_step", ())] >= checkpoint["step"]
+    assert 0 <= later[("fusionllm_checkpoint_age_seconds", ())] < 120
     # Two honest nodes: no record of theirs is malformed (the family is there, at 0).
     assert later[("fusionllm_refused_total", (("reason", "malformed"), ("what", "record")))] == 0
 
