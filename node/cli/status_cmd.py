@@ -61,15 +61,15 @@ def _serve(args: argparse.Namespace) -> int:
     sock = listening_socket(*args.serve)  # a taken port fails here, before the DHT starts
     try:
         client = status_client(args.bootstrap, args.swarm, timeout_s=args.timeout)
+        feed = StatusFeed(lambda: read_swarm(client, args.swarm), config)
+        feed.start()
         try:
-            feed = StatusFeed(lambda: read_swarm(client, args.swarm), config)
-            feed.start()
             host, port = sock.getsockname()[:2]
             print(f"status page at {url_of(host, port)} (the swarm read every "
                   f"{config.interval_s:g} s; Ctrl-C stops)", flush=True)  # fmt: skip
             serve(status_app(feed), sock)
-            feed.stop()
         finally:
+            feed.stop()  # before the client closes under a read
             client.close()
     finally:
         sock.close()
