@@ -67,7 +67,14 @@ def run_node(
         exporter.close()
 
 
-def _run(config, on_event, duration_s, stop, *, metrics: NodeMetrics | None) -> bool:
+def _run(
+    config: SwarmNodeConfig,
+    on_event: Callable[[dict], None],
+    duration_s: float | None,
+    stop: threading.Event | None,
+    *,
+    metrics: NodeMetrics | None,
+) -> bool:
     daemon = NodeDaemon(config.node, on_event=on_event)
     trainer: SwarmTrainer | None = None
     transport: Transport | None = None
