@@ -7,6 +7,8 @@
 - pipeline/:  the stage runtime: ``PipelineRunner`` (1F1B steps over a transport), stage,
               schedule, layout, mailbox, data, ``TrainConfig``, the one-process reference run
               and the launcher run (``fusionllm train``)
+- observe/:   watching from outside: ``NodeMetrics`` (``--metrics``) fed by the node's events
+              and control's counters, the status page (``fusionllm status --serve``)
 - cli/:       the ``fusionllm`` console script
 - errors.py:  ``TransportError``, ``DeadlineError``, ``PipelineError``, ... (every concern's)
 - local_swarm.py: ``LocalSwarm``: real node processes on one machine (``fusionllm swarm``,
@@ -15,7 +17,7 @@
 - children.py: ``JsonChild``: a child process that talks JSON lines, always reaped with its
               process tree (local_swarm, the pipeline launcher, tests, benchmarks)
 
-Imports point one way: cli -> (top level) -> control, pipeline -> p2p; control and pipeline
-never import each other. children.py, devices.py and errors.py import nothing of the node:
+Imports point one way: cli -> (top level) -> observe -> control, pipeline -> p2p; control and
+pipeline never import each other. children.py, devices.py and errors.py import nothing of the node:
 any layer may use them.
 """

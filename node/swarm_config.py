@@ -23,6 +23,7 @@ class SwarmNodeConfig:
     data_path: Path | None = None
     data_dtype: str | None = None  # a token file's element type (default uint16)
     device: str = "cpu"  # where the stages this node serves compute (--device)
+    metrics: tuple[str, int] | None = None  # (host, port) of Prometheus metrics (--metrics)
 
     @property
     def run(self) -> RunSpec:

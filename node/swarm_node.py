@@ -7,11 +7,15 @@ host. Only that half imports torch, so a node run with ``train=False`` never loa
 """
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.observe.exporter import MetricsServer
+from fusionllm.node.observe.metrics import NodeMetrics
+from fusionllm.node.observe.sources import node_sources
 from fusionllm.node.swarm_config import SwarmNodeConfig
 
 if TYPE_CHECKING:
@@ -29,6 +33,26 @@ def run_node(
     stop: threading.Event | None = None,
 ) -> bool:
     """Join, train what the swarm's plan asks, leave; True if the run reached its end."""
+    if config.metrics is None:
+        return _run(config, on_event, duration_s, stop, metrics=None)
+    # Listening first: a port in use is a clear error before the node joins anything.
+    exporter = MetricsServer(NodeMetrics(), *config.metrics)
+    try:
+        on_event = exporter.metrics.chain(on_event)
+        on_event({"event": "metrics", "url": exporter.url, "t": time.time()})
+        return _run(config, on_event, duration_s, stop, metrics=exporter.metrics)
+    finally:
+        exporter.close()
+
+
+def _run(
+    config: SwarmNodeConfig,
+    on_event: Callable[[dict], None],
+    duration_s: float | None,
+    stop: threading.Event | None,
+    *,
+    metrics: NodeMetrics | None,
+) -> bool:
     daemon = NodeDaemon(config.node, on_event=on_event)
     trainer: SwarmTrainer | None = None
     transport: Transport | None = None
@@ -40,6 +64,8 @@ def run_node(
 
             transport, trainer = start_training(config, daemon, on_event)
             finished = trainer.finished
+        if metrics is not None:
+            metrics.attach(node_sources(daemon, transport, trainer))
         watcher = threading.Thread(
             target=_stop_when, args=(daemon, trainer, finished, stop), daemon=True
         )

@@ -17,6 +17,7 @@ from fusionllm.node.cli.options import (
     load_data,
     run_spec_from,
 )
+from fusionllm.node.observe.listen import listen_arg
 
 
 def add_parser(commands) -> None:
@@ -80,6 +81,15 @@ def add_parser(commands) -> None:
         help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
     )
     node.add_argument("--events", action="store_true", help="print events as JSON lines")
+    node.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        type=listen_arg,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics: step, loss, tokens/s, "
+        "step time, bytes per link before and after compression and its codec, peers, the "
+        "plan, refusals by reason, DHT rounds, checkpoint age (port 0: a free one, printed "
+        "at start; default: off)",
+    )
     node.set_defaults(handler=run)
 
 
@@ -286,6 +296,8 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
         return line if held_out is None else f"{line}  validation loss {held_out:.4f}"
     if kind == "plan_end" and event["outcome"] in ("failed", "parted"):
         return f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}"
+    if kind == "metrics":
+        return f"metrics at {event['url']}"
     if kind in ("saved", "finished"):
         return f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}"
     return None
@@ -320,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         data_path=Path(args.data).expanduser() if args.data else None,
         data_dtype=args.data_dtype,
         device=args.device,
+        metrics=args.metrics,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

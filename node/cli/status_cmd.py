@@ -4,6 +4,7 @@ import argparse
 import json
 
 from fusionllm.node.cli.options import add_swarm_address
+from fusionllm.node.observe.listen import listen_arg, url_of
 
 
 def add_parser(commands) -> None:
@@ -22,12 +23,54 @@ def add_parser(commands) -> None:
         help="give up after this many s (default: %(default)s)",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--serve",
+        metavar="HOST:PORT",
+        type=listen_arg,
+        help="instead of printing once, serve a read-only page of the swarm at "
+        "http://HOST:PORT/ (fences, stages and who serves them, links with bandwidth and "
+        "codec, step and loss curve) that refreshes itself; the swarm is read once per "
+        "--interval however many browsers watch (port 0: a free one, printed)",
+    )
+    status.add_argument(
+        "--interval",
+        type=float,
+        default=3.0,
+        help="with --serve: seconds between reads of the swarm (default: %(default)s)",
+    )
     status.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fusionllm.node.control.status import format_status, gather
 
+    if args.serve is not None:
+        return _serve(args)
+
     status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
     print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fusionllm.node.control.status import read_swarm, status_client
+    from fusionllm.node.observe.feed import FeedConfig, StatusFeed
+    from fusionllm.node.observe.page import listening_socket, serve, status_app
+
+    config = FeedConfig(interval_s=args.interval)
+    sock = listening_socket(*args.serve)  # a taken port fails here, before the DHT starts
+    try:
+        client = status_client(args.bootstrap, args.swarm, timeout_s=args.timeout)
+        feed = StatusFeed(lambda: read_swarm(client, args.swarm), config)
+        feed.start()
+        try:
+            host, port = sock.getsockname()[:2]
+            print(f"status page at {url_of(host, port)} (the swarm read every "
+                  f"{config.interval_s:g} s; Ctrl-C stops)", flush=True)  # fmt: skip
+            serve(status_app(feed), sock)
+        finally:
+            feed.stop()  # before the client closes under a read
+            client.close()
+    finally:
+        sock.close()
     return 0

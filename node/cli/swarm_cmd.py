@@ -61,6 +61,13 @@ def add_parser(commands) -> None:
     )
     swarm.add_argument("--plot", metavar="PNG", help="write the loss curve here")
     swarm.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    swarm.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="BASE",
+        help="serve each node's Prometheus metrics on 127.0.0.1: node i at port BASE + i "
+        "(default: off)",
+    )
     swarm.set_defaults(handler=run)
 
 
@@ -155,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("a local swarm needs an end: --steps must be >= 1")
     if args.min_stages > args.nodes:
         raise FusionError(f"--min-stages {args.min_stages} needs at least as many --nodes")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65536 - args.nodes:
+        raise FusionError(f"--metrics-port {args.metrics_port}: ports BASE..BASE+{args.nodes - 1} "
+                          "must lie within 1..65535")  # fmt: skip
     _check_folder(run_spec_from(args, load_data(args)))  # validate before starting anything
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="fusionllm-swarm-")).expanduser()
     root.mkdir(parents=True, exist_ok=True)
@@ -204,13 +214,13 @@ def _print(*parts) -> None:
 def _watch(swarm, args: argparse.Namespace, say) -> Progress:
     from tqdm import tqdm
 
-    first = swarm.start("node0")
+    first = swarm.start("node0", extra=_metrics(args, 0, say))
     deadline = time.monotonic() + args.timeout
     while first.last("ready") is None:
         _check_alive(swarm, deadline)
         time.sleep(_POLL_S)
     for i in range(1, args.nodes):
-        swarm.start(f"node{i}", bootstrap=first.dht_addr)
+        swarm.start(f"node{i}", bootstrap=first.dht_addr, extra=_metrics(args, i, say))
     progress, seen = Progress(), {}
     bar = tqdm(total=args.steps, unit="step", disable=args.json, file=sys.stdout)
     with bar:
@@ -226,6 +236,13 @@ def _watch(swarm, args: argparse.Namespace, say) -> Progress:
             _check_alive(swarm, deadline, progress)
             time.sleep(_POLL_S)
     return progress
+
+
+def _metrics(args: argparse.Namespace, i: int, say) -> dict:
+    if args.metrics_port is None:
+        return {}
+    say(f"node{i}'s metrics at http://127.0.0.1:{args.metrics_port + i}/metrics")
+    return {"metrics": f"127.0.0.1:{args.metrics_port + i}"}
 
 
 def _update_bar(bar, progress: Progress, args: argparse.Namespace) -> None:

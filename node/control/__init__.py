@@ -14,5 +14,6 @@
 - probe.py:           this machine's FLOP/s, memory bandwidth and per-op overhead (cached)
 - local_facts.py:     device and model costs from a short-lived child (facts_main.py), so the
                       node's own process imports no torch until it serves
+- timings.py:         ``Timings``: how long the DHT rounds take (for the metrics)
 - status.py:          ``gather`` / ``format_status`` behind ``fusionllm status``
 """

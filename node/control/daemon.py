@@ -47,6 +47,7 @@ from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.suspicion import SuspicionBook
+from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -76,6 +77,7 @@ class NodeDaemon:
         self.suspicions = SuspicionBook()  # members our trainer waited for in vain
         self._beat_now = threading.Event()  # refresh our record before the next heartbeat
         self.pace = PaceMeter()  # our measured compute against our device's (pace.py)
+        self.timings = Timings()  # our DHT rounds' durations (the node's metrics read them)
         self._paced_plan: str | None = None  # the plan the meter's steps were measured in
 
     # What the agreement decided (read by the trainer, the status command and our record).
@@ -221,6 +223,7 @@ class NodeDaemon:
         started = time.monotonic()
         step(*args)
         took = time.monotonic() - started
+        self.timings.add(what, took)
         if took > self.settings.heartbeat_s / 2:
             # A slow DHT delays the epoch (or our record's refresh): worth knowing.
             logger.info("%s took %.2fs", what, took)

@@ -45,23 +45,35 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
 
 
 def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[str, Any]:
+    client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    try:
+        return read_swarm(client, swarm)
+    finally:
+        client.close()
+
+
+def status_client(bootstrap: list[str], swarm: str, *, timeout_s: float) -> DhtClient:
+    """A started client-mode DHT client for ``read_swarm`` (the caller closes it)."""
     config = DhtConfig(
         swarm=swarm, initial_peers=tuple(bootstrap), client_mode=True, start_timeout_s=timeout_s
     )
-    with DhtClient(config) as client:
-        directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
-        members = directory.members(include_leaving=True)
-        now = time.time()
-        votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
-        plan = None
-        if votes:
-            (epoch, digest), _ = votes.most_common(1)[0]
-            for proposal in directory.proposals(epoch):
-                if proposal.digest == digest:
-                    plan = plan_from_json(proposal.plan)
-                    break
-        skipped = directory.skipped
-    return describe(swarm, members, plan, votes, now=now, skipped=skipped)
+    return DhtClient(config).start()
+
+
+def read_swarm(client: DhtClient, swarm: str) -> dict[str, Any]:
+    """One read of the swarm's records and its most followed plan, described."""
+    directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
+    members = directory.members(include_leaving=True)
+    now = time.time()
+    votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
+    plan = None
+    if votes:
+        (epoch, digest), _ = votes.most_common(1)[0]
+        for proposal in directory.proposals(epoch):
+            if proposal.digest == digest:
+                plan = plan_from_json(proposal.plan)
+                break
+    return describe(swarm, members, plan, votes, now=now, skipped=directory.skipped)
 
 
 def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:

@@ -13,6 +13,7 @@
 - link_feedback.py: ``GradientFeedback`` (error feedback per gradient link, across loss scales)
 - summary.py:       ``Summary`` (a step's norm, losses, vote and overflow flag), ``combine``
 - steps.py:         ``StepReport``, ``Sends``
+- traffic.py:       ``LinkTraffic``: bytes per link before and after compression, per step
 - mailbox.py:       ``Mailbox`` (received frames by key, checked per sender), ``Role``, ``pump``
 - runner.py:        ``PipelineRunner`` (one process's steps over a transport), ``Expectations``
 - evaluation.py:    ``eval_pass``: validation micro-batches forward through the stages

@@ -49,6 +49,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.compression import (
     Codec,
     Float16Codec,
+    IdentityCodec,
     activation_codec,
     budget_codec,
     pack_tensor,
@@ -73,6 +74,7 @@ from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.steps import Sends, StepReport
 from fusionllm.node.pipeline.summary import StepTotals, Summary, combine
+from fusionllm.node.pipeline.traffic import LinkTraffic
 from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
 
 logger = get_logger(__name__)
@@ -163,6 +165,7 @@ class PipelineRunner:
         self.tied_names = sorted(n for n, h in layout.tied.items() if role.stage in h)
         self.tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
         self._feedback = GradientFeedback()
+        self.traffic = LinkTraffic()  # bytes per link this step (the StepReport's links)
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
         self._summary_first = _summary_first(role, self.tied_names, layout)
         self.expectations = Expectations(config, layout, role)
@@ -265,6 +268,7 @@ class PipelineRunner:
             loss_scale=scale,
             samples=self._samples_read(step, order),
             eval_loss=totals.eval_sum / totals.eval_count if totals.eval_count else None,
+            links=self.traffic.take(),
         )
 
     def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
@@ -343,7 +347,7 @@ class PipelineRunner:
             codec: Codec = Float16Codec(HALF_WIRE)
         else:
             codec = activation_codec(flat.numel(), ratio)
-        return pack_tensor(flat, codec)
+        return self._counted(link, "activation", flat, codec, pack_tensor(flat, codec))
 
     def _backward(self, step: int, mb: int, sends: Sends) -> tuple[float, float]:
         """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
@@ -424,10 +428,19 @@ class PipelineRunner:
         flat = self.staging.to_host(("gradient", link), flat)  # codecs run on the host
         if ratio >= 1.0:
             half = self.config.gradient_half(link)
-            return pack_tensor(flat, Float16Codec(HALF_WIRE) if half else None)
+            codec: Codec = Float16Codec(HALF_WIRE) if half else IdentityCodec()
+            return self._counted(link, "gradient", flat, codec, pack_tensor(flat, codec))
         ternary = self.config.gradient_codec == "ternary"
         codec = budget_codec(flat.numel(), ratio, ternary=ternary)
-        return self._feedback.pack(link, target, flat, codec)
+        body = self._feedback.pack(link, target, flat, codec)
+        return self._counted(link, "gradient", flat, codec, body)
+
+    def _counted(self, link: int, kind: str, flat: torch.Tensor, codec: Codec, body: bytes):
+        dense = flat.numel() * flat.element_size()
+        self.traffic.add(
+            link=link, kind=kind, codec=codec.codec_id, dense_bytes=dense, wire_bytes=len(body)
+        )
+        return body
 
     def send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
         header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)

@@ -167,7 +167,8 @@ def _train(
         if lines.closed:  # the launcher is gone: nobody would read our results
             raise PipelineError("stdin closed: the launcher went away")
         report = runner.run_step(step)
-        lines.write({"event": "step", **report.__dict__})
+        links = [t.to_json() for t in report.links]
+        lines.write({"event": "step", **report.__dict__, "links": links})
     if args.out:
         torch.save(runner.worker.state_dict(), args.out)
     stats = transport.stats()

@@ -4,6 +4,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from fusionllm.node.errors import PipelineError
+from fusionllm.node.pipeline.traffic import LinkTally
 
 
 @dataclass
@@ -25,6 +26,7 @@ class StepReport:
     # what a test or a log reads to see that no sample is repeated or skipped.
     samples: tuple[int, ...] = ()
     eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
+    links: tuple[LinkTally, ...] = ()  # what this process sent on each link this step
 
 
 @dataclass

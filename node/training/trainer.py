@@ -431,6 +431,7 @@ class SwarmTrainer:
                     "busy_s": report.busy_s, "wait_s": report.wait_s,
                     "samples": list(report.samples), "eval_loss": report.eval_loss,
                     "bytes_out": self._bytes_out(),
+                    "links": [t.to_json() for t in report.links],
                     "peak_device_bytes": report.peak_device_bytes,
                     "skipped": report.skipped, "loss_scale": report.loss_scale})  # fmt: skip
 

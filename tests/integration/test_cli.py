@@ -99,3 +99,18 @@ def test_swarm_refuses_a_folder_the_data_does_not_fit_before_starting_anything(t
     assert "--seq-len 65 exceeds" in long.stderr
     assert "64 positions" in long.stderr
     assert not work.exists()  # no node was started
+
+
+def test_status_serve_and_swarm_metrics_refuse_bad_addresses_before_starting_anything(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGMXzYEhzmzA1Y3ggimWP3jLABCPvyJ9pCk5aCAqcKsCh"
+    bad = _fusionllm("status", "--serve", "127.0.0.1", "--bootstrap", dead)
+    assert bad.returncode == 2
+    assert "argument --serve: '127.0.0.1' is not HOST:PORT" in bad.stderr
+    slow = _fusionllm("status", "--serve", "127.0.0.1:0", "--interval", "0.01", "--bootstrap", dead)
+    assert slow.returncode == 1
+    assert "interval_s must be in [0.2, 3600] s, got 0.01" in slow.stderr
+    ports = _fusionllm("swarm", "--nodes", "3", "--metrics-port", "65534", "--work-dir",
+                       str(tmp_path / "w"))  # fmt: skip
+    assert ports.returncode == 1
+    assert "--metrics-port 65534: ports BASE..BASE+2 must lie within 1..65535" in ports.stderr
+    assert not (tmp_path / "w").exists()

@@ -70,9 +70,11 @@ def test_without_events_only_the_human_lines_are_printed(monkeypatch):
     on_event({"event": "step", "step": 12, "loss": 2.4, "tokens_per_s": 99.0, "eval_loss": 2.6})
     on_event({"event": "ready", "peer_id": "12D3", "dht_addrs": ["/ip4/127.0.0.1/tcp/1"]})
     on_event({"event": "heartbeat"})
+    on_event({"event": "metrics", "url": "http://127.0.0.1:9100/metrics"})
     assert out.getvalue().splitlines() == [
         "step    10  loss 2.5000  1,234 tokens/s",
         "step    12  loss 2.4000  99 tokens/s  validation loss 2.6000",
         "node 12D3 joined swarm demo",
         "  others can bootstrap from: /ip4/127.0.0.1/tcp/1",
+        "metrics at http://127.0.0.1:9100/metrics",
     ]

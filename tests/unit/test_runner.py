@@ -127,6 +127,19 @@ def test_a_compressed_link_still_converges(dataset, gradient_codec) -> None:
     for tap in (link_frames, gradient_frames):
         assert tap.hits == config.steps * config.micro_batches
         assert max(len(frame.body) for frame in tap.frames) < 0.2 * dense_bytes
+    # The step reports tally the same bytes (what --metrics shows per link), dense and sent.
+    numel = swarm.layout.links[0].numel
+    codecs = {"activation": {"tern", "topk"}, "gradient": {"topk"} if gradient_codec == "topk"
+              else {"tern", "topk"}}  # fmt: skip
+    for tap, kind in ((link_frames, "activation"), (gradient_frames, "gradient")):
+        tallies = [t for run in swarm.results.values() for r in run.reports for t in r.links
+                   if t.kind == kind]  # fmt: skip
+        assert len(tallies) == config.steps
+        assert {t.link for t in tallies} == {0}
+        assert sum(t.wire_bytes for t in tallies) == sum(len(f.body) for f in tap.frames)
+        assert sum(t.frames for t in tallies) == tap.hits
+        assert all(t.dense_bytes == config.micro_batches * numel * 4 for t in tallies)
+        assert {t.codec for t in tallies} <= codecs[kind], tallies
 
 
 def test_half_links_halve_the_bytes_on_the_wire(dataset) -> None:
