@@ -12,6 +12,7 @@ the frame map (common fields already checked by frame.py) and must validate befo
 """
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from fusionllm.compression.dtypes import (
     dtype_from_wire,
     wire_name,
 )
+from fusionllm.compression.half_scale import check_exponent, scaled_half
 from fusionllm.compression.limits import FrameLimits
 from fusionllm.compression.topk import (
     bitmap_popcount,
@@ -45,6 +47,7 @@ from fusionllm.compression.wire_sizes import (
 COMMON_KEYS = frozenset({"v", "c", "dt", "sh"})
 _HALF_NAMES = frozenset(wire_name(d) for d in HALF_DTYPES)
 _NUMPY_FLOATS = frozenset({torch.float32, torch.float64, torch.float16})
+_WIDE_FLOATS = frozenset({torch.float32, torch.float64})
 _INDEX_INT32 = "i32"
 _INDEX_BITMAP = "bm"
 
@@ -57,6 +60,9 @@ class DecodeTarget:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    # A host tensor in page-locked memory (a CUDA node's frames): its one host-to-device copy
+    # then runs without a staging copy (compute.Staging). False on CPU-only machines.
+    pin_memory: bool = False
 
 
 class Codec(ABC):
@@ -102,7 +108,9 @@ class IdentityCodec(Codec):
     def decode(
         cls, frame: dict[str, Any], target: DecodeTarget, limits: FrameLimits
     ) -> torch.Tensor:
-        flat = tensor_from_bytes(frame["p"], target.dtype, target.numel, "payload")
+        flat = tensor_from_bytes(
+            frame["p"], target.dtype, target.numel, "payload", pin_memory=target.pin_memory
+        )
         if target.dtype == torch.bool and target.numel and int(flat.view(torch.uint8).max()) > 1:
             raise FrameError("bool payload holds bytes other than 0 and 1")
         check_finite(flat, limits)
@@ -111,11 +119,16 @@ class IdentityCodec(Codec):
 
 @dataclass(frozen=True)
 class Float16Codec(Codec):
-    """Halves the bytes of a float tensor; bfloat16 keeps float32's range, float16 its precision."""
+    """Halves the bytes of a float tensor: float16 with a power-of-two scale per tensor
+    (half_scale.py: float16's precision, the tensor's range), or bfloat16 (float32's range).
+
+    A float16 frame whose values do not fit even scaled (non-finite, or beyond float32's
+    range from a float64 input) goes as bfloat16 instead; ``e`` is 0 for bfloat16.
+    """
 
     dtype: torch.dtype = torch.float16
     codec_id: ClassVar[str] = "f16"
-    field_keys: ClassVar[frozenset[str]] = frozenset({"wd", "p"})
+    field_keys: ClassVar[frozenset[str]] = frozenset({"wd", "e", "p"})
 
     def __post_init__(self) -> None:
         if self.dtype not in HALF_DTYPES:
@@ -125,18 +138,19 @@ class Float16Codec(Codec):
         return self._encode(tensor)[0]
 
     def encode_with_residual(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        fields, wire = self._encode(tensor)
-        return fields, tensor - wire.to(tensor.dtype)
+        fields, wire, exponent = self._encode(tensor)
+        return fields, tensor - from_half(wire, exponent, tensor.dtype)
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor, int]:
         require_float(tensor, self)
-        wire = tensor.to(self.dtype)
-        if wire.numel() and not bool(torch.isfinite(wire).all()):
-            raise ValueError(
-                f"tensor is not finite as {self.dtype} (non-finite input, or values beyond "
-                f"±{FLOAT16_MAX:g} for float16: use bfloat16)"
-            )
-        return {"wd": wire_name(self.dtype), "p": tensor_bytes(wire)}, wire
+        scaled = scaled_half(tensor) if self.dtype == torch.float16 else None
+        if scaled is not None:
+            wire, exponent = scaled
+        else:
+            wire, exponent = tensor.to(torch.bfloat16), 0
+            if wire.numel() and not bool(torch.isfinite(wire).all()):
+                raise ValueError("tensor is not finite as bfloat16 (non-finite input)")
+        return {"wd": wire_name(wire.dtype), "e": exponent, "p": tensor_bytes(wire)}, wire, exponent
 
     @classmethod
     def decode(
@@ -144,9 +158,24 @@ class Float16Codec(Codec):
     ) -> torch.Tensor:
         require_float_target(target, cls.codec_id)
         wire_dtype = dtype_from_wire(frame["wd"], _HALF_NAMES)
-        flat = tensor_from_bytes(frame["p"], wire_dtype, target.numel, "payload")
-        check_finite(flat, limits)
-        return flat.view(target.shape).to(device=target.device, dtype=target.dtype)
+        exponent = check_exponent(frame["e"])
+        wire = payload_view(frame["p"], wire_dtype, target.numel, "payload")
+        flat = from_half(wire, exponent, target.dtype, pin_memory=target.pin_memory)
+        check_finite(flat, limits)  # inf in the payload, or a scale that overflows the dtype
+        return flat.view(target.shape).to(target.device)
+
+
+def from_half(
+    wire: torch.Tensor, exponent: int, dtype: torch.dtype, *, pin_memory: bool = False
+) -> torch.Tensor:
+    """``wire * 2**-exponent`` as a new ``dtype`` tensor: what a Float16Codec frame decodes to
+    (the sender's residual computes it alike). One pass over ``wire`` for float32/float64."""
+    wide = dtype if dtype in _WIDE_FLOATS or exponent == 0 else torch.float32
+    out = torch.empty(wire.shape, dtype=wide, device=wire.device, pin_memory=pin_memory)
+    out.copy_(wire)
+    if exponent:
+        out.mul_(2.0**-exponent)  # exact: a power of two, in a dtype that holds it
+    return out if wide == dtype else out.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -431,9 +460,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def tensor_from_bytes(payload: object, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """A new writable CPU tensor of ``count`` elements copied out of a peer's bytes (or a view
-    of a receive buffer: the copy ends any tie to it), length checked first."""
+def payload_view(payload: object, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
+    """A read-only view (count,) of a peer's bytes as ``dtype``, no copy; length checked first.
+
+    Valid only while ``payload`` is (a receive buffer is reused for the next frame): copy out
+    of it before returning to the caller. Never written to.
+    """
     if not isinstance(payload, bytes | memoryview):
         raise FrameError(f"{what} must be bytes, got {type(payload).__name__}")
     itemsize = dtype.itemsize
@@ -441,7 +473,30 @@ def tensor_from_bytes(payload: object, dtype: torch.dtype, count: int, what: str
         raise FrameError(
             f"{what} has {len(payload)} bytes, expected {count} x {itemsize} = {count * itemsize}"
         )
-    out = torch.empty(count, dtype=dtype)
-    if count:
-        out.view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    if not count:
+        return torch.empty(0, dtype=dtype)
+    global _VIEWED
+    if not _VIEWED:
+        # torch warns once per process that a read-only buffer makes a tensor it cannot
+        # protect; we only read it. Spend that warning here, quietly, the first time.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(payload, dtype=dtype)
+        _VIEWED = True
+        return view
+    return torch.frombuffer(payload, dtype=dtype)
+
+
+_VIEWED = False
+
+
+def tensor_from_bytes(
+    payload: object, dtype: torch.dtype, count: int, what: str, *, pin_memory: bool = False
+) -> torch.Tensor:
+    """A new writable CPU tensor of ``count`` elements copied once out of a peer's bytes (or a
+    view of a receive buffer: the copy ends any tie to it), length checked first; in pinned
+    memory if ``pin_memory`` (needs CUDA)."""
+    view = payload_view(payload, dtype, count, what)
+    out = torch.empty(count, dtype=dtype, pin_memory=pin_memory)
+    out.view(torch.uint8).copy_(view.view(torch.uint8))  # bytes as sent (a bool stays 0x02)
     return out

@@ -83,10 +83,10 @@ logger = get_logger(__name__)
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
-# A half link's 2-byte floats: bfloat16 keeps float32's range, so no activation or unscaled
-# gradient overflows on the wire (float16's 65504 would make the frame unsendable), at 8 bits
-# of mantissa: what bf16 compute keeps of an activation anyway.
-HALF_WIRE = torch.bfloat16
+# A half link's 2-byte floats: float16 with a power-of-two scale per frame (Float16Codec), so
+# loss-scaled or unscaled gradients fit its range and keep 11 bits of precision (bfloat16: 8);
+# a frame no scale fits goes as bfloat16.
+HALF_WIRE = torch.float16
 
 
 def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:

@@ -76,8 +76,10 @@ def _config(**overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def test_an_fp16_pipeline_follows_one_fp16_process(dataset) -> None:
-    config = _config()
+@pytest.mark.parametrize("halves", [(), (True, True)])
+def test_an_fp16_pipeline_follows_one_fp16_process(dataset, halves) -> None:
+    """Also with half links: the loss-scaled gradients travel as scaled float16."""
+    config = _config(activation_halves=halves, gradient_halves=halves)
     reference = train_local(config, dataset=dataset)
     swarm = ThreadSwarm.trained(config, dataset, compute=Compute(precision="fp16"))
     assert swarm.errors() == {}
