@@ -67,7 +67,7 @@ from fusionllm.node.pipeline.expectations import (
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
-from fusionllm.node.pipeline.loss_scale import LossScale
+from fusionllm.node.pipeline.loss_scale import LossScale, ScaleState
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
@@ -124,13 +124,16 @@ class PipelineRunner:
         vote: Callable[[], float] = lambda: 0.0,
         own_pump: bool = True,
         compute: Compute | None = None,
+        deferred: bool = False,
     ) -> None:
         """``vote`` is sent with every step's summary, so every process ends the step knowing
         every other's (a node votes for the plan it would run next: a unanimous vote switches
         plans at that step boundary on every process alike). ``own_pump=False``: the caller
         feeds ``mailbox`` itself (a node whose transport outlives this runner). ``compute``:
         where this process's stage runs and in what precision (default: CPU, float32); frames
-        always travel from and to host memory, staged through pinned buffers on a GPU."""
+        always travel from and to host memory, staged through pinned buffers on a GPU.
+        ``deferred``: the stage's parameters stay on meta until ``worker.make_real`` (a
+        session that may load every one of them from a checkpoint)."""
         self.config = config
         self.layout = layout
         self.role = role
@@ -155,6 +158,7 @@ class PipelineRunner:
             micro_batches=config.micro_batches,
             compute=self.compute,
             weights=weight_source(config),
+            deferred=deferred,
         )
         self.staging = Staging(self.compute)
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
@@ -214,6 +218,18 @@ class PipelineRunner:
     def load_residuals(self, table: dict[str, torch.Tensor]) -> None:
         """Take ``residuals()`` back (same plan only: keys name this plan's links and peers)."""
         self._feedback.load(table, self._scale())
+
+    def scale_state(self) -> ScaleState | None:
+        """fp16's loss scale between steps (None in fp32/bf16): checkpoints and copies keep it."""
+        return self.loss_scale.state() if self.loss_scale is not None else None
+
+    def restore_scale(self, state: ScaleState) -> None:
+        """Continue from the loss scale of the step this plan resumes at (every member alike);
+        live residuals follow it (they carry the scale). A no-op without fp16."""
+        if self.loss_scale is not None:
+            before = self.loss_scale.scale
+            self.loss_scale.restore(state)
+            self._feedback.rescale(before, state.scale)
 
     def _scale(self) -> float:
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
