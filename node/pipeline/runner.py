@@ -216,8 +216,14 @@ class PipelineRunner:
         return self._feedback.table(self._scale())
 
     def load_residuals(self, table: dict[str, torch.Tensor]) -> None:
-        """Take ``residuals()`` back (same plan only: keys name this plan's links and peers)."""
-        self._feedback.load(table, self._scale())
+        """Take ``residuals()`` back (same plan only: keys name this plan's links and peers);
+        ValueError, nothing loaded, for a residual this stage would not hold."""
+        s = self.role.stage
+        expected = {
+            f"gradient/{s - 1}/{s - 1}.{r}": self.layout.links[s - 1].numel
+            for r in range(self.replicas[s - 1] if s else 0)
+        }
+        self._feedback.load(table, self._scale(), expected)
 
     def scale_state(self) -> ScaleState | None:
         """fp16's loss scale between steps (None in fp32/bf16): checkpoints and copies keep it."""

@@ -39,6 +39,7 @@ from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
 from fusionllm.node.training.board import TAG_READY, TAG_WANT, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import (
     SEED_STEP,
@@ -193,6 +194,7 @@ class PlanSession:
         if not self._gather(start, stop=stop, current=current):
             return None
         self._restore_scale(start.step, ready, tuple(zip(mine, scales, strict=True)))
+        self._restore_residuals(start)
         self.runner.mailbox.advance(start.step)
         self.inbox.open()
         return start.step
@@ -207,6 +209,26 @@ class PlanSession:
         scale = start_scale(step, self.assignment.members, announced)
         if scale is not None:
             self.runner.restore_scale(scale)
+
+    def _restore_residuals(self, start) -> None:
+        """Our own checkpoint of the start step, written under this very plan, holds the
+        error-feedback residuals of our links: carry them on. Under another plan the links,
+        codecs and receivers may differ: they start from zero."""
+        holding = Holding(start.step, *self.assignment.ranges[self.role.stage])
+        local = start.local.get(self.me, ())
+        if (
+            start.step == SEED_STEP
+            or holding not in local
+            or holding not in self.vault.own.holdings()
+        ):
+            return
+        try:
+            saved = self.vault.stored_stage(holding)
+            if saved.plan == self.assignment.digest and saved.residuals:
+                self.runner.load_residuals(saved.residuals)
+                logger.info("resumed %d error-feedback residuals", len(saved.residuals))
+        except (CheckpointError, ValueError) as exc:  # a damaged or foreign file
+            logger.warning("no error-feedback residuals from %s: %s", holding, exc)
 
     def _hear(self, others, body, round_: int, *, current, stop) -> dict | None:
         ready: dict = {}

@@ -25,6 +25,7 @@ from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.loss_scale import LossScaleConfig
 from fusionllm.node.pipeline.train_config import TrainConfig
 from fusionllm.node.swarm_training import build_workload, parameter_shapes
+from fusionllm.node.training.assignment import assign
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 from tests.support.memory_transport import MemoryNetwork
 
@@ -90,12 +91,18 @@ def _costs():
     return graph.costs()
 
 
-def _plan(peers: list[str], stages: int) -> Plan:
-    """The planner's plan for equal peers on fast links, with exactly ``stages`` stages."""
+def _plan(peers: list[str], stages: int, bandwidth: float = 1e9) -> Plan:
+    """The planner's plan for equal peers on links of ``bandwidth`` bytes/s (fast: dense;
+    slow: compressed, with error feedback on the gradients), exactly ``stages`` stages."""
     device = DeviceProfile(flops=1e11, memory_bandwidth=5e9, memory_bytes=4 << 30)
     swarm = Swarm.from_links(
-        [Peer(peer_id=p, device=device, uplink=1e9, downlink=1e9) for p in peers],
-        {(a, b): LinkProfile(bandwidth=1e9, rtt=1e-4) for a in peers for b in peers if a != b},
+        [Peer(peer_id=p, device=device, uplink=bandwidth, downlink=bandwidth) for p in peers],
+        {
+            (a, b): LinkProfile(bandwidth=bandwidth, rtt=1e-4)
+            for a in peers
+            for b in peers
+            if a != b
+        },
     )
     config = PlanConfig(
         micro_batches=RUN.micro_batches,
@@ -417,6 +424,39 @@ def test_an_fp16_run_keeps_its_loss_scale_across_a_plan_change(cluster_of, monke
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
     reference = _reference(three, run)
     np.testing.assert_allclose([merged[s] for s in range(run.steps)], reference, atol=2e-3)
+
+
+def test_a_restarted_run_resumes_its_error_feedback_residuals(cluster_of, tmp_path):
+    """Slow links: top-k with error feedback on the gradients. Every node stops after some
+    steps and comes back on the same work dir and plan: each resumes from its own checkpoint,
+    residuals included (same plan: same links and receivers), so the steps after the
+    checkpoint repeat an uninterrupted run's losses exactly; without them they would not."""
+    peers = ["peer-a", "peer-b"]
+    slow = _plan(peers, 2, bandwidth=1e5)
+    assert assign(RUN, slow, slow.digest(), "peer-b").config.gradient_ratios[0] < 1.0
+    whole = Cluster(peers, tmp_path / "uninterrupted")
+    try:
+        whole.start(slow)
+        whole.wait_finished(peers)
+        reference = whole.losses("peer-a")
+    finally:
+        whole.close()
+    first = cluster_of(peers, checkpoint_every=4)
+    first.start(slow)
+    first.wait(lambda: len(first.losses("peer-a")) >= 6, "6 steps")
+    for trainer in first.trainers.values():
+        trainer.stop()
+    first.close()
+    second = cluster_of(peers, checkpoint_every=4)
+    second.start(slow)
+    second.wait_finished(peers)
+    resumed = second.starts("peer-b")[0]["start_step"]
+    assert resumed in (4, 8)
+    losses = second.losses("peer-a")
+    assert sorted(losses) == list(range(resumed, RUN.steps))
+    np.testing.assert_allclose(
+        [losses[s] for s in losses], [reference[s] for s in losses], atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("filing_delay_s", [0.0, 0.02])
