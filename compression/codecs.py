@@ -242,7 +242,9 @@ class TopKCodec(Codec):
         values = tensor_from_bytes(frame["p"], value_dtype, k, "top-k values")
         check_finite(values, limits)
         index_format = frame["ix"]
-        out = torch.zeros(target.numel, dtype=target.dtype, device=target.device)  # (N,)
+        out = torch.zeros(
+            target.numel, dtype=target.dtype, device=target.device, pin_memory=target.pin_memory
+        )  # (N,)
         values = values.to(device=target.device, dtype=target.dtype)
         if index_format == _INDEX_INT32:
             indices = tensor_from_bytes(frame["ixp"], torch.int32, k, "top-k indices")

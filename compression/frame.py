@@ -134,7 +134,8 @@ def decode_frame(parsed: ParsedFrame, *, pin_memory: bool = False) -> torch.Tens
     payload, so a CUDA node's copy to the device needs no staging copy (compute.Staging).
     """
     codec, frame = parsed.codec, parsed.fields
-    target = replace(parsed.target, pin_memory=pin_memory) if pin_memory else parsed.target
+    pin = pin_memory and parsed.target.device.type == "cpu"  # a device target needs no staging
+    target = replace(parsed.target, pin_memory=True) if pin else parsed.target
     try:
         if codec is not IdentityCodec and codec is not Float16Codec:
             # Dense payloads are decoded straight from the receive buffer (one copy); the

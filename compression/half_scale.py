@@ -14,6 +14,7 @@ import math
 import torch
 
 from fusionllm.common.errors import FrameError, peer_repr
+from fusionllm.compression.dtypes import FLOAT16_MAX
 
 # float32 can carry x * 2**e and back for any |e| <= 126 without an infinity of its own; a
 # peer's exponent outside this is refused.
@@ -47,8 +48,12 @@ def scaled_half(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     flat = tensor.reshape(-1)  # (N,)
     if flat.numel() == 0:
         return flat.to(torch.float16), 0
-    exponent = fit_exponent(float(flat.abs().max()))
-    if exponent is None:
+    low, high = torch.aminmax(flat)  # one pass, no |x| temporary; NaN propagates
+    peak = max(-float(low), float(high))
+    exponent = fit_exponent(peak)
+    # Unclamped, the peak lands below 2**15 and rounds to at most that: only a clamped
+    # exponent (a float64 input past float32's range) can still overflow.
+    if exponent is None or peak * 2.0**exponent > FLOAT16_MAX:
         return None
     if exponent == 0:
         wire = flat.to(torch.float16)
@@ -56,6 +61,4 @@ def scaled_half(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         # One pass: the product is computed in the input's precision and rounded once.
         wire = torch.empty(flat.shape, dtype=torch.float16, device=flat.device)
         torch.mul(flat, 2.0**exponent, out=wire)
-    if not bool(torch.isfinite(wire).all()):
-        return None
     return wire.view(tensor.shape), exponent
