@@ -43,7 +43,7 @@ class Vault:
         self._copying = 0
         self._live: Held | None = None
         self._cache: dict[tuple[str, Holding], StageState] = {}
-        self._scales: dict[tuple[str, Holding], ScaleState | None] = {}  # files do not change
+        self._scales: dict[tuple[str, Holding], ScaleState | None] = {}  # until a file is written
 
     # ----- live state ---------------------------------------------------------------------------
 
@@ -163,6 +163,7 @@ class Vault:
 
     def checkpoint(self, stage: StageState) -> None:
         self.own.save(stage)
+        self._scales.clear()  # a file of the same name may have been written again
 
     def keep_copy(self, copy: Copy) -> bool:
         """Keep a member's stage state once it checks out; False (logged) if it does not."""
@@ -181,5 +182,6 @@ class Vault:
             logger.warning("a copy from %s holds non-finite values: dropped", copy.peer[:16])
             return False
         self.custody.save(StageState(copy.holding, dict(copy.state), scale=copy.scale))
+        self._scales.clear()
         logger.debug("keeping %s of %s for %s", copy.holding, len(copy.state), copy.peer[:16])
         return True
