@@ -132,8 +132,7 @@ class PipelineRunner:
         feeds ``mailbox`` itself (a node whose transport outlives this runner). ``compute``:
         where this process's stage runs and in what precision (default: CPU, float32); frames
         always travel from and to host memory, staged through pinned buffers on a GPU.
-        ``deferred``: the stage's parameters stay on meta until ``worker.make_real`` (a
-        session that may load every one of them from a checkpoint)."""
+        ``deferred``: the stage stays on meta until ``worker.make_real`` (StageWorker)."""
         self.config = config
         self.layout = layout
         self.role = role
