@@ -4,6 +4,8 @@
                ``parse_frame`` / ``decode_frame``, the same in two halves (check, allocate)
 - codecs.py:   ``IdentityCodec``, ``Float16Codec``, ``TopKCodec``, ``TernaryCodec`` (encode,
                validating decode)
+- payload.py:  payload bytes <-> tensors (one copy out of a receive buffer, pinned if asked)
+- half_scale.py: the power-of-two scale that fits a tensor into float16's range
 - topk.py:     exact top-k selection faster than torch.topk on CPU; index bitmaps
 - feedback.py: ``ErrorFeedback``, residuals for compressed gradients
 - adaptive.py: ``AdaTopK`` (per-link ratio with hysteresis), ``target_ratio`` (pure),

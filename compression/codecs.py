@@ -11,7 +11,6 @@ A codec's ``encode`` returns the fields it adds to the frame; its class-level ``
 the frame map (common fields already checked by frame.py) and must validate before it allocates.
 """
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,7 +26,15 @@ from fusionllm.compression.dtypes import (
     dtype_from_wire,
     wire_name,
 )
+from fusionllm.compression.half_scale import check_exponent, scaled_half
 from fusionllm.compression.limits import FrameLimits
+from fusionllm.compression.payload import (
+    check_finite,
+    from_half,
+    payload_view,
+    tensor_bytes,
+    tensor_from_bytes,
+)
 from fusionllm.compression.topk import (
     bitmap_popcount,
     bitmap_to_mask,
@@ -57,6 +64,9 @@ class DecodeTarget:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    # A host tensor in page-locked memory (a CUDA node's frames): its one host-to-device copy
+    # then runs without a staging copy (compute.Staging). False on CPU-only machines.
+    pin_memory: bool = False
 
 
 class Codec(ABC):
@@ -102,7 +112,9 @@ class IdentityCodec(Codec):
     def decode(
         cls, frame: dict[str, Any], target: DecodeTarget, limits: FrameLimits
     ) -> torch.Tensor:
-        flat = tensor_from_bytes(frame["p"], target.dtype, target.numel, "payload")
+        flat = tensor_from_bytes(
+            frame["p"], target.dtype, target.numel, "payload", pin_memory=target.pin_memory
+        )
         if target.dtype == torch.bool and target.numel and int(flat.view(torch.uint8).max()) > 1:
             raise FrameError("bool payload holds bytes other than 0 and 1")
         check_finite(flat, limits)
@@ -111,11 +123,16 @@ class IdentityCodec(Codec):
 
 @dataclass(frozen=True)
 class Float16Codec(Codec):
-    """Halves the bytes of a float tensor; bfloat16 keeps float32's range, float16 its precision."""
+    """Halves the bytes of a float tensor: float16 with a power-of-two scale per tensor
+    (half_scale.py: float16's precision, the tensor's range), or bfloat16 (float32's range).
+
+    A float16 frame whose values do not fit even scaled (non-finite, or beyond float32's
+    range from a float64 input) goes as bfloat16 instead; ``e`` is 0 for bfloat16.
+    """
 
     dtype: torch.dtype = torch.float16
     codec_id: ClassVar[str] = "f16"
-    field_keys: ClassVar[frozenset[str]] = frozenset({"wd", "p"})
+    field_keys: ClassVar[frozenset[str]] = frozenset({"wd", "e", "p"})
 
     def __post_init__(self) -> None:
         if self.dtype not in HALF_DTYPES:
@@ -125,18 +142,19 @@ class Float16Codec(Codec):
         return self._encode(tensor)[0]
 
     def encode_with_residual(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        fields, wire = self._encode(tensor)
-        return fields, tensor - wire.to(tensor.dtype)
+        fields, wire, exponent = self._encode(tensor)
+        return fields, tensor - from_half(wire, exponent, tensor.dtype)
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor, int]:
         require_float(tensor, self)
-        wire = tensor.to(self.dtype)
-        if wire.numel() and not bool(torch.isfinite(wire).all()):
-            raise ValueError(
-                f"tensor is not finite as {self.dtype} (non-finite input, or values beyond "
-                f"±{FLOAT16_MAX:g} for float16: use bfloat16)"
-            )
-        return {"wd": wire_name(self.dtype), "p": tensor_bytes(wire)}, wire
+        scaled = scaled_half(tensor) if self.dtype == torch.float16 else None
+        if scaled is not None:
+            wire, exponent = scaled
+        else:
+            wire, exponent = tensor.to(torch.bfloat16), 0
+            if wire.numel() and not bool(torch.isfinite(wire).all()):
+                raise ValueError("tensor is not finite as bfloat16 (non-finite input)")
+        return {"wd": wire_name(wire.dtype), "e": exponent, "p": tensor_bytes(wire)}, wire, exponent
 
     @classmethod
     def decode(
@@ -144,9 +162,11 @@ class Float16Codec(Codec):
     ) -> torch.Tensor:
         require_float_target(target, cls.codec_id)
         wire_dtype = dtype_from_wire(frame["wd"], _HALF_NAMES)
-        flat = tensor_from_bytes(frame["p"], wire_dtype, target.numel, "payload")
-        check_finite(flat, limits)
-        return flat.view(target.shape).to(device=target.device, dtype=target.dtype)
+        exponent = check_exponent(frame["e"])
+        wire = payload_view(frame["p"], wire_dtype, target.numel, "payload")
+        flat = from_half(wire, exponent, target.dtype, pin_memory=target.pin_memory)
+        check_finite(flat, limits)  # inf in the payload, or a scale that overflows the dtype
+        return flat.view(target.shape).to(target.device)
 
 
 @dataclass(frozen=True)
@@ -213,7 +233,9 @@ class TopKCodec(Codec):
         values = tensor_from_bytes(frame["p"], value_dtype, k, "top-k values")
         check_finite(values, limits)
         index_format = frame["ix"]
-        out = torch.zeros(target.numel, dtype=target.dtype, device=target.device)  # (N,)
+        out = torch.zeros(
+            target.numel, dtype=target.dtype, device=target.device, pin_memory=target.pin_memory
+        )  # (N,)
         values = values.to(device=target.device, dtype=target.dtype)
         if index_format == _INDEX_INT32:
             indices = tensor_from_bytes(frame["ixp"], torch.int32, k, "top-k indices")
@@ -413,35 +435,3 @@ def require_float(tensor: torch.Tensor, codec: Codec) -> None:
 def require_float_target(target: DecodeTarget, codec_id: str) -> None:
     if target.dtype not in FLOAT_DTYPES:
         raise FrameError(f"codec {codec_id!r} cannot decode to {target.dtype}")
-
-
-def check_finite(tensor: torch.Tensor, limits: FrameLimits) -> None:
-    if limits.allow_nonfinite or tensor.dtype not in FLOAT_DTYPES or tensor.numel() == 0:
-        return
-    # One reduction, no temporary: min and max propagate NaN and are infinite iff an element
-    # is (isfinite().all() took 55 ms on 64 MB here, aminmax 2 ms).
-    low, high = torch.aminmax(tensor.reshape(-1))
-    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-        raise FrameError("tensor holds NaN or infinite values")
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes (little-endian, C order) without a copy when it is already on CPU."""
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def tensor_from_bytes(payload: object, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """A new writable CPU tensor of ``count`` elements copied out of a peer's bytes (or a view
-    of a receive buffer: the copy ends any tie to it), length checked first."""
-    if not isinstance(payload, bytes | memoryview):
-        raise FrameError(f"{what} must be bytes, got {type(payload).__name__}")
-    itemsize = dtype.itemsize
-    if len(payload) != count * itemsize:
-        raise FrameError(
-            f"{what} has {len(payload)} bytes, expected {count} x {itemsize} = {count * itemsize}"
-        )
-    out = torch.empty(count, dtype=dtype)
-    if count:
-        out.view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-    return out

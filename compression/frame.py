@@ -7,7 +7,7 @@ The decoded tensor always has the sender's dtype and shape; codecs only change w
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -127,15 +127,21 @@ def parse_frame(
     return ParsedFrame(fields=frame, codec=codec, target=target, limits=limits)
 
 
-def decode_frame(parsed: ParsedFrame) -> torch.Tensor:
-    """The tensor of a parsed frame (allocates ``parsed.decoded_bytes``); FrameError only."""
+def decode_frame(parsed: ParsedFrame, *, pin_memory: bool = False) -> torch.Tensor:
+    """The tensor of a parsed frame (allocates ``parsed.decoded_bytes``); FrameError only.
+
+    ``pin_memory``: a dense frame decodes into page-locked host memory, written once from the
+    payload, so a CUDA node's copy to the device needs no staging copy (compute.Staging).
+    """
     codec, frame = parsed.codec, parsed.fields
+    pin = pin_memory and parsed.target.device.type == "cpu"  # a device target needs no staging
+    target = replace(parsed.target, pin_memory=True) if pin else parsed.target
     try:
         if codec is not IdentityCodec and codec is not Float16Codec:
             # Dense payloads are decoded straight from the receive buffer (one copy); the
             # other codecs' payloads are small and some of them want bytes.
             frame = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in frame.items()}
-        return codec.decode(frame, parsed.target, parsed.limits)
+        return codec.decode(frame, target, parsed.limits)
     except FrameError:
         raise
     except (ValueError, TypeError, RuntimeError, IndexError, OverflowError) as exc:

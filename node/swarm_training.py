@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import TensorSpec, Transport
+from fusionllm.node.pipeline.compute import pins_frames
 from fusionllm.node.pipeline.data import DataError, TokenDataset
 from fusionllm.node.pipeline.train_config import (
     TrainConfig,
@@ -155,7 +157,7 @@ def start_training(
         return trainer is not None and trainer.admits(peer)
 
     transport = Transport(
-        config.node.transport_config(),
+        replace(config.node.transport_config(), pin_decoded=pins_frames(config.device)),
         expect=expect,
         admit=admit,
         host=daemon.host,

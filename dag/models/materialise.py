@@ -37,6 +37,17 @@ class WeightSource(Protocol):
         ...
 
 
+class Unset:
+    """Uninitialised memory: for parameters whose values are imported right after (a stage
+    resumed from a checkpoint's state), so no init pass or weights file is read in vain."""
+
+    def tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        return {name: torch.empty(shape) for name, shape in shapes.items()}
+
+
+UNSET = Unset()
+
+
 def parameter_seed(seed: int, name: str) -> int:
     """A generator seed for one parameter: stable across processes, Pythons and platforms."""
     digest = hashlib.sha256(f"fusionllm-init:{seed}:{name}".encode()).digest()

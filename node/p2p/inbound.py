@@ -377,21 +377,23 @@ class Inbound:
             )
 
     async def _decode(self, body: bytearray | memoryview, spec: TensorSpec | None) -> torch.Tensor:
-        threshold = self.config.decode_in_thread_bytes
+        threshold, pin = self.config.decode_in_thread_bytes, self.config.pin_decoded
         if len(body) >= threshold:
             # A large body may take the slow parse (msgpack copies its payloads): all of it
             # in a worker thread, so the loop keeps serving other streams meanwhile.
             return await trio.to_thread.run_sync(
-                lambda: decode_frame(self.parse(body, spec)),
+                lambda: decode_frame(self.parse(body, spec), pin_memory=pin),
                 abandon_on_cancel=True,
                 limiter=self._decoders,
             )
         parsed = self.parse(body, spec)
         if parsed.decoded_bytes < threshold:
-            return decode_frame(parsed)
+            return decode_frame(parsed, pin_memory=pin)
         # A small body that expands to a large tensor: allocated and filled off the loop.
         return await trio.to_thread.run_sync(
-            decode_frame, parsed, abandon_on_cancel=True, limiter=self._decoders
+            lambda: decode_frame(parsed, pin_memory=pin),
+            abandon_on_cancel=True,
+            limiter=self._decoders,
         )
 
     def parse(self, body: bytearray | memoryview, spec: TensorSpec | None) -> ParsedFrame:

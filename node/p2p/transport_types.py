@@ -50,6 +50,9 @@ class TransportConfig:
     # on the wire: a few bytes of top-k may expand to a large tensor).
     decode_in_thread_bytes: int = 4 << 20
     max_decoded_bytes: int = 256 << 20  # a frame nobody expects may expand to this at most
+    # Decode into page-locked host memory: a CUDA node's frames then go to the device in one
+    # asynchronous copy, with no staging copy (compute.Staging). Needs CUDA.
+    pin_decoded: bool = False
     # Bodies announced (length read) but not yet decoded, per peer and all peers together.
     max_peer_pending_bytes: int = 512 << 20
     max_pending_bytes: int = 1 << 30
@@ -92,6 +95,7 @@ class TransportConfig:
             )
         self.rate_floor()  # checks min_body_rate_bytes_s and rate_window_s
         boolean("lanes", self.lanes)
+        boolean("pin_decoded", self.pin_decoded)
         int_in("lane_port", self.lane_port, 0, 65535)
         positive_seconds("lane_timeout_s", self.lane_timeout_s)
         positive_seconds("lane_retry_s", self.lane_retry_s)

@@ -25,7 +25,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import PRECISIONS
 from fusionllm.node.devices import DEVICE_CHOICES, resolve_device
 
-__all__ = ["DEVICE_CHOICES", "Compute", "Staging", "resolve_device"]
+__all__ = ["DEVICE_CHOICES", "Compute", "Staging", "pins_frames", "resolve_device"]
 
 logger = get_logger(__name__)
 
@@ -88,33 +88,42 @@ class Staging:
     ``to_host`` returns a CPU tensor valid until the next ``to_host`` of the same key: the
     caller must be done with it (``pack_tensor`` copies it into the frame's bytes) by then.
     ``to_device`` returns a device tensor whose copy may still be running on the device's
-    current stream, which orders it before any kernel that later reads it; the next use of
-    the same key's pinned buffer waits for that copy first. On the CPU both return their input.
+    current stream, which orders it before any kernel that later reads it. A frame the
+    transport decoded into pinned memory (``TransportConfig.pin_decoded``) goes straight to
+    the device: torch's pinned-memory cache records the copy's event and reuses that memory
+    only after it. Any other host tensor is first copied into this key's pinned buffer, whose
+    next use waits for the previous copy out of it. On the CPU both return their input.
     """
 
     def __init__(self, compute: Compute) -> None:
         self.compute = compute
         self._host: dict[object, torch.Tensor] = {}
         self._inbound: dict[object, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.staged = 0  # host tensors copied into a staging buffer on their way in
 
     def to_host(self, key: object, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":
             return tensor
         buffer = self._buffer(self._host, key, tensor)
         buffer.copy_(tensor, non_blocking=True)
-        # The bytes are read by the CPU right after: wait for this copy (and only this stream).
-        torch.cuda.current_stream(tensor.device).synchronize()
+        # The bytes are read by the CPU right after: wait for this copy, not the whole device.
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensor.device))
+        done.synchronize()
         return buffer
 
     def to_device(self, key: object, tensor: torch.Tensor) -> torch.Tensor:
         device = self.compute.device
         if device.type == "cpu" or tensor.device == device:
             return tensor
+        if tensor.is_pinned():
+            return tensor.to(device, non_blocking=True)
         held = self._inbound.get(key)
         if held is not None and held[1] is not None:
             held[1].synchronize()  # the previous frame's copy out of this buffer is done
         buffer = self._buffer({key: held[0]} if held else {}, key, tensor)
         buffer.copy_(tensor)
+        self.staged += 1
         on_device = buffer.to(device, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -128,3 +137,9 @@ class Staging:
             buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
             pool[key] = buffer
         return buffer
+
+
+def pins_frames(device: str) -> bool:
+    """Whether a node computing on ``device`` (a ``--device`` value) should have its transport
+    decode frames into pinned memory (``TransportConfig.pin_decoded``)."""
+    return resolve_device(device).type == "cuda"

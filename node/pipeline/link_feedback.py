@@ -3,7 +3,8 @@
 The gradients a stage sends back carry fp16's loss scale S (loss_scale.py), so their live
 residuals do too. ``rescale`` keeps them in the units of the next step's gradients when S
 moves (a power of two: exact), and the residuals a checkpoint or a hand-over takes are in
-true gradient units: the runner that loads them starts at ``init_scale`` again, not at S.
+true gradient units: the runner that loads them multiplies them by its own live scale (the
+one every member restored at the plan's start).
 """
 
 import torch
@@ -31,9 +32,22 @@ class GradientFeedback:
             for (kind, link, target), residual in self._feedback.residuals().items()
         }
 
-    def load(self, table: dict[str, torch.Tensor], scale: float) -> None:
+    def load(self, table: dict[str, torch.Tensor], scale: float, expected: dict[str, int]) -> None:
         """Take ``table()`` back at this runner's ``scale`` (same plan only: keys name this
-        plan's links and peers)."""
+        plan's links and peers). ``expected``: every key this runner sends on and its flat
+        size; a table (from a file) with another key, shape, dtype or a non-finite value is
+        refused whole (ValueError), so a bad file never reaches a step."""
+        for key, residual in table.items():
+            numel = expected.get(key)
+            if numel is None:
+                raise ValueError(f"residual {key!r} is not one of this stage's links")
+            if residual.dtype != torch.float32 or tuple(residual.shape) != (numel,):
+                raise ValueError(
+                    f"residual {key!r} is {residual.dtype} {tuple(residual.shape)}, "
+                    f"expected float32 ({numel},)"
+                )
+            if not bool(torch.isfinite(residual).all()):
+                raise ValueError(f"residual {key!r} holds non-finite values")
         for key, residual in table.items():
             kind, link, target = key.split("/")
             stage, replica = (int(x) for x in target.split("."))

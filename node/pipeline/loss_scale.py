@@ -10,12 +10,15 @@ Unlike GradScaler, the decision is the whole pipeline's: each process sends whet
 overflow in the step's summary (runner.py), and every process updates its ``LossScale`` with
 the same "any" of those flags, so the scales of all stages stay equal without being sent. S is
 a power of two, so unscaling is exact: scaling a sum or summing the scaled parts give the
-same bits. A new plan starts every member at ``init_scale`` again (all alike).
+same bits. The scale and its run of good steps (``ScaleState``) are saved with a stage's
+checkpoints and copies, and every member of a new plan restores the state of the step they
+all resume from (training/session.py), so a plan change neither forgets nor splits it.
 """
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +40,31 @@ class LossScaleConfig:
             raise ConfigError(f"growth_interval must be >= 1, got {self.growth_interval}")
 
 
+_MAX_SCALE = 2.0**120
+_MAX_GOOD_STEPS = 1 << 30
+
+
+class ScaleState(NamedTuple):
+    """What a LossScale is between steps; from a file or a peer, checked (``checked``)."""
+
+    scale: float
+    good_steps: int
+
+    @classmethod
+    def checked(cls, scale: object, good_steps: object) -> "ScaleState":
+        """ValueError unless ``scale`` is a power of two in [1, 2**120] and ``good_steps`` a
+        whole number in [0, 2**30) (a float64 slot or a tensor carries it)."""
+        value = float(scale)  # type: ignore[arg-type]
+        if not (math.isfinite(value) and 1.0 <= value <= _MAX_SCALE):
+            raise ValueError(f"loss scale must be in [1, 2**120], got {value}")
+        if math.frexp(value)[0] != 0.5:
+            raise ValueError(f"loss scale must be a power of two, got {value}")
+        good = float(good_steps)  # type: ignore[arg-type]
+        if not (0 <= good < _MAX_GOOD_STEPS and good == int(good)):
+            raise ValueError(f"good steps must be a whole number in [0, 2**30), got {good}")
+        return cls(value, int(good))
+
+
 class LossScale:
     """The current scale and the run of good steps since the last change."""
 
@@ -44,6 +72,13 @@ class LossScale:
         self.config = config if config is not None else LossScaleConfig()
         self.scale = float(self.config.init_scale)
         self.good_steps = 0
+
+    def state(self) -> ScaleState:
+        return ScaleState(self.scale, self.good_steps)
+
+    def restore(self, state: ScaleState) -> None:
+        """Continue from a saved state (a run of good steps past our interval grows next)."""
+        self.scale, self.good_steps = state.scale, state.good_steps
 
     def update(self, overflow: bool) -> None:
         """After a step: halve on an overflow anywhere (never below 1), double after
@@ -54,7 +89,7 @@ class LossScale:
             return
         self.good_steps += 1
         if self.good_steps >= self.config.growth_interval:
-            self.scale = min(self.scale * 2.0, 2.0**120)
+            self.scale = min(self.scale * 2.0, _MAX_SCALE)
             self.good_steps = 0
 
 

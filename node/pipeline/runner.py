@@ -68,7 +68,7 @@ from fusionllm.node.pipeline.expectations import (
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
-from fusionllm.node.pipeline.loss_scale import LossScale
+from fusionllm.node.pipeline.loss_scale import LossScale, ScaleState
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
@@ -85,10 +85,10 @@ logger = get_logger(__name__)
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
-# A half link's 2-byte floats: bfloat16 keeps float32's range, so no activation or unscaled
-# gradient overflows on the wire (float16's 65504 would make the frame unsendable), at 8 bits
-# of mantissa: what bf16 compute keeps of an activation anyway.
-HALF_WIRE = torch.bfloat16
+# A half link's 2-byte floats: float16 with a power-of-two scale per frame (Float16Codec), so
+# loss-scaled or unscaled gradients fit its range and keep 11 bits of precision (bfloat16: 8);
+# a frame no scale fits goes as bfloat16.
+HALF_WIRE = torch.float16
 
 
 def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
@@ -126,13 +126,15 @@ class PipelineRunner:
         vote: Callable[[], float] = lambda: 0.0,
         own_pump: bool = True,
         compute: Compute | None = None,
+        deferred: bool = False,
     ) -> None:
         """``vote`` is sent with every step's summary, so every process ends the step knowing
         every other's (a node votes for the plan it would run next: a unanimous vote switches
         plans at that step boundary on every process alike). ``own_pump=False``: the caller
         feeds ``mailbox`` itself (a node whose transport outlives this runner). ``compute``:
         where this process's stage runs and in what precision (default: CPU, float32); frames
-        always travel from and to host memory, staged through pinned buffers on a GPU."""
+        always travel from and to host memory, staged through pinned buffers on a GPU.
+        ``deferred``: the stage stays on meta until ``worker.make_real`` (StageWorker)."""
         self.config = config
         self.layout = layout
         self.role = role
@@ -157,6 +159,7 @@ class PipelineRunner:
             micro_batches=config.micro_batches,
             compute=self.compute,
             weights=weight_source(config),
+            deferred=deferred,
         )
         self.staging = Staging(self.compute)
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
@@ -215,8 +218,26 @@ class PipelineRunner:
         return self._feedback.table(self._scale())
 
     def load_residuals(self, table: dict[str, torch.Tensor]) -> None:
-        """Take ``residuals()`` back (same plan only: keys name this plan's links and peers)."""
-        self._feedback.load(table, self._scale())
+        """Take ``residuals()`` back (same plan only: keys name this plan's links and peers);
+        ValueError, nothing loaded, for a residual this stage would not hold."""
+        s = self.role.stage
+        expected = {
+            f"gradient/{s - 1}/{s - 1}.{r}": self.layout.links[s - 1].numel
+            for r in range(self.replicas[s - 1] if s else 0)
+        }
+        self._feedback.load(table, self._scale(), expected)
+
+    def scale_state(self) -> ScaleState | None:
+        """fp16's loss scale between steps (None in fp32/bf16): checkpoints and copies keep it."""
+        return self.loss_scale.state() if self.loss_scale is not None else None
+
+    def restore_scale(self, state: ScaleState) -> None:
+        """Continue from the loss scale of the step this plan resumes at (every member alike);
+        live residuals follow it (they carry the scale). A no-op without fp16."""
+        if self.loss_scale is not None:
+            before = self.loss_scale.scale
+            self.loss_scale.restore(state)
+            self._feedback.rescale(before, state.scale)
 
     def _scale(self) -> float:
         return self.loss_scale.scale if self.loss_scale is not None else 1.0

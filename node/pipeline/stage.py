@@ -22,7 +22,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.dag.models.materialise import WeightSource, materialise
+from fusionllm.dag.models.materialise import UNSET, WeightSource, materialise
 from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.compute import Compute
@@ -87,16 +87,16 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def _own_stage(layout: PipelineLayout, stage: int, weights: WeightSource | None) -> torch.nn.Module:
-    """A copy of the stage's module owning its parameters, those on meta made real."""
-    module = copy.deepcopy(layout.stage_module(stage))  # of meta tensors: nothing allocated
+def _make_real(
+    module: torch.nn.Module, layout: PipelineLayout, stage: int, weights: WeightSource | None
+) -> None:
+    """Give the stage module's meta parameters real tensors from ``weights``, in place."""
     if any(p.is_meta for p in module.parameters()):
         if weights is None:
             raise PipelineError(
                 f"stage {stage}'s model was built on the meta device and no weights were given"
             )
         materialise(module, weights, layout.graph.canonical_parameter_names())
-    return module
 
 
 @dataclass
@@ -117,9 +117,12 @@ class StageWorker:
         micro_batches: int,
         compute: Compute | None = None,
         weights: WeightSource | None = None,
+        deferred: bool = False,
     ) -> None:
         """``weights``: where the stage's parameters come from when ``layout`` was traced from
-        a model on the meta device (only this stage's are made real)."""
+        a model on the meta device (only this stage's are made real). ``deferred``: leave them
+        on meta until ``make_real`` (a plan's start decides whether they are initialised or
+        every one of them is loaded from a checkpoint's state)."""
         if not 0 <= stage < layout.num_stages:
             raise ValueError(f"stage must be in [0, {layout.num_stages}), got {stage}")
         if micro_batches < 1:
@@ -131,26 +134,44 @@ class StageWorker:
         self.micro_batches = micro_batches
         self.compute = compute if compute is not None else Compute()
         self.device = self.compute.device
-        # float32 master weights on the device, whatever the precision (autocast casts).
-        self.module = _own_stage(layout, stage, weights).to(self.device)
-        self.module.train()
-        canonical = layout.stage_parameter_names(stage)
-        # named_parameters lists a parameter tied inside the stage once: one entry per tensor.
-        self.parameters: dict[str, torch.nn.Parameter] = {
-            canonical[name]: p for name, p in self.module.named_parameters()
-        }
         self.config = optimizer
-        # A cut may leave a stage only parameter-free ops (a GELU between two Linears: the
-        # compute-balanced baseline seated a 0.2-core host so); torch's AdamW refuses none.
-        self.optimizer = (
-            build_adamw(self.parameters.values(), optimizer, fused=self.compute.fused_optimizer)
-            if self.parameters
-            else _NoParameters()
-        )
+        self._weights = weights
+        self._real = False
+        self.module = copy.deepcopy(layout.stage_module(stage))  # meta tensors: nothing allocated
+        self.parameters = self._named()  # on meta until make_real
+        self.optimizer: torch.optim.Optimizer | _NoParameters = _NoParameters()
+        if not deferred:
+            self.make_real()
         self.loss_scale = 1.0  # fp16: the step's scale (loss_scale.py), set by the runner
         self.in_link = layout.links[stage - 1] if not self.is_first else None
         self.out_link = layout.links[stage] if not self.is_last else None
         self._saved: dict[Key, _Saved] = {}
+
+    def make_real(self, *, initialise: bool = True) -> None:
+        """Give the stage's parameters memory on our device, once: their initial values from
+        the run's weights, or (``initialise=False``: a checkpoint's state is imported into
+        every one of them next) uninitialised memory, so a resumed stage never runs the init
+        nor reads a weights folder only to overwrite it."""
+        if self._real:
+            return
+        _make_real(self.module, self.layout, self.stage, self._weights if initialise else UNSET)
+        # float32 master weights on the device, whatever the precision (autocast casts).
+        self.module = self.module.to(self.device)
+        self.module.train()
+        self.parameters = self._named()
+        # A cut may leave a stage only parameter-free ops (a GELU between two Linears: the
+        # compute-balanced baseline seated a 0.2-core host so); torch's AdamW refuses none.
+        self.optimizer = (
+            build_adamw(self.parameters.values(), self.config, fused=self.compute.fused_optimizer)
+            if self.parameters
+            else _NoParameters()
+        )
+        self._real = True
+
+    def _named(self) -> dict[str, torch.nn.Parameter]:
+        canonical = self.layout.stage_parameter_names(self.stage)
+        # named_parameters lists a parameter tied inside the stage once: one entry per tensor.
+        return {canonical[name]: p for name, p in self.module.named_parameters()}
 
     # ----- per micro-batch -------------------------------------------------------------------
 

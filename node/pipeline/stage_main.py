@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, lines: _Lines) -> int:
     # Every frame is delivered before "done" (the last step ends in an all-gather), so a long
     # graceful close buys nothing; 5 s per stage added up in tests.
     transport_config = TransportConfig(
-        key_path=args.key, listen_host=args.host, close_timeout_s=1.0
+        key_path=args.key, listen_host=args.host, close_timeout_s=1.0, pin_decoded=compute.is_cuda
     )
     with Transport(transport_config, expect=expectations.expect) as transport:
         lines.write({"event": "ready", "peer_id": transport.peer_id, "addrs": transport.addrs})

@@ -6,10 +6,11 @@ members only), everything else in the current session's mailbox. A session's mai
 not exist yet, or not know its first step yet, when a peer's first frames arrive: those wait
 in a bounded queue until the session opens.
 
-READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start, stop) x
-MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round of the
-meeting, holds the n ``Holding``s listed (unused slots are -1); ``hint`` is the newest step the
-swarm's records show it reached.
+READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start, stop, scale,
+good) x MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round
+of the meeting, holds the n ``Holding``s listed (unused slots are -1), each with fp16's loss
+scale state at its step (``ScaleState``; 0, 0 when it has none); ``hint`` is the newest step
+the swarm's records show it reached.
 WANT (``TAG_WANT``, float64 ``[hint, floor]``): a plan member asks a node outside the plan for
 copies of the newest state it holds after step ``floor`` (the newest step the plan's members hold
 in full, which is less than the swarm reached).
@@ -18,8 +19,9 @@ it gave; the asker waits for those to be filed, not out a deadline for state nob
 STATE (control tag ``TAG_STATE + i``, i the parameter's index in sorted canonical names):
 one parameter and its AdamW state (``StageWorker.export_state``), for the step in the header.
 CUSTODY (``TAG_CUSTODY + i``, same body) and MANIFEST (``TAG_MANIFEST``, float64 ``[step,
-start, stop, count, digest48]``): a copy of a peer's stage state to keep (its checkpoint, or
-its state as it leaves); the parts are kept only once the manifest's count and digest match.
+start, stop, count, digest48, scale, good]``): a copy of a peer's stage state to keep (its
+checkpoint, or its state as it leaves), with its loss scale state (0, 0: none); the parts are
+kept only once the manifest's count and digest match.
 """
 
 import threading
@@ -33,6 +35,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import DeadlineError, TransportClosedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, TensorSpec
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.training.holdings import MAX_HOLDINGS, Holding
 
 logger = get_logger(__name__)
@@ -44,8 +47,9 @@ TAG_DONE = TAG_READY + 3
 TAG_STATE = 1 << 25  # + parameter index
 TAG_CUSTODY = 1 << 26  # + parameter index
 _READY_HEAD = 4
-READY_LEN = _READY_HEAD + 3 * MAX_HOLDINGS
-MANIFEST_LEN = 5
+_ENTRY = 5  # step, start, stop, scale, good steps
+READY_LEN = _READY_HEAD + _ENTRY * MAX_HOLDINGS
+MANIFEST_LEN = 7
 _PENDING_COPIES_PER_PEER = 2
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _POLL_S = 0.2
@@ -58,6 +62,7 @@ class Ready:
     round: int  # of the meeting: holdings may grow between rounds, never within one
     hint: int  # the newest step the sender's records show the swarm reached
     holdings: tuple[Holding, ...]  # what the sender can supply, in its order of preference
+    scales: tuple[ScaleState | None, ...] = ()  # fp16's loss scale at each holding's step
 
 
 @dataclass(frozen=True)
@@ -68,17 +73,40 @@ class Copy:
     holding: Holding
     state: dict[str, torch.Tensor]
     digest48: int
+    scale: ScaleState | None = None
 
 
-def encode_ready(vote: float, holdings: list[Holding], *, round: int = 0, hint: int = 0):
-    """A READY body: float64 (READY_LEN,)."""
+def encode_ready(
+    vote: float,
+    holdings: list[Holding],
+    *,
+    round: int = 0,
+    hint: int = 0,
+    scales: list[ScaleState | None] | None = None,
+):
+    """A READY body: float64 (READY_LEN,); ``scales`` per holding (default: none known)."""
     body = torch.full((READY_LEN,), -1.0, dtype=torch.float64)
     listed = holdings[:MAX_HOLDINGS]
+    scales = scales if scales is not None else [None] * len(listed)
     body[:_READY_HEAD] = torch.tensor([vote, round, hint, len(listed)], dtype=torch.float64)
-    for i, h in enumerate(listed):
-        at = _READY_HEAD + 3 * i
-        body[at : at + 3] = torch.tensor([h.step, h.start, h.stop], dtype=torch.float64)
+    for i, (h, scale) in enumerate(zip(listed, scales, strict=False)):
+        at = _READY_HEAD + _ENTRY * i
+        entry = [h.step, h.start, h.stop, *(scale or _NO_SCALE)]
+        body[at : at + _ENTRY] = torch.tensor(entry, dtype=torch.float64)
     return body
+
+
+_NO_SCALE = (0.0, 0.0)
+
+
+def scale_slots(values: list[float]) -> ScaleState | bool | None:
+    """A peer's (scale, good) pair: the state, None for "none", False if malformed."""
+    if tuple(values) == _NO_SCALE:
+        return None
+    try:
+        return ScaleState.checked(*values)
+    except ValueError:
+        return False
 
 
 def _count(x: float, limit: int = 2**62) -> bool:
@@ -93,13 +121,15 @@ def decode_ready(body: torch.Tensor) -> Ready | None:
     vote, round_, hint, count = values[:_READY_HEAD]
     if not (_count(round_) and _count(hint) and _count(count, MAX_HOLDINGS + 1)):
         return None
-    holdings = []
+    holdings, scales = [], []
     for i in range(int(count)):
-        triple = values[_READY_HEAD + 3 * i : _READY_HEAD + 3 * i + 3]
-        if not all(_count(x) for x in triple) or triple[1] >= triple[2]:
+        entry = values[_READY_HEAD + _ENTRY * i : _READY_HEAD + _ENTRY * (i + 1)]
+        triple, scale = entry[:3], scale_slots(entry[3:])
+        if not all(_count(x) for x in triple) or triple[1] >= triple[2] or scale is False:
             return None
         holdings.append(Holding(*(int(x) for x in triple)))
-    return Ready(vote, int(round_), int(hint), tuple(holdings))
+        scales.append(scale)
+    return Ready(vote, int(round_), int(hint), tuple(holdings), tuple(scales))
 
 
 def is_ready(header: FrameHeader) -> bool:
@@ -168,7 +198,7 @@ class Board:
         self._ready: dict[tuple[str, int], Ready] = {}  # (peer, round) -> the newest
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (step, name) -> flat state
         self._parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (peer, step) -> ...
-        self._manifests: dict[tuple[str, int], tuple[Holding, int, int]] = {}
+        self._manifests: dict[tuple[str, int], tuple[Holding, int, int, ScaleState | None]] = {}
         self.refused = 0
 
     def state_bytes(self, names) -> int:
@@ -259,14 +289,20 @@ class Board:
 
     def _close_copy(self, item: Received) -> None:
         values = item.tensor.tolist()
-        if not all(_count(x) for x in values) or values[1] >= values[2]:
+        scale = scale_slots(values[5:])
+        if not all(_count(x) for x in values[:5]) or values[1] >= values[2] or scale is False:
             return self._refuse(item, "a malformed MANIFEST")
-        step, start, stop, count, digest48 = (int(x) for x in values)
+        step, start, stop, count, digest48 = (int(x) for x in values[:5])
         if step != item.header.step or count > len(self.names):
             return self._refuse(item, "an inconsistent MANIFEST")
         with self._cond:
             self._pending(item.peer, step)
-            self._manifests[(item.peer, step)] = (Holding(step, start, stop), count, digest48)
+            self._manifests[(item.peer, step)] = (
+                Holding(step, start, stop),
+                count,
+                digest48,
+                scale,
+            )
         self._complete(item.peer, step)
 
     def _complete(self, peer: str, step: int) -> None:
@@ -279,12 +315,12 @@ class Board:
                 return
             del self._manifests[(peer, step)]
             del self._parts[(peer, step)]
-        holding, count, digest48 = manifest
+        holding, count, digest48, scale = manifest
         if len(parts) != count:
             logger.warning("a copy from %s for step %d has %d parts, its manifest says %d",
                            peer[:16], step, len(parts), count)  # fmt: skip
             return
-        self._on_copy(Copy(peer, holding, parts, digest48))
+        self._on_copy(Copy(peer, holding, parts, digest48, scale))
 
     def filed(self, peer: str) -> None:
         """A copy from ``peer`` was checked and kept, or refused: it no longer is on its way."""

@@ -8,7 +8,8 @@ numbers and strings, loaded with ``weights_only=True`` (no pickle code runs), an
 over the parameter states is stored and checked on load (a copy received from a peer is checked
 against the sender's digest before it is kept). A stage's own checkpoint also records the
 data cursor (``DataCursor``: samples the run read before the step, and the corpus digest),
-so a file says where in the data its state stands.
+so a file says where in the data its state stands, and (fp16 runs) the loss scale of the step
+(``ScaleState``, the same on every stage), which ``scale_of`` reads without loading the rest.
 """
 
 import hashlib
@@ -23,11 +24,15 @@ import torch
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.training.holdings import Holding
 
 logger = get_logger(__name__)
 
-FORMAT = 2
+FORMAT = 3  # 3 added "scale"; format 2 files (no scale) still load
+_KEYS = frozenset(
+    {"format", "step", "start", "stop", "plan", "digest", "state", "residuals", "rng", "data"}
+)
 KEEP_STEPS = 2  # files of the newest two checkpointed steps stay; older ones are removed
 _NAME = re.compile(r"^s(\d{9})-n(\d+)-(\d+)\.pt$")
 
@@ -58,6 +63,7 @@ class StageState:
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback, by key
     rng: torch.Tensor | None = None  # torch's CPU generator state (uint8)
     data: DataCursor | None = None  # own checkpoints; a copy's position is its step's
+    scale: ScaleState | None = None  # fp16's loss scale before ``holding.step``
 
     def digest(self) -> str:
         return state_digest(self.state)
@@ -137,6 +143,18 @@ class CheckpointStore:
         self._check_cursor(path, stage)
         return stage
 
+    def scale_of(self, holding: Holding) -> ScaleState | None:
+        """The loss scale a file holds, read without its parameters (mapped, not loaded);
+        None for none (fp32/bf16 runs, format 2) or a file that cannot say (``load`` will
+        refuse it)."""
+        path = self.directory / file_name(holding)
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return _scale(data.get("scale"), path) if isinstance(data, dict) else None
+        except Exception as exc:  # a damaged or foreign file: no scale from it
+            logger.debug("no loss scale from %s: %s", path, exc)
+            return None
+
     def _check_cursor(self, path: Path, stage: StageState) -> None:
         if self.data is None or stage.data is None:
             return
@@ -172,23 +190,15 @@ def _to_file(stage: StageState) -> dict:
         "residuals": {k: t.detach().contiguous() for k, t in stage.residuals.items()},
         "rng": stage.rng if stage.rng is not None else torch.zeros(0, dtype=torch.uint8),
         "data": {} if stage.data is None else {"position": d.position, "digest": d.digest},
+        "scale": torch.tensor(stage.scale or (), dtype=torch.float64),  # (2,) or (0,)
     }
 
 
 def _from_file(data: object, path: Path) -> StageState:
-    keys = {
-        "format",
-        "step",
-        "start",
-        "stop",
-        "plan",
-        "digest",
-        "state",
-        "residuals",
-        "rng",
-        "data",
-    }
-    if not isinstance(data, dict) or set(data) != keys or data["format"] != FORMAT:
+    if not isinstance(data, dict) or (data.get("format"), set(data)) not in (
+        (2, _KEYS),
+        (FORMAT, _KEYS | {"scale"}),
+    ):
         raise CheckpointError(f"{path} is not a format-{FORMAT} stage checkpoint")
     state, residuals = data["state"], data["residuals"]
     for table in (state, residuals):
@@ -214,7 +224,19 @@ def _from_file(data: object, path: Path) -> StageState:
         residuals,
         data["rng"] if data["rng"].numel() else None,
         DataCursor(cursor["position"], cursor["digest"]) if cursor else None,
+        _scale(data.get("scale"), path),
     )
     if stage.digest() != data["digest"]:
         raise CheckpointError(f"{path}: content does not match its digest")
     return stage
+
+
+def _scale(value: object, path: Path) -> ScaleState | None:
+    if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
+        return None
+    if not isinstance(value, torch.Tensor) or value.shape != (2,):
+        raise CheckpointError(f"{path}: malformed loss scale")
+    try:
+        return ScaleState.checked(*value.tolist())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None

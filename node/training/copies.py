@@ -12,6 +12,7 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import pack_tensor
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import VOTE_HEX_DIGITS
 from fusionllm.node.training.board import TAG_CUSTODY, TAG_DONE, TAG_MANIFEST, TAG_STATE
@@ -26,10 +27,13 @@ def digest48(digest: str) -> int:
     return int(digest[:VOTE_HEX_DIGITS], 16)
 
 
-def stage_state(worker: StageWorker, holding: Holding, plan: str = "") -> StageState:
-    """A snapshot of a worker's parameters and optimizer state (copies, safe to keep)."""
+def stage_state(
+    worker: StageWorker, holding: Holding, plan: str = "", scale: ScaleState | None = None
+) -> StageState:
+    """A snapshot of a worker's parameters and optimizer state (copies, safe to keep), with
+    fp16's loss scale of the same step."""
     state = {name: worker.export_state(name) for name in worker.parameters}
-    return StageState(holding, state, plan, rng=torch.get_rng_state())
+    return StageState(holding, state, plan, rng=torch.get_rng_state(), scale=scale)
 
 
 def send_state(transport, dst: str, step: int, index: int, flat: torch.Tensor, timeout: float):
@@ -51,10 +55,11 @@ def send_copy(
             )
             body = pack_tensor(stage.state[name])
             futures.append(transport.send_async(dst, header, body, timeout=timeout))
+        digest = digest48(state_digest(stage.state))
         manifest = torch.tensor(
-            [h.step, h.start, h.stop, len(stage.state), digest48(state_digest(stage.state))],
+            [h.step, h.start, h.stop, len(stage.state), digest, *(stage.scale or (0.0, 0.0))],
             dtype=torch.float64,
-        )
+        )  # (MANIFEST_LEN,)
         header = FrameHeader(step=h.step, micro_batch=TAG_MANIFEST, kind=FrameKind.CONTROL, stage=0)
         futures.append(transport.send_async(dst, header, pack_tensor(manifest), timeout=timeout))
     except FusionError as exc:

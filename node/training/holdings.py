@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.mailbox import Role
 
 MAX_HOLDINGS = 8  # per READY announcement: live state, 2 own checkpoints, custody copies
@@ -90,6 +91,23 @@ def _start_at(step, members, holdings, needs, holder, params_of) -> Start:
         for name in sorted(needs.get(member, frozenset()) - mine):
             moves.append(Move(name, holder[name], member))
     return Start(step, tuple(sorted(moves)), local)
+
+
+def start_scale(
+    step: int,
+    members: Sequence[str],
+    announced: dict[str, Sequence[tuple[Holding, ScaleState | None]]],
+) -> ScaleState | None:
+    """fp16's loss scale every member of a plan starting at ``step`` restores: the first one
+    announced for a holding at that step (plan order, then announcement order), the same on
+    every member; None (keep the initial scale) at the seed step or where none was given."""
+    if step == SEED_STEP:
+        return None
+    for member in members:
+        for holding, scale in announced.get(member, ()):
+            if holding.step == step and scale is not None:
+                return scale
+    return None
 
 
 def checkpoint_custodian(stage: int, peers: dict[Role, str]) -> str | None:

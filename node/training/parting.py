@@ -40,7 +40,7 @@ class Parting:
         started, begun = time.perf_counter(), time.time()
         role, assignment = held.assignment.role, held.assignment
         holding = Holding(held.next_step, *assignment.ranges[role.stage])
-        stage = stage_state(held.worker, holding, assignment.digest)
+        stage = stage_state(held.worker, holding, assignment.digest, held.scale)
         stage.residuals = s.runner.residuals()
         dataset = s.runner.dataset
         position = dataset.sampler(assignment.config.batch).position(held.next_step)
@@ -82,7 +82,11 @@ class Parting:
             source = peers[Role(stage, 0)]
             if source == s.me:
                 futures = send_copy(
-                    s.transport, keeper, stage_state(held.worker, holding), s.board.names, 30.0
+                    s.transport,
+                    keeper,
+                    stage_state(held.worker, holding, scale=held.scale),
+                    s.board.names,
+                    30.0,
                 )
                 ok = delivered(futures, _HAND_OVER_TIMEOUT_S)
                 s.hooks.emit({"event": "handover", "to": keeper, "step": held.next_step,

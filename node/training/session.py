@@ -34,12 +34,20 @@ from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
 from fusionllm.node.training.board import TAG_READY, TAG_WANT, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.copies import delivered, send_state
-from fusionllm.node.training.holdings import Holding, ParamsOf, choose_start
+from fusionllm.node.training.holdings import (
+    SEED_STEP,
+    Holding,
+    ParamsOf,
+    choose_start,
+    start_scale,
+)
 from fusionllm.node.training.parting import Parting
 
 logger = get_logger(__name__)
@@ -63,6 +71,7 @@ class Held:
     layout: PipelineLayout
     worker: StageWorker
     next_step: int
+    scale: ScaleState | None = None  # fp16's loss scale before next_step
 
 
 class Outcome(Enum):
@@ -134,6 +143,7 @@ class PlanSession:
             vote=hooks.vote,
             own_pump=False,
             compute=compute,
+            deferred=True,  # _gather makes the stage real: initialised, or loaded only
         )
         self.transport = transport
         self.board = board
@@ -165,8 +175,10 @@ class PlanSession:
         others = list(self.assignment.others().values())
         for round_ in range(MAX_ROUNDS):
             mine = self.vault.holdings()
+            scales = [self.vault.scale_of(h) for h in mine]
             hint = self.hooks.progress()
-            ready = self._hear(others, mine, round_, hint, current=current, stop=stop)
+            body = encode_ready(self.vote, mine, round=round_, hint=hint, scales=scales)
+            ready = self._hear(others, body, round_, current=current, stop=stop)
             if ready is None:
                 return None
             start = self._decide(ready, mine)
@@ -181,11 +193,44 @@ class PlanSession:
         self.vault.discard_after(start.step)
         if not self._gather(start, stop=stop, current=current):
             return None
+        self._restore_scale(start.step, ready, tuple(zip(mine, scales, strict=True)))
+        self._restore_residuals(start)
         self.runner.mailbox.advance(start.step)
         self.inbox.open()
         return start.step
 
-    def _hear(self, others, mine, round_: int, hint: int, *, current, stop) -> dict | None:
+    def _restore_scale(self, step: int, ready: dict, mine: tuple) -> None:
+        """Every member continues from the same fp16 loss scale: that of the step they resume
+        at, as the first member holding it announced (holdings.start_scale)."""
+        announced = {
+            peer: tuple(zip(r.holdings, r.scales, strict=False)) for peer, r in ready.items()
+        }
+        announced[self.me] = mine
+        scale = start_scale(step, self.assignment.members, announced)
+        if scale is not None:
+            self.runner.restore_scale(scale)
+
+    def _restore_residuals(self, start) -> None:
+        """Our own checkpoint of the start step, written under this very plan, holds the
+        error-feedback residuals of our links: carry them on. Under another plan the links,
+        codecs and receivers may differ: they start from zero."""
+        holding = Holding(start.step, *self.assignment.ranges[self.role.stage])
+        local = start.local.get(self.me, ())
+        if (
+            start.step == SEED_STEP
+            or holding not in local
+            or holding not in self.vault.own.holdings()
+        ):
+            return
+        try:
+            saved = self.vault.stored_stage(holding)
+            if saved.plan == self.assignment.digest and saved.residuals:
+                self.runner.load_residuals(saved.residuals)
+                logger.info("resumed %d error-feedback residuals", len(saved.residuals))
+        except (CheckpointError, ValueError) as exc:  # a damaged or foreign file
+            logger.warning("no error-feedback residuals from %s: %s", holding, exc)
+
+    def _hear(self, others, body, round_: int, *, current, stop) -> dict | None:
         ready: dict = {}
         next_send = 0.0
         late = _Latecomers(self, others)
@@ -193,7 +238,7 @@ class PlanSession:
             if stop.is_set() or not current():
                 return None
             if time.monotonic() >= next_send:
-                self._announce(others, encode_ready(self.vote, mine, round=round_, hint=hint))
+                self._announce(others, body)
                 next_send = time.monotonic() + _READY_RESEND_S
             self.board.wait(
                 lambda: len(self.board.ready_of(others, self.vote, round_)) == len(others),
@@ -271,6 +316,8 @@ class PlanSession:
                     send_state(self.transport, move.dst, step, index[move.name], flat, 30.0)
                 )
         worker = self.runner.worker
+        # Past the seed step every parameter's state is imported below: no init to overwrite.
+        worker.make_real(initialise=step == SEED_STEP)
         incoming = sorted(m.name for m in start.moves if m.dst == self.me)
         for name in sorted(set(worker.parameters) - set(incoming)):
             if step > 0:
@@ -387,7 +434,9 @@ class PlanSession:
                 return
 
     def _held(self, next_step: int) -> Held:
-        return Held(self.assignment, self.layout, self.runner.worker, next_step)
+        return Held(
+            self.assignment, self.layout, self.runner.worker, next_step, self.runner.scale_state()
+        )
 
 
 class _Latecomers:

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from fusionllm.common.logs import get_logger
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.training.board import Copy
 from fusionllm.node.training.checkpoints import (
     CheckpointError,
@@ -42,6 +43,7 @@ class Vault:
         self._copying = 0
         self._live: Held | None = None
         self._cache: dict[tuple[str, Holding], StageState] = {}
+        self._scales: dict[tuple[str, Holding], ScaleState | None] = {}  # until a file is written
 
     # ----- live state ---------------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ class Vault:
             self._copying += 1
         try:
             state = {name: held.worker.export_state(name) for name in held.worker.parameters}
-            return StageState(holding, state, held.assignment.digest)
+            return StageState(holding, state, held.assignment.digest, scale=held.scale)
         finally:
             with self._boundary:
                 self._copying -= 1
@@ -119,6 +121,19 @@ class Vault:
                     return state[name]
         raise CheckpointError(f"no state of {name!r} in {holding}")
 
+    def scale_of(self, holding: Holding) -> ScaleState | None:
+        """fp16's loss scale at ``holding``'s step, as its source says (None: none known)."""
+        held = self._live
+        if held is not None and holding == self.live_holding():
+            return held.scale
+        for store in (self.own, self.custody):
+            if holding in store.holdings():
+                key = (str(store.directory), holding)
+                if key not in self._scales:
+                    self._scales[key] = store.scale_of(holding)
+                return self._scales[key]
+        return None
+
     def stored_stage(self, holding: Holding) -> StageState:
         """The whole state of ``holding`` from a file (the live stage: ``live_stage``)."""
         for store in (self.own, self.custody):
@@ -148,6 +163,7 @@ class Vault:
 
     def checkpoint(self, stage: StageState) -> None:
         self.own.save(stage)
+        self._scales.clear()  # a file of the same name may have been written again
 
     def keep_copy(self, copy: Copy) -> bool:
         """Keep a member's stage state once it checks out; False (logged) if it does not."""
@@ -165,6 +181,7 @@ class Vault:
         if not all(bool(torch.isfinite(t).all()) for t in copy.state.values()):
             logger.warning("a copy from %s holds non-finite values: dropped", copy.peer[:16])
             return False
-        self.custody.save(StageState(copy.holding, dict(copy.state)))
+        self.custody.save(StageState(copy.holding, dict(copy.state), scale=copy.scale))
+        self._scales.clear()
         logger.debug("keeping %s of %s for %s", copy.holding, len(copy.state), copy.peer[:16])
         return True

@@ -47,7 +47,7 @@ from typing import Any, Self
 
 from fusionllm.common.errors import ConfigError, PeerError
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import DEFAULT_LIMITS, FrameLimits, unpack_tensor
+from fusionllm.compression import DEFAULT_LIMITS, FrameLimits, decode_frame, parse_frame
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.framing import (
     MAX_BODY_BYTES,
@@ -76,6 +76,7 @@ class MemoryTransportConfig:
     write_timeout_s: float = 60.0  # send_async's default timeout
     max_frame_bytes: int = 256 << 20  # the pack_tensor bytes of one frame
     limits: FrameLimits = DEFAULT_LIMITS
+    pin_decoded: bool = False  # as TransportConfig's: decode into pinned memory (CUDA)
 
     def __post_init__(self) -> None:
         if not self.write_timeout_s > 0:
@@ -257,7 +258,8 @@ class MemoryTransport:
                 head[:PREFIX_BYTES], max_body_bytes=self.config.max_body_bytes
             )
             header = FrameHeader.from_wire(head[PREFIX_BYTES : PREFIX_BYTES + header_len])
-            tensor = unpack_tensor(frame.body, limits=self.config.limits)
+            parsed = parse_frame(frame.body, limits=self.config.limits)
+            tensor = decode_frame(parsed, pin_memory=self.config.pin_decoded)
             spec = self._expect(header) if self._expect is not None else None
             if spec is not None:
                 spec.check(tensor)

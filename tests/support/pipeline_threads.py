@@ -71,6 +71,9 @@ class ThreadSwarm:
         self.peer_of = {role: peer_id_of(role) for role in self.roles}
         self.transports: dict[Role, MemoryTransport] = {}
         self.runners: dict[Role, PipelineRunner] = {}
+        if transport_config is None and compute is not None and compute.is_cuda:
+            # As a CUDA node's transport: frames land in pinned memory, one copy to the device.
+            transport_config = MemoryTransportConfig(pin_decoded=True)
         for role in self.roles:
             expectations = Expectations(config, self.layout, role)
             transport = self.network.transport(

@@ -14,6 +14,7 @@ import torch
 
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, TensorSpec
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.training.board import (
     _PENDING_COPIES_PER_PEER,
     _READY_HEAD,
@@ -53,8 +54,8 @@ def _part(peer: str, step: int, name: str, value: float = 1.0) -> Received:
 
 
 def _manifest(peer: str, step: int, start: int, stop: int, count: int, digest48: int = 77, *,
-              header_step: int | None = None) -> Received:  # fmt: skip
-    body = torch.tensor([step, start, stop, count, digest48], dtype=torch.float64)
+              header_step: int | None = None, scale=(0.0, 0)) -> Received:  # fmt: skip
+    body = torch.tensor([step, start, stop, count, digest48, *scale], dtype=torch.float64)
     return Received(peer, _header(step if header_step is None else header_step, TAG_MANIFEST), body)
 
 
@@ -96,20 +97,21 @@ class _Keeper:
 def test_a_ready_body_round_trips() -> None:
     holdings = [Holding(12, 0, 7), Holding(10, 7, 20), Holding(2**40, 3, 2**33)]
     vote = float(0xABCDEF012345)  # 48 bits: exact in float64
-    body = encode_ready(vote, holdings, round=3, hint=2**40 + 1)
+    scales = [ScaleState(2.0**20, 17), None, ScaleState(1.0, 0)]
+    body = encode_ready(vote, holdings, round=3, hint=2**40 + 1, scales=scales)
     assert body.dtype == torch.float64
     assert _READY_HEAD == 4
-    assert tuple(body.shape) == (READY_LEN,) == (4 + 3 * MAX_HOLDINGS,)
+    assert tuple(body.shape) == (READY_LEN,) == (4 + 5 * MAX_HOLDINGS,)
     assert body[:4].tolist() == [vote, 3, 2**40 + 1, len(holdings)]
-    assert body[4 + 3 * len(holdings) :].eq(-1).all()  # unused slots
-    assert decode_ready(body) == Ready(vote, 3, 2**40 + 1, tuple(holdings))
+    assert body[4 + 5 * len(holdings) :].eq(-1).all()  # unused slots
+    assert decode_ready(body) == Ready(vote, 3, 2**40 + 1, tuple(holdings), tuple(scales))
     assert decode_ready(encode_ready(3.0, [])) == Ready(3.0, 0, 0, ())  # round and hint default
 
 
 def test_a_ready_body_carries_at_most_max_holdings() -> None:
     holdings = [Holding(step, 0, 4) for step in range(MAX_HOLDINGS + 3, 0, -1)]
     ready = decode_ready(encode_ready(1.0, holdings, round=1, hint=7))
-    assert ready == Ready(1.0, 1, 7, tuple(holdings[:MAX_HOLDINGS]))
+    assert ready == Ready(1.0, 1, 7, tuple(holdings[:MAX_HOLDINGS]), (None,) * MAX_HOLDINGS)
 
 
 def test_a_full_ready_body_claiming_one_holding_more_is_refused() -> None:
@@ -125,7 +127,8 @@ def _with(body: torch.Tensor, at: int, value: float) -> torch.Tensor:
 
 
 # Slots of the good body: 0 vote, 1 round = 1, 2 hint = 9, 3 count = 2, then
-# (step, start, stop) = (4, 2, 7) in 4-6 and (3, 0, 2) in 7-9; the rest -1.
+# (step, start, stop, scale, good) = (4, 2, 7, 2**16, 5) in 4-8 and (3, 0, 2, 0, 0) in 9-13
+# (no scale); the rest -1.
 @pytest.mark.parametrize(
     ("at", "value"),
     [
@@ -153,13 +156,21 @@ def _with(body: torch.Tensor, at: int, value: float) -> torch.Tensor:
         (6, 2.0**62),  # past what the check accepts
         (6, float("nan")),
         (6, float("inf")),
-        (8, 2),  # the second holding: start == stop
-        (9, -1),  # the second holding: negative stop
+        (10, 2),  # the second holding: start == stop
+        (11, -1),  # the second holding: negative stop
+        (7, 3.0 * 2**10),  # a loss scale that is not a power of two
+        (7, 0.5),  # below 1
+        (7, 2.0**121),  # above 2**120
+        (7, float("nan")),
+        (8, -1),  # negative good steps
+        (8, 1.5),
+        (13, 4),  # good steps with no scale
     ],
 )
 def test_a_malformed_ready_body_is_refused(at, value) -> None:
-    good = encode_ready(5.0, [Holding(4, 2, 7), Holding(3, 0, 2)], round=1, hint=9)
-    assert decode_ready(good) == Ready(5.0, 1, 9, (Holding(4, 2, 7), Holding(3, 0, 2)))
+    holdings, scales = [Holding(4, 2, 7), Holding(3, 0, 2)], [ScaleState(2.0**16, 5), None]
+    good = encode_ready(5.0, holdings, round=1, hint=9, scales=scales)
+    assert decode_ready(good) == Ready(5.0, 1, 9, tuple(holdings), tuple(scales))
     assert decode_ready(_with(good, at, value)) is None
 
 
@@ -172,7 +183,7 @@ def test_a_ready_from_a_member_is_filed_by_vote_and_a_malformed_one_is_refused()
     keeper.put(Received("m2", _header(0, TAG_READY), _with(body, 3, 1.5)))  # count 1.5
     keeper.put(Received("m2", _header(0, TAG_READY), _with(body, 1, -1)))  # round -1
     assert board.refused == 3
-    want = {"m1": Ready(9.0, 0, 6, (Holding(4, 0, 3),))}
+    want = {"m1": Ready(9.0, 0, 6, (Holding(4, 0, 3),), (None,))}
     assert board.ready_of(["m1", "m2", "outsider"], 9.0) == want
     assert board.ready_of(["m1"], 8.0) == {}  # another plan's vote
     board.forget(9.0)
@@ -184,17 +195,18 @@ def test_readys_are_filed_per_round_and_one_round_never_answers_for_another() ->
     board = keeper.board
     first, second = [Holding(4, 0, 3)], [Holding(4, 0, 3), Holding(9, 0, 5)]
     keeper.put(_ready("m1", 9.0, first, round=0), _ready("m2", 9.0, second, round=1))
-    assert board.ready_of(["m1", "m2"], 9.0) == {"m1": Ready(9.0, 0, 0, tuple(first))}
+    assert board.ready_of(["m1", "m2"], 9.0) == {"m1": Ready(9.0, 0, 0, tuple(first), (None,))}
     assert board.ready_of(["m1", "m2"], 9.0, round=0) == board.ready_of(["m1", "m2"], 9.0)
-    assert board.ready_of(["m1", "m2"], 9.0, round=1) == {"m2": Ready(9.0, 1, 0, tuple(second))}
+    n2 = (None, None)
+    assert board.ready_of(["m1", "m2"], 9.0, round=1) == {"m2": Ready(9.0, 1, 0, tuple(second), n2)}
     # A member's round-1 READY sits beside its round-0 one; neither replaces the other.
     keeper.put(_ready("m1", 9.0, second, round=1))
-    assert board.ready_of(["m1"], 9.0, round=0) == {"m1": Ready(9.0, 0, 0, tuple(first))}
-    assert board.ready_of(["m1"], 9.0, round=1) == {"m1": Ready(9.0, 1, 0, tuple(second))}
+    assert board.ready_of(["m1"], 9.0, round=0) == {"m1": Ready(9.0, 0, 0, tuple(first), (None,))}
+    assert board.ready_of(["m1"], 9.0, round=1) == {"m1": Ready(9.0, 1, 0, tuple(second), n2)}
     assert board.ready_of(["m1", "m2"], 9.0, round=2) == {}
     # Within one round the newest READY wins.
     keeper.put(_ready("m1", 9.0, [Holding(5, 0, 3)], round=0))
-    assert board.ready_of(["m1"], 9.0) == {"m1": Ready(9.0, 0, 0, (Holding(5, 0, 3),))}
+    assert board.ready_of(["m1"], 9.0) == {"m1": Ready(9.0, 0, 0, (Holding(5, 0, 3),), (None,))}
 
 
 def test_forget_drops_every_round_of_its_vote_and_only_of_its_vote() -> None:
@@ -359,6 +371,13 @@ def test_custody_parts_then_a_matching_manifest_make_one_copy() -> None:
     assert keeper.board.refused == 0
 
 
+def test_a_copys_loss_scale_comes_with_it() -> None:
+    keeper = _Keeper()
+    keeper.put(_part("m1", 6, "w"))
+    keeper.put(_manifest("m1", 6, 0, 5, count=1, scale=(2.0**18, 40)))
+    assert [c.scale for c in keeper.copies] == [ScaleState(2.0**18, 40)]
+
+
 def test_a_manifest_first_waits_for_its_parts() -> None:
     keeper = _Keeper()
     keeper.put(_manifest("m1", 6, 0, 5, count=3, digest48=42))
@@ -454,13 +473,16 @@ def test_parts_of_one_peer_never_complete_another_peers_copy() -> None:
 @pytest.mark.parametrize(
     "values",
     [
-        [6, 5, 5, 1, 77],  # start == stop
-        [6, 5, 2, 1, 77],  # start > stop
-        [6, -1, 5, 1, 77],  # negative
-        [6, 0, 5, 1.5, 77],  # not an integer
-        [6, 0, 5, 1, float("nan")],
-        [6, 0, 5, float("inf"), 77],
-        [float("nan"), 0, 5, 1, 77],
+        [6, 5, 5, 1, 77, 0, 0],  # start == stop
+        [6, 5, 2, 1, 77, 0, 0],  # start > stop
+        [6, -1, 5, 1, 77, 0, 0],  # negative
+        [6, 0, 5, 1.5, 77, 0, 0],  # not an integer
+        [6, 0, 5, 1, float("nan"), 0, 0],
+        [6, 0, 5, float("inf"), 77, 0, 0],
+        [float("nan"), 0, 5, 1, 77, 0, 0],
+        [6, 0, 5, 1, 77, 3.0, 0],  # a loss scale that is not a power of two
+        [6, 0, 5, 1, 77, 2.0**16, -1],  # negative good steps
+        [6, 0, 5, 1, 77, 0, 7],  # good steps without a scale
     ],
 )
 def test_a_malformed_manifest_is_refused_and_the_parts_wait_for_a_good_one(values) -> None:

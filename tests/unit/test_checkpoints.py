@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.training.checkpoints import (
     KEEP_STEPS,
     CheckpointError,
@@ -214,9 +215,12 @@ def _rewrite(path: Path, **changes) -> None:
 @pytest.mark.parametrize(
     ("changes", "why"),
     [
-        ({"format": 1}, "not a format-2"),
-        ({"extra": 1}, "not a format-2"),
+        ({"format": 1}, "not a format-3"),
+        ({"extra": 1}, "not a format-3"),
         ({"data": {"position": 3}}, "malformed data cursor"),
+        ({"scale": torch.tensor([3.0, 0.0], dtype=torch.float64)}, "power of two"),
+        ({"scale": torch.tensor([2.0**16, -2.0], dtype=torch.float64)}, "good steps"),
+        ({"scale": torch.zeros(3, dtype=torch.float64)}, "malformed loss scale"),
         ({"data": {"position": -1, "digest": "ab"}}, "bad data cursor"),
         ({"state": {"h.0.w": [1.0, 2.0]}}, "malformed tensor table"),
         ({"residuals": {3: torch.zeros(2)}}, "malformed tensor table"),
@@ -239,9 +243,34 @@ def test_a_file_with_a_foreign_structure_is_refused(tmp_path, changes, why) -> N
         store.load(Holding(4, 0, 4))
 
 
+def test_the_loss_scale_is_saved_with_the_step_and_read_alone(tmp_path) -> None:
+    """fp16's loss scale (the same on every stage) travels with the state of its step;
+    ``scale_of`` reads it from the file without loading the parameters (a READY says it)."""
+    store = CheckpointStore(tmp_path)
+    stage = _stage(4)
+    stage.scale = ScaleState(2.0**19, 1234)
+    store.save(stage)
+    store.save(_stage(5))  # fp32/bf16: no scale
+    assert store.load(Holding(4, 0, 4)).scale == ScaleState(2.0**19, 1234)
+    assert store.scale_of(Holding(4, 0, 4)) == ScaleState(2.0**19, 1234)
+    assert store.load(Holding(5, 0, 4)).scale is None
+    assert store.scale_of(Holding(5, 0, 4)) is None
+    assert store.scale_of(Holding(9, 0, 4)) is None  # no such file
+
+
+def test_a_format_2_file_loads_without_a_loss_scale(tmp_path) -> None:
+    store = CheckpointStore(tmp_path)
+    path = store.save(_stage(4))
+    data = torch.load(path, weights_only=True)
+    del data["scale"]
+    data["format"] = 2
+    torch.save(data, path)
+    assert store.load(Holding(4, 0, 4)).scale is None
+
+
 def test_a_plain_list_saved_under_a_checkpoint_name_is_refused(tmp_path) -> None:
     torch.save([1, 2, 3], tmp_path / file_name(Holding(2, 0, 4)))
-    with pytest.raises(CheckpointError, match="not a format-2"):
+    with pytest.raises(CheckpointError, match="not a format-3"):
         CheckpointStore(tmp_path).load(Holding(2, 0, 4))
 
 

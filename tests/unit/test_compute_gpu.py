@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.compression import Float16Codec, decode_frame, pack_tensor, parse_frame
 from fusionllm.node.pipeline.compute import Compute, Staging, resolve_device
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.local_train import train_local
@@ -58,6 +59,39 @@ def test_staging_reuses_pinned_buffers_and_keeps_every_frame_intact() -> None:
     for i, copy in enumerate(copies):
         assert copy.device == compute.device
         assert bool((copy == i).all()), f"frame {i} was overwritten by a later one"
+
+
+def test_a_pinned_frame_goes_to_the_device_in_one_copy_and_survives_buffer_reuse() -> None:
+    """The transport of a CUDA node decodes into pinned memory (pin_decoded): the frame's one
+    host copy; Staging sends it on without another. The host tensor is dropped at once and
+    the receive buffer overwritten, as the next frames do: every device copy must still hold
+    its own frame (torch's pinned cache waits for the copy's event before reusing the block)."""
+    staging = Staging(Compute.of("cuda"))
+    copies = []
+    for i in range(8):
+        codec = Float16Codec(torch.float16) if i % 2 else None
+        body = bytearray(pack_tensor(torch.full((1 << 20,), float(i) * 1e6), codec))
+        host = decode_frame(parse_frame(memoryview(body)), pin_memory=True)  # (N,)
+        assert host.is_pinned()
+        copies.append(staging.to_device(("activation", 0), host))
+        del host
+        body[:] = bytes(len(body))
+    assert staging.staged == 0  # no staging copy: the decoded tensor itself went over
+    for i, copy in enumerate(copies):
+        assert copy.device.type == "cuda"
+        assert bool((copy == float(i) * 1e6).all()), f"frame {i} was overwritten"
+
+
+def test_a_cuda_pipelines_frames_arrive_pinned_and_are_never_staged(dataset) -> None:
+    config = _config(activation_halves=(True, True), gradient_halves=(True, True))
+    swarm = ThreadSwarm.trained(config, dataset, compute=Compute.of("cuda"))
+    assert swarm.errors() == {}
+    assert {role: runner.staging.staged for role, runner in swarm.runners.items()} == {
+        role: 0 for role in swarm.runners
+    }
+    reference = train_local(config, dataset=dataset, compute=Compute.of("cuda"))
+    gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
+    assert 0 < gap < 1e-2, (swarm.losses(), reference.losses)  # float16 links round a little
 
 
 def test_a_cuda_pipeline_matches_one_cuda_process(dataset) -> None:

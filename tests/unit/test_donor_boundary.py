@@ -53,6 +53,9 @@ class Runner:
         assert self.release.wait(30.0), "the test never released the step"
         return StepReport(step, loss=1.0, grad_norm=1.0, seconds=0.0, busy_s=0.0, wait_s=0.0)
 
+    def scale_state(self) -> None:  # an fp32 run: no loss scale
+        return None
+
 
 class Donor:
     """One node: a session stepping from ``STEP`` and the trainer's donate path on its vault."""

@@ -129,9 +129,50 @@ def test_topk_switches_to_bfloat16_for_values_beyond_float16_range():
     assert math.isclose(float(decoded[0]), 1e6, rel_tol=1e-2)
 
 
-def test_float16_refuses_values_it_cannot_represent():
+@pytest.mark.parametrize("peak", [1e6, 3e30, 1e-9])
+def test_float16_scales_magnitudes_beyond_its_range_and_keeps_its_precision(peak):
+    """Loss-scaled gradients reach far past float16's ±65504 (and tiny ones below its
+    subnormals): a power-of-two scale per frame brings them back, float16's 11 bits of
+    precision intact (bfloat16 would keep 8)."""
+    tensor = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * peak
+    data = pack_tensor(tensor, Float16Codec(torch.float16))
+    frame = _frame(data)
+    assert frame["wd"] == "float16"
+    assert frame["e"] != 0
+    assert len(frame["p"]) == 2 * tensor.numel()
+    decoded = unpack_tensor(data)
+    assert bool(torch.isfinite(decoded).all())
+    relative = ((decoded - tensor).abs() / tensor.abs()).max()
+    assert float(relative) <= 2.0**-11  # float16's rounding; bfloat16's would be 2**-8
+    bf16 = (tensor.to(torch.bfloat16).float() - tensor).abs() / tensor.abs()
+    assert float(bf16.max()) > 2.0**-11
+
+
+def test_float16_falls_back_to_bfloat16_for_a_frame_beyond_every_scale():
+    tensor = torch.tensor([1e300, 1.0], dtype=torch.float64)  # past float32's range
     with pytest.raises(ValueError, match="bfloat16"):
-        pack_tensor(torch.tensor([1e6]), Float16Codec(torch.float16))
+        pack_tensor(tensor, Float16Codec(torch.float16))
+    wide = torch.tensor([3e38, 1.0, -2.0])
+    fields = Float16Codec(torch.float16).encode(wide)
+    assert fields["wd"] == "float16"
+    assert fields["e"] < 0
+    with pytest.raises(ValueError, match="not finite"):
+        pack_tensor(torch.tensor([float("inf"), 1.0]), Float16Codec(torch.float16))
+
+
+@pytest.mark.parametrize("exponent", [127, -127, 1.5, True, None, "3"])
+def test_float16_refuses_a_peers_scale_outside_its_bounds(exponent):
+    frame = _frame(pack_tensor(torch.ones(8), Float16Codec(torch.float16)))
+    frame["e"] = exponent
+    with pytest.raises(FrameError, match="exponent"):
+        unpack_tensor(msgpack.packb(frame, use_bin_type=True))
+
+
+def test_float16_refuses_a_peers_scale_that_overflows_the_tensor():
+    frame = _frame(pack_tensor(torch.full((8,), 60000.0), Float16Codec(torch.float16)))
+    frame["e"] = -120  # 2**120 x ~2**15 is past float32's range
+    with pytest.raises(FrameError, match="NaN or infinite"):
+        unpack_tensor(msgpack.packb(frame, use_bin_type=True))
 
 
 def test_lossy_codecs_refuse_integer_tensors():

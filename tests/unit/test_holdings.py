@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.training.holdings import (
     SEED_STEP,
@@ -19,6 +20,7 @@ from fusionllm.node.training.holdings import (
     checkpoint_custodian,
     choose_start,
     parting_custodian,
+    start_scale,
 )
 
 # A model of six graph nodes: stage-sized ranges, and one range spanning two of them.
@@ -226,3 +228,17 @@ def test_no_parting_custodian_when_nobody_stays() -> None:
     everyone = frozenset(peers.values())
     assert parting_custodian(0, peers, everyone) is None
     assert parting_custodian(1, peers, everyone, preferred=["a", "joiner"]) is None
+
+
+def test_every_member_restores_the_first_announced_loss_scale_of_the_start_step() -> None:
+    s4, s8 = ScaleState(2.0**18, 3), ScaleState(2.0**17, 0)
+    announced = {
+        "b": ((Holding(8, 0, 2), s8), (Holding(4, 0, 2), ScaleState(2.0**20, 1))),
+        "a": ((Holding(4, 2, 5), None), (Holding(4, 0, 2), s4)),
+    }
+    # Plan order first (a before b), then a's own order; a holding without a scale is skipped.
+    assert start_scale(4, ["a", "b"], announced) == s4
+    assert start_scale(4, ["b", "a"], announced) == ScaleState(2.0**20, 1)
+    assert start_scale(8, ["a", "b"], announced) == s8
+    assert start_scale(6, ["a", "b"], announced) is None  # nobody holds it: none to restore
+    assert start_scale(0, ["a", "b"], {"a": ((Holding(0, 0, 2), s4),)}) is None  # the seed

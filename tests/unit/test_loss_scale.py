@@ -8,7 +8,12 @@ from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.local_train import train_local
-from fusionllm.node.pipeline.loss_scale import LossScale, LossScaleConfig, unscale_or_zero
+from fusionllm.node.pipeline.loss_scale import (
+    LossScale,
+    LossScaleConfig,
+    ScaleState,
+    unscale_or_zero,
+)
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.summary import SUMMARY_LEN, Summary, combine
 from fusionllm.node.pipeline.train_config import TrainConfig
@@ -69,6 +74,25 @@ def test_the_summary_carries_the_overflow_and_refuses_a_bad_flag() -> None:
     assert len(bad) == SUMMARY_LEN
 
 
+@pytest.mark.parametrize(
+    ("scale", "good"), [(3.0, 0), (0.5, 0), (2.0**121, 0), (float("nan"), 0), (4.0, -1), (4.0, 0.5)]
+)
+def test_a_scale_state_from_a_file_or_a_peer_is_checked(scale, good) -> None:
+    with pytest.raises(ValueError, match=r"loss scale|good steps"):
+        ScaleState.checked(scale, good)
+
+
+def test_a_restored_scale_continues_where_it_was_saved() -> None:
+    saved = LossScale(LossScaleConfig(growth_interval=3))
+    for overflow in (False, False, False, True, False, False):
+        saved.update(overflow)
+    restored = LossScale(LossScaleConfig(growth_interval=3))
+    restored.restore(ScaleState.checked(*saved.state()))
+    assert restored.state() == saved.state() == ScaleState(2.0**16, 2)
+    restored.update(False)  # the third good step in a row: doubles, as the saved one would
+    assert restored.scale == 2.0**17
+
+
 def _config(**overrides) -> TrainConfig:
     base = dict(stages=3, micro_batches=4, batch_size=2, seq_len=16, steps=4, lr=3e-3,
                 precision="fp16")  # fmt: skip
@@ -76,8 +100,10 @@ def _config(**overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def test_an_fp16_pipeline_follows_one_fp16_process(dataset) -> None:
-    config = _config()
+@pytest.mark.parametrize("halves", [(), (True, True)])
+def test_an_fp16_pipeline_follows_one_fp16_process(dataset, halves) -> None:
+    """Also with half links: the loss-scaled gradients travel as scaled float16."""
+    config = _config(activation_halves=halves, gradient_halves=halves)
     reference = train_local(config, dataset=dataset)
     swarm = ThreadSwarm.trained(config, dataset, compute=Compute(precision="fp16"))
     assert swarm.errors() == {}

@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgpack
 import pytest
 import torch
 
@@ -162,6 +163,28 @@ def test_half_links_halve_the_bytes_on_the_wire(dataset) -> None:
             assert 0.5 * dense_bytes <= len(frame.body) <= 0.52 * dense_bytes, len(frame.body)
     gap = max(abs(a - b) for a, b in zip(swarm.losses(), reference.losses, strict=True))
     assert 0 < gap < 1e-2, (swarm.losses(), reference.losses)
+
+
+def test_half_links_carry_gradients_far_beyond_float16s_range(dataset) -> None:
+    """fp16's loss scale (2**16 and growing) puts link gradients past float16's ±65504: a half
+    link scales each frame by a power of two, so they still travel as float16 (11 bits, not
+    bfloat16's 8) and arrive as sent to float16's rounding."""
+    config = _config(stages=2, steps=1, activation_halves=(True,), gradient_halves=(True,))
+    swarm = ThreadSwarm(config, dataset)
+    try:
+        runner = swarm.runners[Role(1, 0)]
+        numel = swarm.layout.links[0].numel
+        gradient = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e9  # (N,)
+        for body in (runner._pack_gradient(0, Role(0, 0), gradient),
+                     runner.activation_body(0, gradient)):  # fmt: skip
+            fields = msgpack.unpackb(body, raw=False)
+            assert fields["wd"] == "float16"
+            assert len(body) <= 0.52 * len(pack_tensor(gradient))
+            decoded = unpack_tensor(body)
+            relative = (decoded - gradient).abs() / gradient.abs()
+            assert float(relative.max()) <= 2.0**-11
+    finally:
+        swarm.close()
 
 
 # ----- failures ----------------------------------------------------------------------------

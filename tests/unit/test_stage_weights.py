@@ -171,3 +171,45 @@ def test_materialise_keeps_real_parameters_and_fills_meta_ones() -> None:
     assert "transformer.ln_f.weight" not in made
     assert model.transformer.ln_f.weight is real
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_stage_resumed_from_state_never_reads_its_weights(preset) -> None:
+    """Deferred (a session's worker), the stage stays on meta until its start is known; when
+    a checkpoint's state is imported into every parameter, the weight source is never asked
+    (no init pass, no folder read) and the imported state is exactly what the stage holds."""
+    config = _config(preset)
+    layout = build_layout(config, build_model(config, meta=True))
+    source = _Recording(weight_source(config))
+    worker = StageWorker(
+        layout, 1, optimizer=OptimizerConfig(), micro_batches=1, weights=source, deferred=True
+    )
+    assert worker.parameters
+    assert all(p.is_meta for p in worker.parameters.values())
+    donor = _worker(layout, 1, config, weight_source(config))
+    with torch.no_grad():
+        for p in donor.parameters.values():
+            p.add_(1.0)  # not the init's values: a trained checkpoint's
+    worker.make_real(initialise=False)
+    for name in donor.parameters:
+        worker.import_state(name, donor.export_state(name))
+    assert source.asked == []
+    assert not any(p.is_meta for p in worker.parameters.values())
+    for name, p in donor.parameters.items():
+        assert torch.equal(worker.parameters[name].detach(), p.detach()), name
+    assert isinstance(worker.optimizer, torch.optim.AdamW)
+    assert set(worker.optimizer.param_groups[0]["params"]) == set(worker.parameters.values())
+
+
+def test_a_deferred_stage_starting_at_the_seed_step_is_initialised_as_usual() -> None:
+    config = _config("tiny")
+    layout = build_layout(config, build_model(config, meta=True))
+    source = _Recording(weight_source(config))
+    worker = StageWorker(
+        layout, 0, optimizer=OptimizerConfig(), micro_batches=1, weights=source, deferred=True
+    )
+    worker.make_real()
+    eager = _worker(layout, 0, config, weight_source(config))
+    assert sorted(source.asked) == sorted(eager.parameters)
+    for name, p in eager.parameters.items():
+        assert torch.equal(worker.parameters[name].detach(), p.detach()), name

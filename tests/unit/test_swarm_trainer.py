@@ -87,12 +87,18 @@ def _costs():
     return graph.costs()
 
 
-def _plan(peers: list[str], stages: int) -> Plan:
-    """The planner's plan for equal peers on fast links, with exactly ``stages`` stages."""
+def _plan(peers: list[str], stages: int, bandwidth: float = 1e9) -> Plan:
+    """The planner's plan for equal peers on links of ``bandwidth`` bytes/s (fast: dense;
+    slow: compressed, with error feedback on the gradients), exactly ``stages`` stages."""
     device = DeviceProfile(flops=1e11, memory_bandwidth=5e9, memory_bytes=4 << 30)
     swarm = Swarm.from_links(
-        [Peer(peer_id=p, device=device, uplink=1e9, downlink=1e9) for p in peers],
-        {(a, b): LinkProfile(bandwidth=1e9, rtt=1e-4) for a in peers for b in peers if a != b},
+        [Peer(peer_id=p, device=device, uplink=bandwidth, downlink=bandwidth) for p in peers],
+        {
+            (a, b): LinkProfile(bandwidth=bandwidth, rtt=1e-4)
+            for a in peers
+            for b in peers
+            if a != b
+        },
     )
     config = PlanConfig(
         micro_batches=RUN.micro_batches,

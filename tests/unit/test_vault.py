@@ -13,6 +13,7 @@ import torch
 
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.pipeline.layout import PipelineLayout, balanced_cuts
+from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
@@ -280,3 +281,25 @@ def test_discard_after_drops_files_of_later_steps_from_both_stores(vault, model)
     vault.discard_after(5)
     assert vault.own.holdings() == [Holding(4, 0, 10)]
     assert vault.custody.holdings() == [Holding(5, 10, 20)]
+
+
+def test_each_source_says_the_loss_scale_of_its_step(vault, model) -> None:
+    """What READY announces per holding: the live stage's scale, a checkpoint's, a copy's."""
+    live_scale, own_scale, kept_scale = (ScaleState(2.0**k, k) for k in (20, 19, 18))
+    held = model.held(9)
+    held.scale = live_scale
+    vault.set_live(held)
+    own = _small(8, 0, 3)
+    own.scale = own_scale
+    vault.checkpoint(own)
+    stage = stage_state(model.worker, Holding(6, *model.ranges[1]), scale=kept_scale)
+    copy = _copy_of(stage)
+    assert vault.keep_copy(Copy(copy.peer, copy.holding, copy.state, copy.digest48, kept_scale))
+    assert vault.scale_of(Holding(9, *model.ranges[1])) == live_scale
+    assert vault.scale_of(own.holding) == own_scale
+    assert vault.scale_of(stage.holding) == kept_scale
+    assert vault.scale_of(Holding(3, 0, 3)) is None  # held nowhere
+    rewritten = _small(8, 0, 3)  # the same step written again (after a rollback): re-read
+    rewritten.scale = ScaleState(2.0**10, 0)
+    vault.checkpoint(rewritten)
+    assert vault.scale_of(own.holding) == ScaleState(2.0**10, 0)

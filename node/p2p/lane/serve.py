@@ -95,7 +95,7 @@ class LaneFrames:
             if large:  # as many large tensors at once as the event loop allows itself
                 inbound.thread_decoders.acquire()
             try:
-                tensor = decode_frame(parsed)
+                tensor = decode_frame(parsed, pin_memory=inbound.config.pin_decoded)
             finally:
                 if large:
                     inbound.thread_decoders.release()
