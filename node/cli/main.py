@@ -9,10 +9,12 @@
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - options.py:    the run options every training command shares
+- config.py:     options from FUSIONLLM_* variables and a TOML --config file
 """
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -20,6 +22,7 @@ from importlib import metadata
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.cli import (
+    config,
     demo_cmd,
     export_cmd,
     node_cmd,
@@ -84,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        command = config.command_parser(parser, args.command)
+        if command is not None and config.is_configurable(command):
+            args = config.apply(parser, command, argv, os.environ)
         return args.handler(args)
     except FusionError as exc:
         print(f"fusionllm {args.command}: error: {exc}", file=sys.stderr)

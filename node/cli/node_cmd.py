@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.options import (
     add_data_options,
     add_device_option,
@@ -80,6 +81,7 @@ def add_parser(commands) -> None:
         help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
     )
     node.add_argument("--events", action="store_true", help="print events as JSON lines")
+    add_config_option(node)  # last: it names every option above
     node.set_defaults(handler=run)
 
 
