@@ -40,6 +40,8 @@ class DhtConfig:
     initial_peers: tuple[str, ...] = ()  # hivemind multiaddrs (.../p2p/<id>) of any swarm node
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    # What peers should dial instead (hivemind's announce_maddrs): "/ip4/IP/tcp/PORT", PORT > 0.
+    announce_maddrs: tuple[str, ...] = ()
     identity_path: Path | None = None  # the node's key: the DHT peer id equals the data plane's
     client_mode: bool = False  # a client reads and writes but stores nothing for others
     max_ttl_s: float = 600.0  # records further in the future than this are refused
@@ -66,6 +68,11 @@ class DhtConfig:
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "announce_maddrs", tuple(self.announce_maddrs))
+        for maddr in self.announce_maddrs:
+            match = _TCP_PORT.search(maddr) if isinstance(maddr, str) else None
+            if match is None or not maddr.startswith(("/ip4/", "/ip6/")) or match[1] == "0":
+                raise ConfigError(f"announce_maddrs: expected /ip4|ip6/IP/tcp/PORT, got {maddr!r}")
         if self.identity_path is not None:
             object.__setattr__(self, "identity_path", Path(self.identity_path))
         if not 0 <= self.listen_port <= 65535:
@@ -100,6 +107,7 @@ class DhtConfig:
             "swarm": self.swarm,
             "initial_peers": list(self.initial_peers),
             "listen": f"/{family}/{self.listen_host}/tcp/{self.listen_port}",
+            "announce": list(self.announce_maddrs),
             "identity_path": str(self.identity_path) if self.identity_path else None,
             "client_mode": self.client_mode,
             "max_ttl_s": self.max_ttl_s,

@@ -49,6 +49,7 @@ async def start_node(config: dict[str, Any]) -> Any:
     return await DHTNode.create(
         initial_peers=config["initial_peers"] or None,
         host_maddrs=[config["listen"]],
+        announce_maddrs=config.get("announce") or None,
         identity_path=config["identity_path"],
         check_if_identity_free=False,
         client_mode=bool(config["client_mode"]),

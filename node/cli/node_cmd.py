@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.announce_options import add_announce_options, announce_fields
 from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.options import (
     add_data_options,
@@ -62,6 +63,7 @@ def add_parser(commands) -> None:
         help="send tensors only inside the control connection (slower; for networks that "
         "allow one port only)",
     )
+    add_announce_options(node)
     add_run_options(node)
     add_data_options(node)
     add_device_option(node)
@@ -231,6 +233,7 @@ def _node_config(args: argparse.Namespace):
         control_port=args.port,
         lane_port=args.lane_port,
         lanes=not args.no_lanes,
+        **announce_fields(args),
         probe_interval_s=args.probe_interval,
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),

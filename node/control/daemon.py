@@ -47,6 +47,7 @@ from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.suspicion import SuspicionBook
+from fusionllm.node.p2p.announce import warn_if_unreachable
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -168,6 +169,8 @@ class NodeDaemon:
         """The node's one py-libp2p host with the control plane on it, and the DHT worker; a
         Transport can attach to the host later (``Transport(..., host=daemon.host)``)."""
         cfg, settings = self.config, self.settings
+        warn_if_unreachable(logger, [a.host for a in cfg.announce] or [cfg.listen_host],
+                            cfg.bootstrap)  # fmt: skip
         try:
             self.host = PeerHost(cfg.host_config()).start()
             self.control = ControlHost(
@@ -182,6 +185,7 @@ class NodeDaemon:
                     initial_peers=cfg.bootstrap,
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
+                    announce_maddrs=cfg.dht_announce_maddrs(),
                     identity_path=cfg.key_path,
                     max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),
                     peer_timeout_s=min(3.0, max(0.5, settings.heartbeat_s)),
