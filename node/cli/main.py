@@ -8,6 +8,7 @@
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
+- keygen_cmd.py: ``fusionllm keygen --swarm-key FILE`` (a private swarm's key), --swarm-key
 - options.py:    the run options every training command shares
 - config.py:     options from FUSIONLLM_* variables and a TOML --config file
 """
@@ -25,6 +26,7 @@ from fusionllm.node.cli import (
     config,
     demo_cmd,
     export_cmd,
+    keygen_cmd,
     node_cmd,
     prepare_cmd,
     status_cmd,
@@ -74,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     version = commands.add_parser("version", help="print the installed version")
     version.add_argument("--json", action="store_true", help="machine-readable output")
     version.set_defaults(handler=_cmd_version)
-    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, prepare_cmd, export_cmd):
+    for command in (
+        demo_cmd,
+        train_cmd,
+        node_cmd,
+        swarm_cmd,
+        status_cmd,
+        prepare_cmd,
+        export_cmd,
+        keygen_cmd,
+    ):
         command.add_parser(commands)
     return parser
 

@@ -131,7 +131,11 @@ class NodeDaemon:
         if self.dht.peer_id != self.peer_id:
             logger.warning("DHT peer id %s differs from ours %s", self.dht.peer_id, self.peer_id)
         self.directory = SwarmDirectory(
-            self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
+            self.dht,
+            swarm=settings.swarm,
+            peer_id=self.peer_id,
+            sign=key_pair.private_key.sign,
+            auth=self.config.swarm_key,
         )
         self.agreement = PlanAgreement(
             settings=settings,

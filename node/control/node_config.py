@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
@@ -36,6 +37,9 @@ class NodeConfig:
     announce: tuple[AnnounceAddr, ...] = ()
     announce_dht_port: int = 0  # 0: dht_port
     announce_lane_port: int = 0  # 0: the port lanes bound
+    # A private swarm's key (--swarm-key): host connections need it, records carry its tag.
+    # Its digest must be settings.key_digest, so the key also names the swarm's settings.
+    swarm_key: SwarmKey | None = None
     probe_interval_s: float = 10.0
     probe_fanout: int = 3  # peers probed per interval
     probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
@@ -68,6 +72,12 @@ class NodeConfig:
         int_in("announce_dht_port", self.announce_dht_port, 0, 65535)
         int_in("announce_lane_port", self.announce_lane_port, 0, 65535)
         object.__setattr__(self, "announce", tuple(self.announce))
+        expected = self.swarm_key.digest if self.swarm_key is not None else ""
+        if self.settings.key_digest != expected:
+            raise ConfigError(
+                f"settings.key_digest {self.settings.key_digest!r} is not the swarm key's "
+                f"digest {expected!r}"
+            )
         self.host_config()  # checks the announced addresses
         if self.announce and not (self.announce_dht_port or self.dht_port):
             # hivemind announces a fixed port only: the one a forward or firewall opens.
@@ -98,7 +108,9 @@ class NodeConfig:
 
     def host_config(self) -> HostConfig:
         """The node's one py-libp2p host: the control plane's listen address and deadlines."""
-        return replace(self.control_config().host_config(), announce=self.announce)
+        return replace(
+            self.control_config().host_config(), announce=self.announce, swarm_key=self.swarm_key
+        )
 
     def dht_announce_maddrs(self) -> tuple[str, ...]:
         """What the DHT announces: each announced IP at the DHT's announced port."""

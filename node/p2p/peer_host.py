@@ -38,6 +38,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
 from fusionllm.node.p2p.checks import address_family, int_in, ip_address, positive_seconds
@@ -69,12 +70,16 @@ class HostConfig:
     close_timeout_s: float = 5.0
     # What ``addrs`` says instead of the listen address (a port forward, a public IP).
     announce: tuple[AnnounceAddr, ...] = ()
+    # A private swarm's key: connections only with hosts that hold it (host.py).
+    swarm_key: SwarmKey | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_path", Path(self.key_path))
         object.__setattr__(self, "announce", tuple(self.announce))
         if not all(isinstance(a, AnnounceAddr) for a in self.announce):
             raise ConfigError(f"announce must hold AnnounceAddr values, got {self.announce!r}")
+        if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
+            raise ConfigError(f"swarm_key must be a SwarmKey, got {type(self.swarm_key).__name__}")
         ip_address("listen_host", self.listen_host)
         int_in("listen_port", self.listen_port, 0, 65535)
         positive_seconds("dial_timeout_s", self.dial_timeout_s)
@@ -362,7 +367,8 @@ class PeerHost:
     async def _main(self) -> None:
         config = self.config
         self._stop = trio.Event()
-        host = new_secure_host(self._key_pair, negotiate_timeout_s=config.dial_timeout_s)
+        psk = config.swarm_key.pnet_psk if config.swarm_key is not None else None
+        host = new_secure_host(self._key_pair, negotiate_timeout_s=config.dial_timeout_s, psk=psk)
         with trio.CancelScope() as outer:
             async with host.run(listen_addrs=[config.listen_multiaddr]):
                 # py-libp2p re-dials peers from its peer store to keep ~150 connections: any
