@@ -1,5 +1,7 @@
 """Options from flags, FUSIONLLM_* variables and a TOML file: precedence, names, refusals."""
 
+from pathlib import Path
+
 import pytest
 
 from fusionllm.common.errors import ConfigError
@@ -99,6 +101,10 @@ def test_a_value_out_of_range_is_refused_by_the_node_as_from_a_flag(tmp_path):
         ({"FUSIONLLM_DENSE": "maybe"}, r"FUSIONLLM_DENSE='maybe': expected true/false"),
         ({"FUSIONLLM_BOOTSTRAP": "  "}, r"FUSIONLLM_BOOTSTRAP='  ': expected one or more"),
         ({"FUSIONLLM_LANEPORT": "1"}, r"FUSIONLLM_LANEPORT: no such option \(did you mean "),
+        (
+            {"FUSIONLLM_ANNOUNCE_ADDR": "1.2.3.4 x.org"},
+            r"ANNOUNCE_ADDR='1.2.3.4 x.org': expected a value: .* IP address, got 'x.org'",
+        ),
     ],
 )
 def test_the_environment_refuses_bad_values_naming_the_variable(environ, match):
@@ -132,3 +138,14 @@ def test_the_log_lines_name_each_source(tmp_path):
     assert f"swarm = 'filed' (file {path})" in lines
     assert "port = 9 (flag)" in lines
     assert "host = '127.0.0.1' (default)" in lines
+
+
+def test_the_readmes_example_file_is_a_valid_config(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("    # node.toml")
+    block = readme[start:].split("\n\n")[0].splitlines()[1:]
+    path = _write(tmp_path, "\n".join(line[4:] for line in block) + "\n")
+    args = _apply(["node", "--config", str(path)])
+    assert args.config_sources["announce_addr"] == f"file {path}"
+    assert (args.lane_port, args.swarm_key, args.min_stages) == (4003, "~/.fusionllm/ours.swarm", 2)
+    assert [a.host for a in args.announce_addr] == ["198.51.100.20"]
