@@ -225,3 +225,17 @@ def test_the_key_digest_joins_the_settings_digest(tmp_path):
         NodeConfig(key_path=tmp_path / "k", settings=keyed)
     node = NodeConfig(key_path=tmp_path / "k", swarm_key=SwarmKey(SECRET), settings=keyed)
     assert node.host_config().swarm_key.digest == keyed.key_digest
+
+
+def test_the_keygen_command_writes_once_and_node_refuses_a_readable_key(tmp_path, capsys):
+    from fusionllm.node.cli.main import main
+
+    path = tmp_path / "ours.swarm"
+    assert main(["keygen", "--swarm-key", str(path)]) == 0
+    assert f"digest {load_swarm_key(path).digest}" in capsys.readouterr().out
+    assert main(["keygen", "--swarm-key", str(path)]) == 1
+    assert "exists; not replacing it" in capsys.readouterr().err
+    path.chmod(0o640)
+    argv = ["node", "--swarm-key", str(path), "--key", str(tmp_path / "id"), "--no-train"]
+    assert main(argv) == 1  # before the node starts anything
+    assert "group or others may access it (mode 640)" in capsys.readouterr().err
