@@ -62,6 +62,7 @@ class NodeDaemon:
         self.config = config
         self.settings = config.settings
         self._on_event = on_event or (lambda event: None)
+        self.peer_id = ""  # ours once start() has read the key
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.control: ControlHost | None = None
@@ -239,6 +240,8 @@ class NodeDaemon:
 
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
+        if not self.peer_id:  # start() failed before it read our key: nobody knows us
+            return
         self.state = NodeState.LEAVING
         # A finished run's last word stays a whole TTL: backups and late readers learn the end.
         finished = self.progress is not None and self.progress.finished

@@ -99,3 +99,14 @@ def test_swarm_refuses_a_folder_the_data_does_not_fit_before_starting_anything(t
     assert "--seq-len 65 exceeds" in long.stderr
     assert "64 positions" in long.stderr
     assert not work.exists()  # no node was started
+
+
+def test_node_with_a_corrupt_identity_key_says_so(tmp_path):
+    # The error once hid behind an AttributeError from leaving a swarm never joined.
+    key = tmp_path / "id.key"
+    key.write_bytes(b"not a key")
+    key.chmod(0o600)
+    result = _fusionllm("node", "--key", str(key), "--no-train")
+    assert result.returncode == 1
+    assert "is not a libp2p private key" in result.stderr
+    assert "Traceback" not in result.stderr
