@@ -44,13 +44,46 @@ class SwarmKeyError(ConfigError):
     """A swarm key file that is missing, malformed, too short or not private."""
 
 
+class RecordTags:
+    """HMAC-SHA256 tags under one derived key: what a DHT worker needs of a swarm key."""
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise SwarmKeyError("a record tag key must be 32 bytes")
+        self._key = key
+
+    @classmethod
+    def from_hex(cls, text: str) -> "RecordTags":
+        try:
+            return cls(bytes.fromhex(text))
+        except (TypeError, ValueError):
+            raise SwarmKeyError("a record tag key must be 64 hex digits") from None
+
+    def __repr__(self) -> str:
+        return "RecordTags(...)"
+
+    @property
+    def key_hex(self) -> str:
+        """For the DHT worker's config, which travels over its stdin pipe only."""
+        return self._key.hex()
+
+    def tag(self, data: bytes) -> bytes:
+        return hmac.new(self._key, data, hashlib.sha256).digest()
+
+    def verify(self, data: bytes, tag: object) -> bool:
+        """Whether ``tag`` (from a peer: any type) is ours over ``data``; constant time."""
+        if not isinstance(tag, bytes) or len(tag) != TAG_BYTES:
+            return False
+        return hmac.compare_digest(self.tag(data), tag)
+
+
 class SwarmKey:
     """The derived keys of one swarm secret; its repr shows the digest only."""
 
     def __init__(self, secret: bytes) -> None:
         if not isinstance(secret, bytes) or not KEY_BYTES <= len(secret) <= _MAX_KEY_BYTES:
             raise SwarmKeyError(f"a swarm secret must be {KEY_BYTES}-{_MAX_KEY_BYTES} bytes")
-        self._record_key = _derive(secret, b"fusionllm/swarm-key/records/v1")
+        self.records = RecordTags(_derive(secret, b"fusionllm/swarm-key/records/v1"))
         self._psk = _derive(secret, b"fusionllm/swarm-key/pnet/v1")
         self.digest = _derive(secret, b"fusionllm/swarm-key/id/v1").hex()[:16]
 
@@ -63,13 +96,10 @@ class SwarmKey:
         return self._psk.hex()
 
     def tag(self, data: bytes) -> bytes:
-        return hmac.new(self._record_key, data, hashlib.sha256).digest()
+        return self.records.tag(data)
 
     def verify(self, data: bytes, tag: object) -> bool:
-        """Whether ``tag`` (from a peer: any type) is ours over ``data``; constant time."""
-        if not isinstance(tag, bytes) or len(tag) != TAG_BYTES:
-            return False
-        return hmac.compare_digest(self.tag(data), tag)
+        return self.records.verify(data, tag)
 
 
 def _derive(secret: bytes, info: bytes) -> bytes:

@@ -239,3 +239,45 @@ def test_the_keygen_command_writes_once_and_node_refuses_a_readable_key(tmp_path
     argv = ["node", "--swarm-key", str(path), "--key", str(tmp_path / "id"), "--no-train"]
     assert main(argv) == 1  # before the node starts anything
     assert "group or others may access it (mode 640)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the DHT worker
+
+
+def test_the_worker_refuses_to_keep_records_without_the_swarms_tag(three):
+    from fusionllm.dht.record_rules import RecordRules
+    from tests.unit.test_record_rules import NOW, Clock, info, key_id, proposal
+
+    member, stranger, wrong = three
+    rules = RecordRules("demo", max_ttl_s=60, key_id=key_id, clock=Clock(),
+                        tags=SwarmKey(SECRET).records)  # fmt: skip
+
+    def store(who, record, key, tag):
+        value = seal(record, key=key, subkey=who.peer_id, expiration=NOW + 10, sign=who.sign,
+                     tag=tag)  # fmt: skip
+        return rules.check(key_id(key), who.peer_id, value, NOW + 10)
+
+    assert store(member, info(member.peer_id), nodes_key("demo"), SwarmKey(SECRET).tag)
+    assert store(member, proposal(member.peer_id), plans_key("demo", 7), SwarmKey(SECRET).tag)
+    for who, tag in ((stranger, None), (wrong, SwarmKey(OTHER).tag)):
+        with pytest.raises(RecordError, match=r"node record without this swarm's key"):
+            store(who, info(who.peer_id), nodes_key("demo"), tag)
+        with pytest.raises(RecordError, match=r"plan record without this swarm's key"):
+            store(who, proposal(who.peer_id), plans_key("demo", 7), tag)
+
+
+def test_the_workers_tag_key_is_derived_checked_and_never_shown():
+    from fusionllm.common.swarm_key import RecordTags
+    from fusionllm.dht.client import DhtConfig
+
+    key = SwarmKey(SECRET)
+    hex_key = key.records.key_hex
+    assert RecordTags.from_hex(hex_key).verify(b"x", key.tag(b"x"))
+    assert SECRET.hex() != hex_key
+    config = DhtConfig(swarm="demo", record_tag_key=hex_key)
+    assert hex_key not in repr(config)
+    assert config.worker_config()["record_tag_key"] == hex_key
+    assert DhtConfig(swarm="demo").worker_config()["record_tag_key"] == ""
+    for bad in ("00" * 31, "zz" * 32):
+        with pytest.raises(SwarmKeyError, match=r"record tag key must be"):
+            DhtConfig(swarm="demo", record_tag_key=bad)
