@@ -13,10 +13,11 @@ hex) tells nothing of the others:
 - ``pnet_psk``: py-libp2p's private network (libp2p/security/pnet): a connection from a node
   without it fails before Noise, so gossip, probes, tensor streams and lane offers (lanes
   are opened only with keys agreed on such a connection) never reach a stranger;
-- ``tag``/``verify``: HMAC-SHA256 over a DHT record's signed bytes (key, subkey, expiry,
-  body): hivemind's DHT has no private network, so a record or plan proposal from a node
-  without the secret is refused on read, and a tag replayed under another key, subkey or
-  expiry fails;
+- ``records`` (``tag``/``verify``): HMAC-SHA256 over a DHT record's signed bytes (key,
+  subkey, expiry, body): hivemind's DHT has no private network, so a record or plan proposal
+  from a node without the secret is refused by the DHT worker's validator (``RecordTags``
+  alone goes to the worker) and again on read, and a tag replayed under another key, subkey
+  or expiry fails;
 - ``digest``: names the swarm in the settings digest, so keyed and open swarms never mix.
 """
 
