@@ -13,12 +13,13 @@ import re
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import RecordTags
 from fusionllm.dht.keys import check_swarm_name
 from fusionllm.dht.process import DhtError, WorkerProcess
 from fusionllm.dht.wire import MAX_MESSAGE_BYTES
@@ -40,6 +41,11 @@ class DhtConfig:
     initial_peers: tuple[str, ...] = ()  # hivemind multiaddrs (.../p2p/<id>) of any swarm node
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    # What peers should dial instead (hivemind's announce_maddrs): "/ip4/IP/tcp/PORT", PORT > 0.
+    announce_maddrs: tuple[str, ...] = ()
+    # A private swarm's record tag key (common/swarm_key.py, 64 hex digits; never the swarm's
+    # secret): the worker's validator refuses records without its tag. "": an open swarm.
+    record_tag_key: str = field(default="", repr=False)
     identity_path: Path | None = None  # the node's key: the DHT peer id equals the data plane's
     client_mode: bool = False  # a client reads and writes but stores nothing for others
     max_ttl_s: float = 600.0  # records further in the future than this are refused
@@ -66,6 +72,13 @@ class DhtConfig:
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "announce_maddrs", tuple(self.announce_maddrs))
+        if self.record_tag_key:
+            RecordTags.from_hex(self.record_tag_key)  # SwarmKeyError (a ConfigError) if bad
+        for maddr in self.announce_maddrs:
+            match = _TCP_PORT.search(maddr) if isinstance(maddr, str) else None
+            if match is None or not maddr.startswith(("/ip4/", "/ip6/")) or match[1] == "0":
+                raise ConfigError(f"announce_maddrs: expected /ip4|ip6/IP/tcp/PORT, got {maddr!r}")
         if self.identity_path is not None:
             object.__setattr__(self, "identity_path", Path(self.identity_path))
         if not 0 <= self.listen_port <= 65535:
@@ -100,6 +113,8 @@ class DhtConfig:
             "swarm": self.swarm,
             "initial_peers": list(self.initial_peers),
             "listen": f"/{family}/{self.listen_host}/tcp/{self.listen_port}",
+            "announce": list(self.announce_maddrs),
+            "record_tag_key": self.record_tag_key,
             "identity_path": str(self.identity_path) if self.identity_path else None,
             "client_mode": self.client_mode,
             "max_ttl_s": self.max_ttl_s,

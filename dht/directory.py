@@ -2,15 +2,17 @@
 
 Writes are sealed with the node's key (dht/envelope.py); reads re-verify every entry in this
 process (the DHT worker's validator already did, but a reader trusts only itself), skip and
-count what fails, and never raise for a peer's bad entry.
+count what fails, and never raise for a peer's bad entry. In a private swarm (``auth``: the
+swarm key) writes carry its tag and reads refuse entries without a valid one.
 """
 
 import threading
 import time
 
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.dht.client import DhtClient
-from fusionllm.dht.envelope import Signer, open_envelope, seal
+from fusionllm.dht.envelope import OpenedRecord, Signer, open_envelope, seal
 from fusionllm.dht.keys import nodes_key, plans_key
 from fusionllm.dht.records import NodeInfo, NodeState, PlanProposal, RecordError
 
@@ -18,8 +20,18 @@ logger = get_logger(__name__)
 
 
 class SwarmDirectory:
-    def __init__(self, client: DhtClient, *, swarm: str, peer_id: str, sign: Signer) -> None:
+    def __init__(
+        self,
+        client: DhtClient,
+        *,
+        swarm: str,
+        peer_id: str,
+        sign: Signer,
+        auth: SwarmKey | None = None,
+    ) -> None:
         self.client, self.swarm, self.peer_id, self._sign = client, swarm, peer_id, sign
+        self._auth = auth
+        self._tag = auth.tag if auth is not None else None
         self._last_expiration = 0.0
         self._announce_lock = threading.Lock()
         self.skipped = 0  # entries from peers that failed verification on read
@@ -31,7 +43,8 @@ class SwarmDirectory:
             expiration = max(time.time() + ttl_s, self._last_expiration + 1e-3)
             self._last_expiration = expiration
             key = nodes_key(self.swarm)
-            value = seal(info, key=key, subkey=self.peer_id, expiration=expiration, sign=self._sign)
+            value = seal(info, key=key, subkey=self.peer_id, expiration=expiration,
+                         sign=self._sign, tag=self._tag)  # fmt: skip
             return self.client.store(key, self.peer_id, value, expiration)
 
     def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
@@ -40,7 +53,7 @@ class SwarmDirectory:
         found: dict[str, NodeInfo] = {}
         for subkey, value, expiration in self.client.get(key):
             try:
-                opened = open_envelope(value)
+                opened = self._open(value)
                 if opened.key != key or opened.subkey != subkey or opened.kind != "node":
                     raise RecordError("node record under the wrong key or subkey")
                 if opened.expiration != expiration:
@@ -59,7 +72,8 @@ class SwarmDirectory:
     def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool:
         key = plans_key(self.swarm, proposal.epoch)
         expiration = time.time() + ttl_s
-        value = seal(proposal, key=key, subkey=self.peer_id, expiration=expiration, sign=self._sign)
+        value = seal(proposal, key=key, subkey=self.peer_id, expiration=expiration,
+                     sign=self._sign, tag=self._tag)  # fmt: skip
         return self.client.store(key, self.peer_id, value, expiration)
 
     def proposals(self, epoch: int) -> list[PlanProposal]:
@@ -67,7 +81,7 @@ class SwarmDirectory:
         found = []
         for subkey, value, _expiration in self.client.get(key):
             try:
-                opened = open_envelope(value)
+                opened = self._open(value)
                 if opened.key != key or opened.subkey != subkey or opened.kind != "plan":
                     raise RecordError("plan proposal under the wrong key or subkey")
             except RecordError as exc:
@@ -76,3 +90,11 @@ class SwarmDirectory:
                 continue
             found.append(opened.record)
         return found
+
+    def _open(self, value: object) -> OpenedRecord:
+        opened = open_envelope(value)
+        if self._auth is not None and not self._auth.verify(opened.signed, opened.mac):
+            raise RecordError(
+                f"{opened.kind} record of {opened.subkey[:16]}... lacks the swarm key"
+            )
+        return opened

@@ -6,13 +6,18 @@ subkey, and the same key signs on the DHT and owns the data-plane identity (one 
 everywhere). This module needs neither libp2p nor hivemind (their protobuf modules cannot
 share a process): it parses the id by hand and verifies with ``cryptography``.
 
-    envelope = msgpack {"v": 1, "kind", "key", "sub", "exp", "body": bin, "sig": bin}
+    envelope = msgpack {"v": 1, "kind", "key", "sub", "exp", "body": bin, "sig": bin
+                        [, "mac": bin]}
     signed   = DOMAIN + msgpack([kind, key, sub, exp, body])
+
+``mac`` is a private swarm's tag over the signed bytes (common/swarm_key.py): a node that
+holds the swarm's secret adds it, and the directory of such a node refuses records without
+a valid one. An open swarm's envelopes have none.
 """
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import base58
@@ -31,6 +36,9 @@ MAX_ENVELOPE_BYTES = {"node": 16 << 10, "plan": 600 << 10}
 _MAX_KEY_CHARS = 256
 
 Signer = Callable[[bytes], bytes]
+Tagger = Callable[[bytes], bytes]  # a private swarm's MAC over the signed bytes
+_FIELDS = frozenset({"v", "kind", "key", "sub", "exp", "body", "sig"})
+_MAC_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,10 @@ class OpenedRecord:
     subkey: str
     expiration: float
     record: NodeInfo | PlanProposal
+    # What the signature (and a mac) cover, and a private swarm's tag, unchecked here (the
+    # key is the reader's): not part of what the record says, so not of its equality.
+    signed: bytes = field(default=b"", compare=False, repr=False)
+    mac: bytes | None = field(default=None, compare=False, repr=False)
 
 
 def public_key_of(peer_id: str) -> Ed25519PublicKey:
@@ -60,13 +72,21 @@ def _signed_bytes(kind: str, key: str, subkey: str, expiration: float, body: byt
 
 
 def seal(
-    record: NodeInfo | PlanProposal, *, key: str, subkey: str, expiration: float, sign: Signer
+    record: NodeInfo | PlanProposal,
+    *,
+    key: str,
+    subkey: str,
+    expiration: float,
+    sign: Signer,
+    tag: Tagger | None = None,
 ) -> bytes:
-    """The envelope bytes to store for ``record``; ``sign`` signs with ``subkey``'s key."""
+    """The envelope bytes to store for ``record``; ``sign`` signs with ``subkey``'s key,
+    ``tag`` (a private swarm's) adds a mac over the same bytes."""
     kind = "node" if isinstance(record, NodeInfo) else "plan"
     expiration = float(expiration)  # signed as stored: an int would pack differently
     body = msgpack.packb(record.to_wire(), use_bin_type=True)
-    signature = sign(_signed_bytes(kind, key, subkey, expiration, body))
+    signed = _signed_bytes(kind, key, subkey, expiration, body)
+    signature = sign(signed)
     envelope = {
         "v": ENVELOPE_VERSION,
         "kind": kind,
@@ -76,6 +96,8 @@ def seal(
         "body": body,
         "sig": signature,
     }
+    if tag is not None:
+        envelope["mac"] = tag(signed)
     data = msgpack.packb(envelope, use_bin_type=True)
     if len(data) > MAX_ENVELOPE_BYTES[kind]:
         raise RecordError(f"{kind} record is {len(data)} bytes, over {MAX_ENVELOPE_BYTES[kind]}")
@@ -101,10 +123,11 @@ def open_envelope(data: Any) -> OpenedRecord:
         )
     except Exception as exc:  # msgpack raises assorted ValueError/TypeError subclasses
         raise RecordError(f"record is not a valid envelope: {exc}") from exc
-    if not isinstance(envelope, dict) or set(envelope) != {
-        "v", "kind", "key", "sub", "exp", "body", "sig"
-    }:  # fmt: skip
+    if not isinstance(envelope, dict) or set(envelope) - {"mac"} != _FIELDS:
         raise RecordError("record envelope has the wrong fields")
+    mac = envelope.get("mac")
+    if "mac" in envelope and (not isinstance(mac, bytes) or len(mac) != _MAC_BYTES):
+        raise RecordError("record mac malformed")
     if type(envelope["v"]) is not int or envelope["v"] != ENVELOPE_VERSION:
         raise RecordError(f"record envelope version {peer_repr(envelope['v'])} is not supported")
     kind, key, subkey, expiration = (envelope[k] for k in ("kind", "key", "sub", "exp"))
@@ -119,15 +142,16 @@ def open_envelope(data: Any) -> OpenedRecord:
         raise RecordError("record expiration must be a finite float")
     if not isinstance(body, bytes) or not isinstance(signature, bytes) or len(signature) != 64:
         raise RecordError("record body/signature malformed")
+    signed = _signed_bytes(kind, key, subkey, expiration, body)
     try:
-        public_key_of(subkey).verify(signature, _signed_bytes(kind, key, subkey, expiration, body))
+        public_key_of(subkey).verify(signature, signed)
     except InvalidSignature:
         raise RecordError(f"record signature does not match its subkey {subkey[:16]}...") from None
     record = _parse_body(kind, body)
     owner = record.peer_id if isinstance(record, NodeInfo) else record.proposer
     if owner != subkey:
         raise RecordError(f"record is about {owner[:16]}... but stored under {subkey[:16]}...")
-    return OpenedRecord(kind, key, subkey, expiration, record)
+    return OpenedRecord(kind, key, subkey, expiration, record, signed, mac)
 
 
 def _parse_body(kind: str, body: bytes) -> NodeInfo | PlanProposal:

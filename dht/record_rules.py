@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.common.swarm_key import RecordTags
 from fusionllm.dht.envelope import OpenedRecord, open_envelope
 from fusionllm.dht.keys import check_swarm_name, nodes_key, plans_key
 from fusionllm.dht.records import MAX_CLOCK_SKEW_S, NodeInfo, RecordError
@@ -113,13 +114,14 @@ class RecordRules:
         key_id: Callable[[str], bytes],
         max_skew_s: float = MAX_CLOCK_SKEW_S,
         clock: Callable[[], float] = time.time,
+        tags: RecordTags | None = None,  # a private swarm's: untagged records are refused
     ) -> None:
         check_swarm_name(swarm)
         if not max_ttl_s > 0 or not max_skew_s >= 0:
             raise ConfigError(f"need max_ttl_s > 0 and max_skew_s >= 0, got {max_ttl_s}, "
                               f"{max_skew_s}")  # fmt: skip
         self.swarm, self.max_ttl_s, self.max_skew_s = swarm, max_ttl_s, max_skew_s
-        self._key_id, self._clock = key_id, clock
+        self._key_id, self._clock, self._tags = key_id, clock, tags
         self._nodes_key = nodes_key(swarm)
         self._nodes_key_id = key_id(self._nodes_key)
         self.members = KnownMembers()
@@ -131,6 +133,8 @@ class RecordRules:
         """The opened record if the DHT may keep it; RecordError says why not."""
         now = self._clock()
         opened = self.envelopes.open(value)
+        if self._tags is not None and not self._tags.verify(opened.signed, opened.mac):
+            raise RecordError(f"{opened.kind} record without this swarm's key")
         if opened.subkey != subkey:
             raise RecordError("record stored under a subkey it was not signed for")
         if opened.expiration != expiration:

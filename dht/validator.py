@@ -15,6 +15,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import RecordTags
 from fusionllm.dht.record_rules import RecordRules
 from fusionllm.dht.records import MAX_CLOCK_SKEW_S, RecordError
 
@@ -34,10 +35,12 @@ class SwarmRecordValidator(RecordValidatorBase):
         max_ttl_s: float,
         max_skew_s: float = MAX_CLOCK_SKEW_S,
         clock: Callable[[], float] = time.time,
+        tags: RecordTags | None = None,
     ) -> None:
         self.rules = RecordRules(
-            swarm, max_ttl_s=max_ttl_s, max_skew_s=max_skew_s, key_id=key_id, clock=clock
-        )
+            swarm, max_ttl_s=max_ttl_s, max_skew_s=max_skew_s, key_id=key_id, clock=clock,
+            tags=tags,
+        )  # fmt: skip
         self.rejected = 0
 
     def validate(self, record: DHTRecord) -> bool:

@@ -39,16 +39,20 @@ async def start_node(config: dict[str, Any]) -> Any:
     from hivemind.dht.node import DHTNode
     from hivemind.dht.validation import CompositeValidator
 
+    from fusionllm.common.swarm_key import RecordTags
     from fusionllm.dht.validator import SwarmRecordValidator
 
     validators = []
+    tag_key = config.get("record_tag_key") or ""  # a private swarm's (DhtConfig)
+    tags = RecordTags.from_hex(tag_key) if tag_key else None
     if config.get("validate_records", True):
         validators.append(
-            SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]))
+            SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]), tags=tags)
         )
     return await DHTNode.create(
         initial_peers=config["initial_peers"] or None,
         host_maddrs=[config["listen"]],
+        announce_maddrs=config.get("announce") or None,
         identity_path=config["identity_path"],
         check_if_identity_free=False,
         client_mode=bool(config["client_mode"]),

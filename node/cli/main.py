@@ -8,11 +8,14 @@
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
+- keygen_cmd.py: ``fusionllm keygen --swarm-key FILE`` (a private swarm's key), --swarm-key
 - options.py:    the run options every training command shares
+- config.py:     options from FUSIONLLM_* variables and a TOML --config file
 """
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -20,8 +23,10 @@ from importlib import metadata
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.cli import (
+    config,
     demo_cmd,
     export_cmd,
+    keygen_cmd,
     node_cmd,
     prepare_cmd,
     status_cmd,
@@ -71,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     version = commands.add_parser("version", help="print the installed version")
     version.add_argument("--json", action="store_true", help="machine-readable output")
     version.set_defaults(handler=_cmd_version)
-    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, prepare_cmd, export_cmd):
+    for command in (
+        demo_cmd,
+        train_cmd,
+        node_cmd,
+        swarm_cmd,
+        status_cmd,
+        prepare_cmd,
+        export_cmd,
+        keygen_cmd,
+    ):
         command.add_parser(commands)
     return parser
 
@@ -84,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        command = config.command_parser(parser, args.command)
+        if command is not None and config.is_configurable(command):
+            args = config.apply(parser, command, argv, os.environ)
         return args.handler(args)
     except FusionError as exc:
         print(f"fusionllm {args.command}: error: {exc}", file=sys.stderr)

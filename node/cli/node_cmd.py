@@ -9,6 +9,9 @@ import threading
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.announce_options import add_announce_options, announce_fields
+from fusionllm.node.cli.config import add_config_option
+from fusionllm.node.cli.keygen_cmd import add_swarm_key_option, swarm_key_of
 from fusionllm.node.cli.options import (
     add_data_options,
     add_device_option,
@@ -62,6 +65,8 @@ def add_parser(commands) -> None:
         help="send tensors only inside the control connection (slower; for networks that "
         "allow one port only)",
     )
+    add_announce_options(node)
+    add_swarm_key_option(node)
     add_run_options(node)
     add_data_options(node)
     add_device_option(node)
@@ -90,6 +95,7 @@ def add_parser(commands) -> None:
         "plan, refusals by reason, DHT rounds, checkpoint age (port 0: a free one, printed "
         "at start; default: off)",
     )
+    add_config_option(node)  # last: it names every option above
     node.set_defaults(handler=run)
 
 
@@ -209,8 +215,10 @@ def _node_config(args: argparse.Namespace):
     from fusionllm.node.control.node_config import NodeConfig
     from fusionllm.node.control.swarm_settings import SwarmSettings
 
+    swarm_key = swarm_key_of(args)
     settings = SwarmSettings(
         swarm=args.swarm,
+        key_digest=swarm_key.digest if swarm_key is not None else "",
         run=run_spec_from(args, load_data(args)),
         compress=not args.dense,
         planner=args.planner,
@@ -239,6 +247,8 @@ def _node_config(args: argparse.Namespace):
         control_port=args.port,
         lane_port=args.lane_port,
         lanes=not args.no_lanes,
+        **announce_fields(args),
+        swarm_key=swarm_key,
         probe_interval_s=args.probe_interval,
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),

@@ -48,6 +48,7 @@ from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
+from fusionllm.node.p2p.announce import warn_if_unreachable
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -62,6 +63,7 @@ class NodeDaemon:
         self.config = config
         self.settings = config.settings
         self._on_event = on_event or (lambda event: None)
+        self.peer_id = ""  # ours once start() has read the key
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.control: ControlHost | None = None
@@ -132,7 +134,11 @@ class NodeDaemon:
         if self.dht.peer_id != self.peer_id:
             logger.warning("DHT peer id %s differs from ours %s", self.dht.peer_id, self.peer_id)
         self.directory = SwarmDirectory(
-            self.dht, swarm=settings.swarm, peer_id=self.peer_id, sign=key_pair.private_key.sign
+            self.dht,
+            swarm=settings.swarm,
+            peer_id=self.peer_id,
+            sign=key_pair.private_key.sign,
+            auth=self.config.swarm_key,
         )
         self.agreement = PlanAgreement(
             settings=settings,
@@ -170,6 +176,8 @@ class NodeDaemon:
         """The node's one py-libp2p host with the control plane on it, and the DHT worker; a
         Transport can attach to the host later (``Transport(..., host=daemon.host)``)."""
         cfg, settings = self.config, self.settings
+        warn_if_unreachable(logger, [a.host for a in cfg.announce] or [cfg.listen_host],
+                            cfg.bootstrap)  # fmt: skip
         try:
             self.host = PeerHost(cfg.host_config()).start()
             self.control = ControlHost(
@@ -184,6 +192,8 @@ class NodeDaemon:
                     initial_peers=cfg.bootstrap,
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
+                    announce_maddrs=cfg.dht_announce_maddrs(),
+                    record_tag_key=cfg.swarm_key.records.key_hex if cfg.swarm_key else "",
                     identity_path=cfg.key_path,
                     max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),
                     peer_timeout_s=min(3.0, max(0.5, settings.heartbeat_s)),
@@ -234,6 +244,8 @@ class NodeDaemon:
 
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
+        if not self.peer_id:  # start() failed before it read our key: nobody knows us
+            return
         self.state = NodeState.LEAVING
         # A finished run's last word stays a whole TTL: backups and late readers learn the end.
         finished = self.progress is not None and self.progress.finished

@@ -253,6 +253,8 @@ class PlanAgreement:
             return
         logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
+            if not seat:  # observers (or suspects) only: an empty swarm is no plan, not a crash
+                raise InfeasiblePlanError("no member may be seated: waiting for a node that trains")
             fresh = self._plan(self._swarm({p: members[p] for p in seat}))
         except InfeasiblePlanError as exc:
             self.backoff.planned(self._turn, ids, None)

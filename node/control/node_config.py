@@ -4,14 +4,16 @@ The swarm-wide part (what every node must share) is ``SwarmSettings``; this is t
 """
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.control.swarm_settings import SwarmSettings
+from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
 from fusionllm.node.p2p.checks import boolean, int_in
 from fusionllm.node.p2p.control_host import ControlConfig
 from fusionllm.node.p2p.peer_host import HostConfig
@@ -30,6 +32,14 @@ class NodeConfig:
     control_port: int = 0  # the node's one py-libp2p host: control and data planes
     lanes: bool = True  # tensor frames over lanes (p2p/lane/) where the peer offers one
     lane_port: int = 0  # where this node accepts lanes; 0: a free port
+    # Where peers reach this node when that is not where it listens (p2p/announce.py): the
+    # host's addresses (a port each, or the bound one), and the DHT's and lanes' ports there.
+    announce: tuple[AnnounceAddr, ...] = ()
+    announce_dht_port: int = 0  # 0: dht_port
+    announce_lane_port: int = 0  # 0: the port lanes bound
+    # A private swarm's key (--swarm-key): host connections need it, records carry its tag.
+    # Its digest must be settings.key_digest, so the key also names the swarm's settings.
+    swarm_key: SwarmKey | None = None
     probe_interval_s: float = 10.0
     probe_fanout: int = 3  # peers probed per interval
     probe_bytes: int = 1 << 20  # its range is ControlConfig's (up to max_probe_bytes)
@@ -59,6 +69,19 @@ class NodeConfig:
         boolean("lanes", self.lanes)
         boolean("observer", self.observer)
         int_in("lane_port", self.lane_port, 0, 65535)
+        int_in("announce_dht_port", self.announce_dht_port, 0, 65535)
+        int_in("announce_lane_port", self.announce_lane_port, 0, 65535)
+        object.__setattr__(self, "announce", tuple(self.announce))
+        expected = self.swarm_key.digest if self.swarm_key is not None else ""
+        if self.settings.key_digest != expected:
+            raise ConfigError(
+                f"settings.key_digest {self.settings.key_digest!r} is not the swarm key's "
+                f"digest {expected!r}"
+            )
+        self.host_config()  # checks the announced addresses
+        if self.announce and not (self.announce_dht_port or self.dht_port):
+            # hivemind announces a fixed port only: the one a forward or firewall opens.
+            raise ConfigError("announced addresses need a fixed dht_port (or announce_dht_port)")
 
     def transport_config(self) -> "TransportConfig":
         """The data plane on the node's host (its address and port rule; lanes are ours)."""
@@ -72,6 +95,7 @@ class NodeConfig:
             close_timeout_s=2.0,
             lanes=self.lanes,
             lane_port=self.lane_port,
+            lane_announce_port=self.announce_lane_port,
         )
 
     def control_config(self) -> ControlConfig:
@@ -84,7 +108,14 @@ class NodeConfig:
 
     def host_config(self) -> HostConfig:
         """The node's one py-libp2p host: the control plane's listen address and deadlines."""
-        return self.control_config().host_config()
+        return replace(
+            self.control_config().host_config(), announce=self.announce, swarm_key=self.swarm_key
+        )
+
+    def dht_announce_maddrs(self) -> tuple[str, ...]:
+        """What the DHT announces: each announced IP at the DHT's announced port."""
+        hosts = [replace(a, port=None) for a in self.announce]
+        return announced_multiaddrs(hosts, self.announce_dht_port or self.dht_port)
 
 
 @functools.cache  # read on every heartbeat; importlib.metadata scans sys.path each time

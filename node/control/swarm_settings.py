@@ -6,6 +6,7 @@ so a node started with a different model or epoch length is visible but never pl
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from fusionllm.common.errors import ConfigError
@@ -41,9 +42,16 @@ class SwarmSettings:
     # An idle, stable swarm acts only every this many epochs, and refreshes its records less
     # often (node/control/quiet.py); 1: act every epoch always.
     quiet_max_stride: int = 16
+    # A private swarm's key digest (common/swarm_key.py; never the key): keyed and open swarms,
+    # or two keys, never plan together. "": an open swarm (its digest as before keys existed).
+    key_digest: str = ""
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
+        if not isinstance(self.key_digest, str) or not re.fullmatch(
+            r"(|[0-9a-f]{16})", self.key_digest
+        ):
+            raise ConfigError(f"key_digest must be 16 hex digits or empty, got {self.key_digest!r}")
         if not isinstance(self.compress, bool):
             raise ConfigError(f"compress must be a bool, got {self.compress!r}")
         if self.planner not in PLANNERS:
@@ -83,6 +91,8 @@ class SwarmSettings:
 
     def digest(self) -> str:
         fields = asdict(self) | {"run": self.run.shared_fields()}  # not where a folder lies
+        if not self.key_digest:
+            del fields["key_digest"]
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -28,8 +28,13 @@ MAX_CONNECTIONS = 300
 MAX_CONNECTIONS_PER_PEER = 3
 
 
-def new_secure_host(key_pair: KeyPair, *, negotiate_timeout_s: float) -> IHost:
-    """A host with ``key_pair``'s identity that speaks only Noise + Yamux over TCP."""
+def new_secure_host(
+    key_pair: KeyPair, *, negotiate_timeout_s: float, psk: str | None = None
+) -> IHost:
+    """A host with ``key_pair``'s identity that speaks only Noise + Yamux over TCP; with
+    ``psk`` (64 hex digits), only to hosts with the same pre-shared key (py-libp2p's private
+    network: every connection is encrypted with it under Noise, so without it the security
+    negotiation reads noise and fails)."""
     # The Noise static key is per process on purpose: Noise authenticates it with a signature
     # by the identity key during the handshake, so it need not persist.
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
@@ -44,4 +49,5 @@ def new_secure_host(key_pair: KeyPair, *, negotiate_timeout_s: float) -> IHost:
             high_watermark=MAX_CONNECTIONS,
             max_connections_per_peer=MAX_CONNECTIONS_PER_PEER,
         ),
+        psk=psk,
     )

@@ -38,7 +38,9 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
+from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
 from fusionllm.node.p2p.checks import address_family, int_in, ip_address, positive_seconds
 from fusionllm.node.p2p.host import new_secure_host
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
@@ -66,9 +68,18 @@ class HostConfig:
     listen_port: int = 0  # 0: a free port
     dial_timeout_s: float = 5.0  # connect + security + muxer negotiation
     close_timeout_s: float = 5.0
+    # What ``addrs`` says instead of the listen address (a port forward, a public IP).
+    announce: tuple[AnnounceAddr, ...] = ()
+    # A private swarm's key: connections only with hosts that hold it (host.py).
+    swarm_key: SwarmKey | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_path", Path(self.key_path))
+        object.__setattr__(self, "announce", tuple(self.announce))
+        if not all(isinstance(a, AnnounceAddr) for a in self.announce):
+            raise ConfigError(f"announce must hold AnnounceAddr values, got {self.announce!r}")
+        if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
+            raise ConfigError(f"swarm_key must be a SwarmKey, got {type(self.swarm_key).__name__}")
         ip_address("listen_host", self.listen_host)
         int_in("listen_port", self.listen_port, 0, 65535)
         positive_seconds("dial_timeout_s", self.dial_timeout_s)
@@ -160,7 +171,8 @@ class PeerHost:
         self._thread_name = thread_name
         self._key_pair = load_or_create_identity(config.key_path)
         self.peer_id = peer_id_of(self._key_pair)
-        self._addrs: list[str] = []
+        self._addrs: list[str] = []  # what peers are told to dial (announced, else bound)
+        self._bound: list[str] = []
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -180,6 +192,11 @@ class PeerHost:
     def addrs(self) -> list[str]:
         """Full multiaddrs, ``/ip4/.../tcp/.../p2p/<peer id>``; empty until started."""
         return list(self._addrs)
+
+    @property
+    def bound_addrs(self) -> list[str]:
+        """Where the host listens, which ``addrs`` names unless addresses are announced."""
+        return list(self._bound)
 
     @property
     def running(self) -> bool:
@@ -217,7 +234,9 @@ class PeerHost:
         if self._start_error is not None or self._token is None:
             self.close()
             raise TransportError(f"the host failed to start: {self._start_error!r}")
-        logger.info("host %s listening on %s", self.peer_id, self._addrs)
+        logger.info(
+            "host %s listening on %s, announcing %s", self.peer_id, self._bound, self._addrs
+        )
         return self
 
     def close(self) -> None:
@@ -348,7 +367,8 @@ class PeerHost:
     async def _main(self) -> None:
         config = self.config
         self._stop = trio.Event()
-        host = new_secure_host(self._key_pair, negotiate_timeout_s=config.dial_timeout_s)
+        psk = config.swarm_key.pnet_psk if config.swarm_key is not None else None
+        host = new_secure_host(self._key_pair, negotiate_timeout_s=config.dial_timeout_s, psk=psk)
         with trio.CancelScope() as outer:
             async with host.run(listen_addrs=[config.listen_multiaddr]):
                 # py-libp2p re-dials peers from its peer store to keep ~150 connections: any
@@ -357,7 +377,8 @@ class PeerHost:
                 await host.get_network().auto_connector.stop()
                 async with trio.open_nursery() as nursery:
                     self._host, self._nursery = host, nursery
-                    self._addrs = [str(addr) for addr in host.get_addrs()]
+                    self._bound = [str(addr) for addr in host.get_addrs()]
+                    self._addrs = self._advertised(self._bound)
                     self._token = trio.lowlevel.current_trio_token()
                     self._started.set()
                     await self._stop.wait()
@@ -366,6 +387,14 @@ class PeerHost:
                 self._nursery = None
                 # py-libp2p's own shutdown gets half the close budget, then is cut.
                 outer.deadline = trio.current_time() + config.close_timeout_s / 2
+
+    def _advertised(self, bound: list[str]) -> list[str]:
+        """The announced addresses (with the bound port where they name none), else ``bound``."""
+        if not self.config.announce or not bound:
+            return bound
+        port = int(multiaddr.Multiaddr(bound[0]).value_for_protocol("tcp"))
+        suffix = f"/p2p/{self.peer_id}"
+        return [m + suffix for m in announced_multiaddrs(self.config.announce, port)]
 
     async def _connect(self, info: Any, timeout: float) -> None:
         try:

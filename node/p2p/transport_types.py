@@ -66,6 +66,8 @@ class TransportConfig:
     # cannot be reached (NAT, relays), frames use a libp2p tensor stream.
     lanes: bool = True
     lane_port: int = 0  # where this node accepts lanes; 0: a free port
+    # The port offers name, where a forward to lane_port listens (0: the bound port).
+    lane_announce_port: int = 0
     lane_timeout_s: float = 3.0  # to set a lane up, and for a connection to show its token
     lane_retry_s: float = 60.0  # after a lane to a peer failed, streams only for this long
 
@@ -97,6 +99,7 @@ class TransportConfig:
         boolean("lanes", self.lanes)
         boolean("pin_decoded", self.pin_decoded)
         int_in("lane_port", self.lane_port, 0, 65535)
+        int_in("lane_announce_port", self.lane_announce_port, 0, 65535)
         positive_seconds("lane_timeout_s", self.lane_timeout_s)
         positive_seconds("lane_retry_s", self.lane_retry_s)
 

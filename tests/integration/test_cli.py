@@ -114,3 +114,14 @@ def test_status_serve_and_swarm_metrics_refuse_bad_addresses_before_starting_any
     assert ports.returncode == 1
     assert "--metrics-port 65534: ports BASE..BASE+2 must lie within 1..65535" in ports.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_node_with_a_corrupt_identity_key_says_so(tmp_path):
+    # The error once hid behind an AttributeError from leaving a swarm never joined.
+    key = tmp_path / "id.key"
+    key.write_bytes(b"not a key")
+    key.chmod(0o600)
+    result = _fusionllm("node", "--key", str(key), "--no-train")
+    assert result.returncode == 1
+    assert "is not a libp2p private key" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -105,6 +105,7 @@ class Node:
         self.memory = kw.pop("memory", 8 * GIB)
         self.bandwidth = kw.pop("bandwidth", 1e8)  # what its record says of its access link
         self.device = kw.pop("device", None)  # None: record()'s CPU
+        self.observer = kw.pop("observer", False)
         self.agreement = PlanAgreement(
             settings=kw.pop("settings", SETTINGS),
             costs=GRAPH,
@@ -122,7 +123,7 @@ class Node:
         adopted = (a.adopted_epoch, a.adopted.digest) if a.adopted is not None else None
         return record(self.peer, at=self.clock(), memory=self.memory, adopted=adopted,
                       uplink=self.bandwidth, downlink=self.bandwidth,
-                      config_digest=a.settings.digest(),
+                      config_digest=a.settings.digest(), observer=self.observer,
                       **({"device": self.device} if self.device else {}))  # fmt: skip
 
     def heartbeat(self) -> None:
@@ -256,6 +257,17 @@ def test_an_infeasible_swarm_counts_and_proposes_nothing():
     node.agreement.propose(e)
     node.agreement.propose(e + 1)
     assert node.agreement.counters["plans_failed"] == 2
+    assert directory.plans == {}
+
+
+def test_a_swarm_of_observers_only_plans_nothing_and_goes_on():
+    # It raised "a swarm needs at least one peer" out of the loop: `fusionllm node --no-train`
+    # alone, or before any trainer joined, exited with that error.
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(2, clock, observer=True)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    assert [n.agreement.counters["plans_failed"] for n in nodes] == [1, 1]
     assert directory.plans == {}
 
 

@@ -114,6 +114,7 @@ _OTHER_VALUES = {
     "settle_fraction": 0.6,
     "switch_margin": 0.2,
     "quiet_max_stride": 4,
+    "key_digest": "0123456789abcdef",  # a private swarm's (common/swarm_key.py)
 }
 
 

@@ -47,8 +47,10 @@ class LaneListener:
         refuse: Refuse,
         tickets: Tickets,
         timeout_s: float,
+        announce_port: int = 0,
     ) -> None:
         self._serve = serve
+        self._announce_port = announce_port  # a forward's port, named in offers (0: ours)
         self._admit = admit
         self._refuse = refuse
         self._tickets = tickets
@@ -90,9 +92,10 @@ class LaneListener:
             await reset_quietly(stream)  # the sender falls back to a tensor stream
             return
         token, key = ticket
+        offer = Offer(port=self._announce_port or self.port, token=token, key=key)
         try:
             with trio.fail_after(self._timeout_s):
-                await stream.write(Offer(port=self.port, token=token, key=key).to_wire())
+                await stream.write(offer.to_wire())
         except (trio.TooSlowError, *NETWORK_ERRORS):
             logger.debug("a lane offer to %s failed", peer, exc_info=True)
             await reset_quietly(stream)

@@ -84,6 +84,7 @@ class Lanes:
             refuse=refuse,
             tickets=tickets,
             timeout_s=config.lane_timeout_s,
+            announce_port=config.lane_announce_port,
         )
         port = await listener.bind(self._host.config.listen_host, config.lane_port)
         self._host.set_stream_handler(LANE_PROTOCOL, listener.offer)
