@@ -24,8 +24,15 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.compression.wire_sizes import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.plan_build import _stage_record, _wire, link_plan
-from fusionllm.dag.plan_records import LinkPlan, Plan, PlanConfig, StagePlan, pipeline_times
+from fusionllm.dag.plan_build import _stage_record, _wire, build_plan, link_plan
+from fusionllm.dag.plan_records import (
+    PLANNERS,
+    LinkPlan,
+    Plan,
+    PlanConfig,
+    StagePlan,
+    pipeline_times,
+)
 from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
 
@@ -101,6 +108,33 @@ class Retimer:
             rule,
             ours,
         )
+
+    def recoded(self, plan: Plan) -> Plan:
+        """``plan``'s stages and peers planned again on our snapshot: shares, link pairs and
+        AdaTopK's codecs as the planner's rules give them now. The fair bar for a plan we
+        follow against a fresh plan of the same snapshot (``retime`` keeps the old codecs: a
+        link compressed when it was the bottleneck stays compressed after it is not, and the
+        old plan looks slower than it would run). PlanCheckError if it no longer fits."""
+        gone = sorted({p for s in plan.stages for p in s.peers} - set(self.swarm.peer_ids))
+        if gone:
+            raise PlanCheckError(f"the plan cannot be planned again here: {gone[0][:16]}... left")
+        cuts = [s.start for s in plan.stages] + [plan.stages[-1].stop]
+        config = self.config
+        if plan.method != PLANNERS["opfence"]:  # the baselines send dense (baselines.py)
+            config = dataclasses.replace(config, compression=False)
+        try:
+            return build_plan(
+                self.graph,
+                self.swarm,
+                config,
+                [list(s.peers) for s in plan.stages],
+                cuts,
+                fences=[list(f) for f in plan.fences],
+                method=plan.method,
+                _model=self.model if config is self.config else None,
+            )
+        except ConfigError as exc:  # a peer gone, or one that cannot hold its stage now
+            raise PlanCheckError(f"the plan cannot be planned again here: {exc}") from exc
 
     def _as_claimed(self, ours: LinkPlan, claimed: LinkPlan) -> LinkPlan:
         """Our link with the claimed codecs: what would cross it if the plan ran."""

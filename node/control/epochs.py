@@ -20,6 +20,7 @@ from fusionllm.dag.methods import InfeasiblePlanError, Plan, plan_for
 from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.swarm import Swarm
+from fusionllm.dag.switch_cost import SwitchPolicy
 from fusionllm.dht.records import (
     MAX_CLOCK_SKEW_S,
     NodeInfo,
@@ -38,7 +39,6 @@ from fusionllm.node.control.agreement import (
     epoch_at,
     epoch_start,
     fresh_members,
-    keep_incumbent,
     next_step,
     serving_peers,
 )
@@ -49,6 +49,7 @@ from fusionllm.node.control.convergence import Outvoted, converge, most_followed
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
+from fusionllm.node.control.switching import judge_switch
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PlanAgreement:
         limits: AuditLimits | None = None,
         backoff: BackoffConfig | None = None,
         tell_swarm: Callable[[], None] = lambda: None,
+        switch_policy: SwitchPolicy | None = None,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -83,6 +85,7 @@ class PlanAgreement:
         self._own_info, self._emit, self.clock = own_info, emit, clock
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
+        self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
@@ -266,10 +269,13 @@ class PlanAgreement:
             return
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
         if incumbent is not None:
-            bar = self._bar(incumbent, fresh, members)
-            logger.debug("epoch %d: fresh plan %.4gs on %d peers, the one we follow %.4gs",
-                         epoch, estimate, len(serving_peers(fresh)), bar)  # fmt: skip
-            if keep_incumbent(bar, estimate, self.settings.switch_margin):
+            retimer = Retimer(self.costs, swarm, self.plan_config)  # the fresh plan's snapshot
+            judged = judge_switch(incumbent, fresh, retimer=retimer, costs=self.costs,
+                                  switch_margin=self.settings.switch_margin,
+                                  policy=self.switch_policy)  # fmt: skip
+            logger.debug("epoch %d: fresh plan on %d peers: %s",
+                         epoch, len(serving_peers(fresh)), judged)  # fmt: skip
+            if judged.keep:
                 plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).
@@ -330,21 +336,6 @@ class PlanAgreement:
                         epoch, candidate.audit.own)  # fmt: skip
             return None
         return candidate
-
-    def _bar(self, incumbent: Candidate, fresh: Plan, members: Mapping[str, NodeInfo]) -> float:
-        """The step time a fresh plan must beat (by the switch margin) to replace the one we
-        follow. Among the same serving peers, the incumbent's own claim: probes of links busy
-        with training read slower than when the plan was made, and must not flip codecs and
-        splits back and forth. A plan that seats other peers (a newcomer) is measured against
-        the best those same peers could do on today's figures: the claim, made on an idle
-        swarm maybe, would keep every newcomer out."""
-        seated = serving_peers(incumbent.plan)
-        if serving_peers(fresh) == seated:
-            return incumbent.estimate
-        try:
-            return self._plan(self._swarm({p: members[p] for p in seated})).estimated_step_time
-        except InfeasiblePlanError:
-            return incumbent.score  # its peers cannot plan alone now: compare as it runs
 
     def _plan(self, swarm: Swarm) -> Plan:
         """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
