@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.methods import InfeasiblePlanError, Plan, plan_for
+from fusionllm.dag.methods import InfeasiblePlanError
 from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.swarm import Swarm
@@ -46,6 +46,8 @@ from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
+from fusionllm.node.control.link_wait import LinkWait
+from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
@@ -77,6 +79,7 @@ class PlanAgreement:
         backoff: BackoffConfig | None = None,
         tell_swarm: Callable[[], None] = lambda: None,
         switch_policy: SwitchPolicy | None = None,
+        link_wait_s: float = 0.0,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -86,6 +89,7 @@ class PlanAgreement:
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
+        self.link_wait = LinkWait(link_wait_s)  # no plan over links nobody measured, a while
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
@@ -98,7 +102,7 @@ class PlanAgreement:
         self.state = NodeState.JOINING
         self.run_finished = False  # some member's record says the run reached its end
         self.outvoted = Outvoted()
-        self._plans: dict[bytes, Plan] = {}  # the last few plans by their inputs
+        self._plan = PlanMemo(costs, self.plan_config)  # the planner, memoized
         self._last_plan_failure = ""
         self.counters = {
             "invalid_proposals": 0,
@@ -106,6 +110,7 @@ class PlanAgreement:
             "proposals_overclaimed": 0,  # of which: figures below ours beyond the tolerance
             "plans_failed": 0,
             "converged": 0,
+            "waited_for_links": 0,  # epochs we did not plan: candidates' links unmeasured
         }
 
     # ------------------------------------------------------------------ the loop
@@ -220,7 +225,9 @@ class PlanAgreement:
             members=members,
             node_ids=self.node_ids,
             config=self.plan_config,
-            retimer=Retimer(self.costs, swarm, self.plan_config),
+            retimer=Retimer(
+                self.costs, swarm, self.plan_config, unmeasured_trust=self.limits.unmeasured_trust
+            ),
             limits=self.limits,
             seatable=self._seatable(members),
         )
@@ -244,6 +251,12 @@ class PlanAgreement:
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
         seat = self._seatable(members)
+        pairs = self.book.measured_pairs(seat, now=self.clock())
+        if self.link_wait.waiting(seat, pairs, now=self.clock()):  # link_wait.py
+            self.counters["waited_for_links"] += 1
+            if incumbent is not None:
+                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+            return
         ids = frozenset((peer, peer in measured, peer in seat) for peer in members)
         # The gap counts the epochs we act in: a quiet node re-checks as seldom as it acts.
         self._turn += 1
@@ -336,21 +349,6 @@ class PlanAgreement:
                         epoch, candidate.audit.own)  # fmt: skip
             return None
         return candidate
-
-    def _plan(self, swarm: Swarm) -> Plan:
-        """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
-        see the same inputs, and planning is the costliest part of an epoch."""
-        key = hashlib.sha256(
-            repr([(p.peer_id, p.device, p.uplink, p.downlink, p.rtt) for p in swarm.peers]).encode()
-            + b"".join(a.tobytes() for a in (swarm.src, swarm.dst, swarm.bandwidth, swarm.rtt))
-        ).digest()
-        if key in self._plans:
-            return self._plans[key]
-        fresh = plan_for(self.costs, swarm, self.plan_config)
-        if len(self._plans) >= 4:  # the whole swarm, and the incumbent's peers (_bar)
-            del self._plans[next(iter(self._plans))]
-        self._plans[key] = fresh
-        return fresh
 
     # ------------------------------------------------------------------ adopt
 

@@ -117,6 +117,7 @@ class Node:
             emit=lambda event, **fields: self.events.append({"event": event, **fields}),
             clock=clock,
             switch_policy=kw.pop("switch_policy", None),
+            link_wait_s=kw.pop("link_wait_s", 0.0),
         )
 
     def info(self) -> NodeInfo:
@@ -672,3 +673,29 @@ def test_in_a_quiet_swarm_only_the_routine_planners_store_the_plan_again():
     assert set(stored) == set(routine_planners(quiet_epoch, list(directory.records), 3))
     assert {n.agreement.adopted.digest for n in nodes} == {plan}
     assert {n.agreement.adopted_epoch for n in nodes} == {quiet_epoch}
+
+
+# ----------------------------------------------------------------------------- link wait
+
+
+def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out():
+    """The testbed's first plans were all made on estimated links (0.1122 s everywhere): with
+    a link wait, a node proposes nothing while a pair of candidates is unmeasured."""
+    clock = FakeClock(T0 + 0.1)
+    directory = FakeDirectory()
+    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=6.0) for i in range(2)]
+    for node in nodes:
+        node.heartbeat()
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    assert e not in directory.plans
+    assert nodes[0].agreement.counters["waited_for_links"] == 1
+    sample = LinkSample(bandwidth=1e8, rtt=0.01, measured_at=clock.now)
+    nodes[0].agreement.book.record("peer0", "peer1", sample, now=clock.now)
+    clock.now = T0 + 2.1
+    epoch_round(nodes, e + 1)
+    assert set(directory.plans[e + 1]) == {"peer0"}  # peer1 has not heard of the link yet
+    # Nobody measures peer1's side for peer1: past the wait it plans with what it has.
+    clock.now = T0 + 6.1
+    nodes[1].agreement.propose(e + 3)
+    assert "peer1" in directory.plans[e + 3]
