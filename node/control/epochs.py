@@ -51,7 +51,7 @@ from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
-from fusionllm.node.control.switching import judge_switch
+from fusionllm.node.control.switching import after_a_loss, judge_switch
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,11 @@ class PlanAgreement:
                 level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
             )
             return
+        if incumbent is None and self.adopted is not None:  # it broke: keep what we can of it
+            fresh = after_a_loss(self.adopted.plan, fresh, lambda peers: self._plan(self._swarm(
+                {p: members[p] for p in peers})), swarm=swarm, costs=self.costs,
+                config=self.plan_config, switch_margin=self.settings.switch_margin,
+                policy=self.switch_policy)  # fmt: skip
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
         if incumbent is not None:
             retimer = Retimer(self.costs, swarm, self.plan_config)  # the fresh plan's snapshot

@@ -11,13 +11,16 @@ the state it moves (``dag.switch_cost``), spread over the steps it is expected t
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.methods import InfeasiblePlanError
 from fusionllm.dag.plan_check import PlanCheckError, Retimer
-from fusionllm.dag.plan_records import Plan
+from fusionllm.dag.plan_records import Plan, PlanConfig
+from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.switch_cost import SwitchPolicy, amortised_switch_s, state_transfer_time
-from fusionllm.node.control.agreement import Candidate, keep_incumbent
+from fusionllm.node.control.agreement import Candidate, keep_incumbent, serving_peers
 
 logger = logging.getLogger(__name__)
 
@@ -56,3 +59,33 @@ def judge_switch(
     cost = amortised_switch_s(transfer, policy)
     keep = keep_incumbent(now, fresh.estimated_step_time + cost, switch_margin)
     return SwitchJudgement(keep, now, fresh.estimated_step_time, transfer)
+
+
+def after_a_loss(
+    old: Plan,
+    fresh: Plan,
+    plan_over: Callable[[frozenset[str]], Plan],
+    *,
+    swarm: Swarm,
+    costs: GraphCosts,
+    config: PlanConfig,
+    switch_margin: float,
+    policy: SwitchPolicy,
+) -> Plan:
+    """The plan to propose once the one we followed broke (a member left): ``fresh``, or the
+    plan of the old plan's surviving holders (``plan_over``) unless ``fresh`` beats it by the
+    switch margin with its moved state paid. Seen on the testbed: after a crash the swarm
+    moved the whole model to an all-new plan, minutes of state over home uplinks."""
+    holders = frozenset(serving_peers(old) & set(swarm.peer_ids))
+    if not holders or holders == serving_peers(fresh):
+        return fresh
+    try:
+        kept = plan_over(holders)
+    except InfeasiblePlanError:  # the holders alone cannot run it (memory, min_peers)
+        return fresh
+
+    def paid(p: Plan) -> float:
+        moved = state_transfer_time(old, p, costs, swarm, config)
+        return p.estimated_step_time + amortised_switch_s(moved, policy)
+
+    return kept if keep_incumbent(paid(kept), paid(fresh), switch_margin) else fresh
