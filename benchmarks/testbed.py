@@ -175,9 +175,11 @@ def _timing(steps: dict[int, dict], warmup: int, total: int) -> dict:
 
 
 def _stage_seconds(nodes, warmup: int) -> dict:
-    """Per host, medians after the warm-up of what its steps spent computing (``busy_s``) and
-    waiting for frames (``wait_s``): where a step's time goes, beside the plan's estimate."""
-    out: dict[str, dict[str, float]] = {"busy_s": {}, "wait_s": {}}
+    """Per host, medians after the warm-up of what its steps spent computing (``busy_s``),
+    waiting for frames (``wait_s``) and in all (``seconds``: the runner's step, from its start
+    to the summary; the rest of the interval between steps is the trainer's): where a step's
+    time goes, beside the plan's estimate."""
+    out: dict[str, dict[str, float]] = {"busy_s": {}, "wait_s": {}, "seconds": {}}
     for node in nodes:
         steps = [e for e in node.snapshot() if e["event"] == "step" and e["step"] >= warmup]
         for key in out:
