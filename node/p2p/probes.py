@@ -53,10 +53,10 @@ PING_BYTES = 8
 ACK_BYTES = 16
 TAIL = struct.Struct(">QQ")  # after the ack: tail bytes, tail nanoseconds (server's clock)
 # The tail's figure counts up to this many times the whole probe's. Measured on the testbed
-# (benchmarks/testbed_probes.py): the tail of a warm 1 MiB probe read 0.95-0.97 of 20-100 Mbit/s
-# caps at 40-100 ms, where the whole probe read 0.60-0.87; once a cold tail read 1.6x the cap
-# (a reader that lagged, then drained its buffer). Twice the whole figure keeps the gain where
-# it is real and bounds both that and what a lying server gains.
+# (benchmarks/testbed_probes.py, docs/testbed.md): warm tails read 100 Mbit/s caps at 40-100 ms
+# within 0.86-1.04, whole probes 0.40-0.94; but a reader that lagged under load, then drained
+# its buffer, read 1.6-1.7x the cap, and the book keeps the best recent figure. The bound
+# limits what a lying server gains and most over-reads, at some cost to slow whole probes.
 STEADY_TRUST = 2.0
 _PROBE_PINGS = 3
 _PROBE_OK = 0
