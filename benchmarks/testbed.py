@@ -140,6 +140,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         "method": method, "steps": steps, "ready_s": ready_at - launched,
         **_timing(_merged_steps(nodes), warmup, steps),
         **_plans(nodes, hosts),
+        **_stage_seconds(nodes, warmup),
         "wire": _wire(watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
         "exit_codes": {n.name: n.process.returncode for n in nodes},
@@ -173,12 +174,27 @@ def _timing(steps: dict[int, dict], warmup: int, total: int) -> dict:
     }  # fmt: skip
 
 
+def _stage_seconds(nodes, warmup: int) -> dict:
+    """Per host, medians after the warm-up of what its steps spent computing (``busy_s``),
+    waiting for frames (``wait_s``) and in all (``seconds``: the runner's step, from its start
+    to the summary; the rest of the interval between steps is the trainer's): where a step's
+    time goes, beside the plan's estimate."""
+    out: dict[str, dict[str, float]] = {"busy_s": {}, "wait_s": {}, "seconds": {}}
+    for node in nodes:
+        steps = [e for e in node.snapshot() if e["event"] == "step" and e["step"] >= warmup]
+        for key in out:
+            if steps:
+                out[key][node.name] = statistics.median(e[key] for e in steps)
+    return out
+
+
 def _plans(nodes, hosts: dict[str, str]) -> dict:
     """The plans trained (by steps run under each), the longest one's estimate and hosts."""
-    estimates, stages = {}, {}
+    estimates, stages, first = {}, {}, []
     for node in nodes:
         for e in node.snapshot():
             if e["event"] == "epoch":
+                first.append((e["epoch"], e["estimate"]))
                 estimates[e["digest"]] = e["estimate"]
                 stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
     starts = sorted({(e["start_step"], e["digest"]) for n in nodes for e in n.snapshot()
@@ -193,6 +209,7 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
         "plan": stages.get(longest),
         "estimate_s": estimates.get(longest),
         "plan_steps": runs.get(longest, 0),
+        "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted
     }
 
 

@@ -8,7 +8,9 @@ it --rounds times at 64 KiB (the test swarms' size) and 1 MiB (the default), 0.5
 one connection. Printed: the probe's figure (``probe_bandwidth``: its bytes over first byte to
 ack, less one RTT) of the first round, on a new connection (cold: TCP's window still small,
 as for a node's probe after seconds of quiet; 64 KiB goes first, then 1 MiB), the median of
-the other rounds (warm), the median RTT, beside the configured cap and round trip. No
+the other rounds (warm), the median RTT, beside the configured cap and round trip; then the
+raw figure (bytes over first byte to ack) and the tail's (the payload's second half as the
+server timed it, probes.py), cold / warm. No
 training runs meanwhile: this is the probe alone, on a machine otherwise as loaded as it is.
 """
 
@@ -47,6 +49,10 @@ def _row(name: str, delay_ms: float, rate: float, rounds: int, workdir: str) -> 
             "cold_mb_s": mine[0]["bandwidth"] / 1e6,
             "warm_mb_s": statistics.median(r["bandwidth"] for r in mine[1:]) / 1e6,
             "measured_rtt_ms": statistics.median(r["rtt"] for r in mine) * 1e3,
+            "raw_cold_mb_s": mine[0]["raw"] / 1e6,
+            "raw_warm_mb_s": statistics.median(r["raw"] for r in mine[1:]) / 1e6,
+            "tail_cold_mb_s": mine[0].get("tail", 0.0) / 1e6,
+            "tail_warm_mb_s": statistics.median(r.get("tail", 0.0) for r in mine[1:]) / 1e6,
         })  # fmt: skip
     return rows
 
@@ -67,10 +73,13 @@ def main() -> int:
         for name, delay_ms, rate in ROWS:
             rows += _row(name, delay_ms, rate, args.rounds, workdir)
             print(f"  done: {name}", file=sys.stderr, flush=True)
-    print(f"{'link':20} {'probe':>6} {'cap MB/s':>9} {'cold':>7} {'warm':>7} {'rtt ms':>7}")
+    print(f"{'link':20} {'probe':>6} {'cap MB/s':>9} {'cold':>7} {'warm':>7} {'rtt ms':>7} "
+          f"{'raw c/w':>13} {'tail c/w':>13}")  # fmt: skip
     for r in rows:
         print(f"{r['row']:20} {r['probe_kib']:>4}Ki {r['cap_mb_s']:9.2f} {r['cold_mb_s']:7.2f} "
-              f"{r['warm_mb_s']:7.2f} {r['measured_rtt_ms']:7.1f}")  # fmt: skip
+              f"{r['warm_mb_s']:7.2f} {r['measured_rtt_ms']:7.1f} "
+              f"{r['raw_cold_mb_s']:6.2f}/{r['raw_warm_mb_s']:<6.2f} "
+              f"{r['tail_cold_mb_s']:6.2f}/{r['tail_warm_mb_s']:<6.2f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

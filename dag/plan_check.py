@@ -6,11 +6,13 @@ the proposer chose (stage boundaries, replicas, the peer pair and the codec of e
 recomputes everything that follows from those choices with the planner's own rules
 (``build_plan``): shares, memory, compute and all-reduce times from the graph and the members'
 devices, the bytes each link's codec puts on the wire, link times at the bandwidth *we* see,
-and the step time by the simulator: the plan as it would run here. Beside it, ``Retimed.rule``
-holds each link as AdaTopK would compress it at the bandwidth the plan itself claims for it
-(and our compute budget), so a caller can tell a plan that compresses more than its own
-figures allow, and ``Retimed.ours`` at the bandwidth we see (more than our view allows); a
-claimed bandwidth above what we see shows in the step time instead.
+and the step time by the simulator: the plan as it would run here (a link we have not
+measured yet at the figures the plan claims for it: we have no evidence against them).
+Beside it, ``Retimed.rule`` holds each link as AdaTopK would compress it at the bandwidth
+the plan itself claims for it (and our compute budget), so a caller can tell a plan that
+compresses more than its own figures allow, and ``Retimed.ours`` at the bandwidth we see
+(more than our view allows); a claimed bandwidth above what we see shows in the step time
+instead.
 
 ``wire_bytes_for``: the bytes a (codec, ratio) puts on the wire, for the codecs the planner
 makes and no other.
@@ -23,9 +25,17 @@ from dataclasses import dataclass
 from fusionllm.common.errors import ConfigError
 from fusionllm.compression.wire_sizes import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
+from fusionllm.dag.cost import LinkProfile
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.plan_build import _stage_record, _wire, link_plan
-from fusionllm.dag.plan_records import LinkPlan, Plan, PlanConfig, StagePlan, pipeline_times
+from fusionllm.dag.plan_build import _stage_record, _wire, build_plan, link_plan
+from fusionllm.dag.plan_records import (
+    PLANNERS,
+    LinkPlan,
+    Plan,
+    PlanConfig,
+    StagePlan,
+    pipeline_times,
+)
 from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
 
@@ -61,8 +71,16 @@ def wire_bytes_for(codec: str, ratio: float, dense_bytes: int, config: PlanConfi
 class Retimer:
     """Our view (graph costs, members' devices, our bandwidth book as a Swarm) of any plan."""
 
-    def __init__(self, graph: GraphCosts, swarm: Swarm, config: PlanConfig) -> None:
+    def __init__(
+        self, graph: GraphCosts, swarm: Swarm, config: PlanConfig, *, unmeasured_trust: float = 1.0
+    ) -> None:
+        """``unmeasured_trust``: on a link we have not measured, a plan's claimed figures are
+        believed up to this factor better than our estimate from the ends' records (1: our
+        estimate rules, as on a measured link)."""
+        if not (math.isfinite(unmeasured_trust) and unmeasured_trust >= 1.0):
+            raise ConfigError(f"unmeasured_trust must be finite and >= 1, got {unmeasured_trust}")
         self.graph, self.swarm, self.config = graph, swarm, config
+        self.unmeasured_trust = unmeasured_trust
         # One cost model for every proposal of an epoch: building it is the costly part.
         self.model = _Model(graph, swarm, config)
 
@@ -101,6 +119,33 @@ class Retimer:
             rule,
             ours,
         )
+
+    def recoded(self, plan: Plan) -> Plan:
+        """``plan``'s stages and peers planned again on our snapshot: shares, link pairs and
+        AdaTopK's codecs as the planner's rules give them now. The fair bar for a plan we
+        follow against a fresh plan of the same snapshot (``retime`` keeps the old codecs: a
+        link compressed when it was the bottleneck stays compressed after it is not, and the
+        old plan looks slower than it would run). PlanCheckError if it no longer fits."""
+        gone = sorted({p for s in plan.stages for p in s.peers} - set(self.swarm.peer_ids))
+        if gone:
+            raise PlanCheckError(f"the plan cannot be planned again here: {gone[0][:16]}... left")
+        cuts = [s.start for s in plan.stages] + [plan.stages[-1].stop]
+        config = self.config
+        if plan.method != PLANNERS["opfence"]:  # the baselines send dense (baselines.py)
+            config = dataclasses.replace(config, compression=False)
+        try:
+            return build_plan(
+                self.graph,
+                self.swarm,
+                config,
+                [list(s.peers) for s in plan.stages],
+                cuts,
+                fences=[list(f) for f in plan.fences],
+                method=plan.method,
+                _model=self.model if config is self.config else None,
+            )
+        except ConfigError as exc:  # a peer gone, or one that cannot hold its stage now
+            raise PlanCheckError(f"the plan cannot be planned again here: {exc}") from exc
 
     def _as_claimed(self, ours: LinkPlan, claimed: LinkPlan) -> LinkPlan:
         """Our link with the claimed codecs: what would cross it if the plan ran."""
@@ -151,6 +196,23 @@ class Retimer:
         k = claimed.src_stage
         dense_bytes = round(float(self.model.cut[cuts[k + 1]]))
         src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
-        forward, backward = self.swarm.link(src, dst), self.swarm.link(dst, src)
+        forward = self._seen(src, dst, claimed.forward_bandwidth, claimed.forward_rtt)
+        backward = self._seen(dst, src, claimed.backward_bandwidth, claimed.backward_rtt)
         pair = (claimed.src_peer, claimed.dst_peer)
         return link_plan(k, pair, dense_bytes, (forward, backward), budget, self.config)
+
+    def _seen(self, src: int, dst: int, bandwidth: float, rtt: float) -> LinkProfile:
+        """The link src -> dst as we measured it; one we have not measured, as claimed but
+        never more than ``unmeasured_trust`` times better than our estimate. That estimate
+        (the ends' access links) is weak evidence against a proposer that measured the link:
+        audited on it alone, a node refused plans over links it had not probed yet as ~5x
+        slower (docs/testbed.md). The bound keeps what a liar gains finite."""
+        ours = self.swarm.link(src, dst)
+        if self.swarm.measured(src, dst) or self.unmeasured_trust == 1.0:
+            return ours
+        if not (bandwidth > 0 and math.isfinite(rtt) and rtt >= 0):
+            raise PlanCheckError(f"a link of the plan claims {bandwidth} B/s, {rtt} s")
+        trust = self.unmeasured_trust
+        return LinkProfile(
+            bandwidth=min(bandwidth, ours.bandwidth * trust), rtt=max(rtt, ours.rtt / trust)
+        )

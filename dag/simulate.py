@@ -2,10 +2,22 @@
 
 Every plan (OP-Fence's, a baseline's, the brute-force optimum's) is reduced to PipelineTimes and
 timed here, so methods are compared on equal terms. Model: a stage runs one operation at a time
-in the 1F1B order (warm-up forwards, one-forward-one-backward, cool-down backwards); each link
-direction is a FIFO resource busy for the serialisation time of a transfer, which then arrives
-after the link's one-way latency; a stage averages its gradients inside its fence after its
-last backward (no overlap with compute: conservative, and the same for every method).
+in the 1F1B order (warm-up forwards, one-forward-one-backward, cool-down backwards); a stage's
+sends, activations forward and gradients back alike, leave through its one uplink: a FIFO busy
+for the serialisation time of each transfer, which then arrives after the link's one-way
+latency (so a step pays the 2(S-1) one-way latencies of the pipeline's fill and drain); a
+stage averages its gradients inside its fence after its last backward (no overlap with
+compute: conservative, and the same for every method).
+
+Why one uplink per stage and not one resource per link direction: a middle stage's forward
+and backward sends go to two peers over the same access link. On the testbed's topology C a
+0.2-core host on an 8 Mbit/s uplink sent 874 KB forward and 868 KB back per step; timed as two
+independent links, the naive plan ran at 2.07 s; at the configured caps this model says
+1.56 s, the old one 1.32 (docs/results.md, benchmarks/testbed_estimates.py).
+
+The step's summary all-gather (node/pipeline/runner.py) is not timed: every stage but the one
+counting a tied parameter sends its summary before the tied sums, so the summaries stage 0
+waits for left their stages before its last backward ended and are there when it ends.
 """
 
 import math
@@ -90,8 +102,7 @@ def simulate(times: PipelineTimes) -> SimResult:
     # arrive_f[s][i]: activation of micro-batch i available at stage s; arrive_b likewise.
     arrive_f = [[0.0 if s == 0 else math.nan] * m for s in range(s_count)]
     arrive_b = [[math.nan] * m for _ in range(s_count)]
-    link_free_f = [0.0] * max(0, s_count - 1)
-    link_free_b = [0.0] * max(0, s_count - 1)
+    uplink_free = [0.0] * s_count  # when each stage's uplink is next free
     forward_done = [[math.nan] * m for _ in range(s_count)]
     schedules = [_schedule(s, s_count, m) for s in range(s_count)]
     cursor = [0] * s_count
@@ -116,13 +127,11 @@ def simulate(times: PipelineTimes) -> SimResult:
                 if kind == "F":
                     forward_done[s][i] = clock[s]
                     if s < s_count - 1:
-                        begin = max(clock[s], link_free_f[s])
-                        link_free_f[s] = begin + send_f[s]
-                        arrive_f[s + 1][i] = link_free_f[s] + lat_f[s]
+                        uplink_free[s] = max(clock[s], uplink_free[s]) + send_f[s]
+                        arrive_f[s + 1][i] = uplink_free[s] + lat_f[s]
                 elif s > 0:
-                    begin = max(clock[s], link_free_b[s - 1])
-                    link_free_b[s - 1] = begin + send_b[s - 1]
-                    arrive_b[s - 1][i] = link_free_b[s - 1] + lat_b[s - 1]
+                    uplink_free[s] = max(clock[s], uplink_free[s]) + send_b[s - 1]
+                    arrive_b[s - 1][i] = uplink_free[s] + lat_b[s - 1]
                 cursor[s] += 1
                 remaining -= 1
                 progressed = True

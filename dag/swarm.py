@@ -138,6 +138,14 @@ class Swarm:
         bw, rtt = self.link_arrays(np.array([i]), np.array([j]))
         return LinkProfile(bandwidth=float(bw[0]), rtt=float(rtt[0]))
 
+    def measured(self, i: int, j: int) -> bool:
+        """Whether the link i -> j (peer indices) was measured, not estimated from the ends."""
+        if not self._key.size:
+            return False
+        query = i * self.n + j
+        at = min(int(np.searchsorted(self._key, query)), self._key.size - 1)
+        return bool(self._key[at] == query)
+
     def link_arrays(self, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Bandwidth and RTT of links i[k] -> j[k], measured where known, else estimated."""
         i = np.asarray(i, dtype=np.int64)

@@ -49,11 +49,17 @@ class AuditLimits:
     compression_tolerance: float = 0.5
     # Shares follow from device records alone, which every node reads alike.
     share_tolerance: float = 1e-6
+    # A link we have not measured is estimated from its ends' records, which under-read a fast
+    # link by ~5x on the testbed before the first probes: there a claim is believed up to this
+    # factor above our estimate (Retimer's unmeasured_trust), and a liar gains no more.
+    unmeasured_trust: float = 8.0
 
     def __post_init__(self) -> None:
         for name in ("tolerance", "own_tolerance", "compression_tolerance"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 1.0 <= self.unmeasured_trust <= 64.0:
+            raise ConfigError(f"unmeasured_trust must be in [1, 64], got {self.unmeasured_trust}")
         if not 0 <= self.share_tolerance < 0.01:
             raise ConfigError(f"share_tolerance must be in [0, 0.01), got {self.share_tolerance}")
 

@@ -188,6 +188,10 @@ class BandwidthBook:
         links = [key for key in self._fresh(now) if key[0] in peers and key[1] in peers]
         return {peer for link in links for peer in link}
 
+    def measured_pairs(self, peers: Collection[str], *, now: float) -> set[tuple[str, str]]:
+        """The directed links among ``peers`` with a fresh measurement."""
+        return {key for key in self._fresh(now) if key[0] in peers and key[1] in peers}
+
     def towards(self, dst: str, now: float, *, sources: Container[str]) -> list[float]:
         """Fresh bandwidths ``sources`` measured towards ``dst`` (its downlink, seen from
         outside; only members' samples, or a stranger could set it)."""

@@ -150,6 +150,8 @@ class NodeDaemon:
             own_info=self._info,
             emit=self._emit_epoch,
             tell_swarm=self._tell_swarm,
+            # Probes reach every member within a few intervals (fanout 3, both ends probe).
+            link_wait_s=3 * self.config.probe_interval_s,
         )
         self.links = self._link_monitor()
         self._heartbeat()

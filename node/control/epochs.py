@@ -16,10 +16,11 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.methods import InfeasiblePlanError, Plan, plan_for
+from fusionllm.dag.methods import InfeasiblePlanError
 from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.swarm import Swarm
+from fusionllm.dag.switch_cost import SwitchPolicy
 from fusionllm.dht.records import (
     MAX_CLOCK_SKEW_S,
     NodeInfo,
@@ -38,7 +39,6 @@ from fusionllm.node.control.agreement import (
     epoch_at,
     epoch_start,
     fresh_members,
-    keep_incumbent,
     next_step,
     serving_peers,
 )
@@ -46,9 +46,12 @@ from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
+from fusionllm.node.control.link_wait import LinkWait
+from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
+from fusionllm.node.control.switching import after_a_loss, judge_switch
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class PlanAgreement:
         limits: AuditLimits | None = None,
         backoff: BackoffConfig | None = None,
         tell_swarm: Callable[[], None] = lambda: None,
+        switch_policy: SwitchPolicy | None = None,
+        link_wait_s: float = 0.0,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -83,6 +88,8 @@ class PlanAgreement:
         self._own_info, self._emit, self.clock = own_info, emit, clock
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
+        self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
+        self.link_wait = LinkWait(link_wait_s)  # no plan over links nobody measured, a while
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
@@ -95,7 +102,7 @@ class PlanAgreement:
         self.state = NodeState.JOINING
         self.run_finished = False  # some member's record says the run reached its end
         self.outvoted = Outvoted()
-        self._plans: dict[bytes, Plan] = {}  # the last few plans by their inputs
+        self._plan = PlanMemo(costs, self.plan_config)  # the planner, memoized
         self._last_plan_failure = ""
         self.counters = {
             "invalid_proposals": 0,
@@ -103,6 +110,7 @@ class PlanAgreement:
             "proposals_overclaimed": 0,  # of which: figures below ours beyond the tolerance
             "plans_failed": 0,
             "converged": 0,
+            "waited_for_links": 0,  # epochs we did not plan: candidates' links unmeasured
         }
 
     # ------------------------------------------------------------------ the loop
@@ -217,7 +225,9 @@ class PlanAgreement:
             members=members,
             node_ids=self.node_ids,
             config=self.plan_config,
-            retimer=Retimer(self.costs, swarm, self.plan_config),
+            retimer=Retimer(
+                self.costs, swarm, self.plan_config, unmeasured_trust=self.limits.unmeasured_trust
+            ),
             limits=self.limits,
             seatable=self._seatable(members),
         )
@@ -241,6 +251,12 @@ class PlanAgreement:
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
         seat = self._seatable(members)
+        pairs = self.book.measured_pairs(seat, now=self.clock())
+        if self.link_wait.waiting(seat, pairs, now=self.clock()):  # link_wait.py
+            self.counters["waited_for_links"] += 1
+            if incumbent is not None:
+                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+            return
         ids = frozenset((peer, peer in measured, peer in seat) for peer in members)
         # The gap counts the epochs we act in: a quiet node re-checks as seldom as it acts.
         self._turn += 1
@@ -266,12 +282,20 @@ class PlanAgreement:
                 level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
             )
             return
+        if incumbent is None and self.adopted is not None:  # it broke: keep what we can of it
+            fresh = after_a_loss(self.adopted.plan, fresh, lambda peers: self._plan(self._swarm(
+                {p: members[p] for p in peers})), swarm=swarm, costs=self.costs,
+                config=self.plan_config, switch_margin=self.settings.switch_margin,
+                policy=self.switch_policy)  # fmt: skip
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
         if incumbent is not None:
-            bar = self._bar(incumbent, fresh, members)
-            logger.debug("epoch %d: fresh plan %.4gs on %d peers, the one we follow %.4gs",
-                         epoch, estimate, len(serving_peers(fresh)), bar)  # fmt: skip
-            if keep_incumbent(bar, estimate, self.settings.switch_margin):
+            retimer = Retimer(self.costs, swarm, self.plan_config)  # the fresh plan's snapshot
+            judged = judge_switch(incumbent, fresh, retimer=retimer, costs=self.costs,
+                                  switch_margin=self.settings.switch_margin,
+                                  policy=self.switch_policy)  # fmt: skip
+            logger.debug("epoch %d: fresh plan on %d peers: %s",
+                         epoch, len(serving_peers(fresh)), judged)  # fmt: skip
+            if judged.keep:
                 plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).
@@ -332,36 +356,6 @@ class PlanAgreement:
                         epoch, candidate.audit.own)  # fmt: skip
             return None
         return candidate
-
-    def _bar(self, incumbent: Candidate, fresh: Plan, members: Mapping[str, NodeInfo]) -> float:
-        """The step time a fresh plan must beat (by the switch margin) to replace the one we
-        follow. Among the same serving peers, the incumbent's own claim: probes of links busy
-        with training read slower than when the plan was made, and must not flip codecs and
-        splits back and forth. A plan that seats other peers (a newcomer) is measured against
-        the best those same peers could do on today's figures: the claim, made on an idle
-        swarm maybe, would keep every newcomer out."""
-        seated = serving_peers(incumbent.plan)
-        if serving_peers(fresh) == seated:
-            return incumbent.estimate
-        try:
-            return self._plan(self._swarm({p: members[p] for p in seated})).estimated_step_time
-        except InfeasiblePlanError:
-            return incumbent.score  # its peers cannot plan alone now: compare as it runs
-
-    def _plan(self, swarm: Swarm) -> Plan:
-        """The planner's plan for ``swarm``, memoized: snapshots are quantized, so most epochs
-        see the same inputs, and planning is the costliest part of an epoch."""
-        key = hashlib.sha256(
-            repr([(p.peer_id, p.device, p.uplink, p.downlink, p.rtt) for p in swarm.peers]).encode()
-            + b"".join(a.tobytes() for a in (swarm.src, swarm.dst, swarm.bandwidth, swarm.rtt))
-        ).digest()
-        if key in self._plans:
-            return self._plans[key]
-        fresh = plan_for(self.costs, swarm, self.plan_config)
-        if len(self._plans) >= 4:  # the whole swarm, and the incumbent's peers (_bar)
-            del self._plans[next(iter(self._plans))]
-        self._plans[key] = fresh
-        return fresh
 
     # ------------------------------------------------------------------ adopt
 

@@ -1,12 +1,18 @@
-"""The bandwidth/RTT probe: ``/fusionllm/probe/2.0.0``, one new stream per probe.
+"""The bandwidth/RTT probe: ``/fusionllm/probe/3.0.0``, one new stream per probe.
 
-    client: "FLP2" | u64 nbytes | 16-byte nonce   server: 1 status byte (0 ok, else refused, EOF)
+    client: "FLP3" | u64 nbytes | 16-byte nonce   server: 1 status byte (0 ok, else refused, EOF)
     client: 8 random bytes  x3                    server: echoes each (RTT = min of the 3)
     client: nbytes of payload, random tail        server: BLAKE2b-128 of the payload, keyed
-                                                          by the nonce, once all of it arrived
+                                                          by the nonce, once all of it arrived,
+                                                          then u64 tail bytes | u64 tail ns
 
-Bandwidth = nbytes / (time from the first payload byte written to the ack read), so it
-includes one RTT; with ~1 MiB payloads that is small except on slow, far links. Pings and
+Two figures make the bandwidth (``probe_bandwidth``). The whole probe: nbytes over the time
+from the first payload byte written to the ack read, less one RTT. On a far, fast link that
+mostly times TCP's slow start (1 MiB over 100 Mbit/s and 100 ms read 2.6 MB/s of 12.5 cold,
+docs/testbed.md): so the server also times the payload's second half as it arrives (the
+"tail": from the read that passed half of it to the last), when the window has opened. The
+faster of the two counts, but never more than ``STEADY_TRUST`` times the whole probe's figure:
+the tail's timing is the server's word, and what a lying server gains stays bounded. Pings and
 the nonce are fresh random bytes per probe, so a prober only accepts an echo or an ack made
 from what it sent on this stream: a peer cannot answer early (to look near or fast) nor
 replay an old answer; the payload ends in fresh random bytes and the stream is in order, so
@@ -38,13 +44,20 @@ from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_qu
 
 logger = get_logger(__name__)
 
-PROBE_PROTOCOL = TProtocol("/fusionllm/probe/2.0.0")
+PROBE_PROTOCOL = TProtocol("/fusionllm/probe/3.0.0")
 MAX_PROBE_BYTES = 256 << 20
 
-PROBE_MAGIC = b"FLP2"
+PROBE_MAGIC = b"FLP3"
 PROBE_HEADER = struct.Struct(">4sQ16s")  # magic, payload bytes, nonce
 PING_BYTES = 8
 ACK_BYTES = 16
+TAIL = struct.Struct(">QQ")  # after the ack: tail bytes, tail nanoseconds (server's clock)
+# The tail's figure counts up to this many times the whole probe's. Measured on the testbed
+# (benchmarks/testbed_probes.py, docs/testbed.md): warm tails read 100 Mbit/s caps at 40-100 ms
+# within 0.86-1.04, whole probes 0.40-0.94; but a reader that lagged under load, then drained
+# its buffer, read 1.6-1.7x the cap, and the book keeps the best recent figure. The bound
+# limits what a lying server gains and most over-reads, at some cost to slow whole probes.
+STEADY_TRUST = 2.0
 _PROBE_PINGS = 3
 _PROBE_OK = 0
 _PROBE_TOO_LARGE = 1
@@ -69,10 +82,11 @@ _MAX_TRACKED_PROBERS = 4096
 @dataclass(frozen=True)
 class ProbeResult:
     peer: str
-    bandwidth: float  # bytes/s, payload over the time less one round trip (see probe_over)
+    bandwidth: float  # bytes/s, the whole probe's or its tail's figure (probe_bandwidth)
     rtt: float  # s, the fastest of the ping round trips
     bytes: int
     seconds: float  # first payload byte written -> ack read
+    tail_bandwidth: float = 0.0  # bytes/s the server timed the payload's second half at (0: none)
 
 
 def payload_hasher(nonce: bytes) -> "hashlib.blake2b":
@@ -124,23 +138,37 @@ async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
     seconds = time.perf_counter() - started
     if not secrets.compare_digest(ack, expected.digest()):
         raise ControlError(f"{peer} acked a probe with a digest of other bytes")
+    tail_bytes, tail_ns = TAIL.unpack(await _read_exactly(stream, TAIL.size))
+    tail = tail_bandwidth(nbytes, tail_bytes, tail_ns / 1e9)
     return ProbeResult(
         peer=peer,
-        bandwidth=probe_bandwidth(nbytes, seconds, rtt),
+        bandwidth=probe_bandwidth(nbytes, seconds, rtt, tail=tail),
         rtt=rtt,
         bytes=nbytes,
         seconds=seconds,
+        tail_bandwidth=tail,
     )
 
 
-def probe_bandwidth(nbytes: int, seconds: float, rtt: float) -> float:
-    """Bytes/s of a probe that took ``seconds`` from its first byte to the ack.
+def tail_bandwidth(nbytes: int, tail_bytes: int, tail_s: float) -> float:
+    """Bytes/s of the payload's tail as the server timed it; 0 where that says nothing (a
+    tail read in one go, or one outside the payload: a server's figures are checked)."""
+    if not (nbytes // 8 <= tail_bytes <= nbytes and tail_bytes > 0 and tail_s > 0):
+        return 0.0
+    return tail_bytes / tail_s
+
+
+def probe_bandwidth(nbytes: int, seconds: float, rtt: float, *, tail: float = 0.0) -> float:
+    """Bytes/s of a probe that took ``seconds`` from its first byte to the ack, and whose tail
+    the server timed at ``tail`` bytes/s (0: not timed).
 
     ``seconds`` ends with the ack's round trip, which the planner already charges as the
     link's RTT: net of it, a small probe no longer reads slower than a large one on the same
     link (16 KB probes read 3-4x below 64 KB ones on loopback). Never more than twice the raw
-    figure, so a probe that is almost all round trip cannot claim a huge bandwidth."""
-    return nbytes / max(seconds - rtt, seconds / 2)
+    figure, so a probe that is almost all round trip cannot claim a huge bandwidth. The tail
+    (the window open) counts where faster, up to ``STEADY_TRUST`` times the whole figure."""
+    whole = nbytes / max(seconds - rtt, seconds / 2)
+    return max(whole, min(tail, STEADY_TRUST * whole))
 
 
 async def _request(stream: INetStream, peer: str, nbytes: int, nonce: bytes) -> float:
@@ -226,14 +254,17 @@ class ProbeServer:
             for _ in range(_PROBE_PINGS):
                 await stream.write(await _read_exactly(stream, PING_BYTES))
             received = payload_hasher(nonce)
-            remaining = nbytes
+            remaining, half, tail_bytes, tail_from = nbytes, nbytes - nbytes // 2, 0, 0
             while remaining:
                 chunk = await _read_some(stream, min(remaining, _PROBE_READ_BYTES))
                 received.update(chunk)
                 remaining -= len(chunk)
+                if not tail_from and remaining <= half:  # the tail's clock starts here
+                    tail_bytes, tail_from = remaining, time.perf_counter_ns()
+            tail_ns = time.perf_counter_ns() - tail_from if tail_bytes else 0
             # Counted before the ack, so a prober that has its result sees it counted here.
             self._count("probes_served")
-            await stream.write(received.digest())
+            await stream.write(received.digest() + TAIL.pack(tail_bytes, tail_ns))
         finally:
             self._running.discard(peer)
             self._slots.release()

@@ -36,7 +36,13 @@ from fusionllm.node.p2p.control_host import (
     GossipMessage,
 )
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
-from fusionllm.node.p2p.probes import PING_BYTES, PROBE_HEADER, PROBE_MAGIC, probe_bandwidth
+from fusionllm.node.p2p.probes import (
+    PING_BYTES,
+    PROBE_HEADER,
+    PROBE_MAGIC,
+    STEADY_TRUST,
+    probe_bandwidth,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -249,9 +255,10 @@ def test_probe_measures_bandwidth_and_rtt(hosts):
     assert 0 < result.bandwidth < math.inf
     assert 0 < result.rtt < 1.0
     assert result.bandwidth == pytest.approx(
-        probe_bandwidth(result.bytes, result.seconds, result.rtt)
+        probe_bandwidth(result.bytes, result.seconds, result.rtt, tail=result.tail_bandwidth)
     )
-    assert result.bytes / result.seconds < result.bandwidth <= 2 * result.bytes / result.seconds
+    raw = result.bytes / result.seconds
+    assert raw < result.bandwidth <= 2 * STEADY_TRUST * raw  # net of one RTT, then the tail's
     small = a.probe(b.peer_id, nbytes=1000)
     assert small.bytes == 1000
     with pytest.raises(ValueError, match="nbytes"):

@@ -6,7 +6,8 @@
 ``probe_link`` runs both in a testbed (tests/testbed, benchmarks/testbed_probes.py): the
 server in ``dst``, the prober in ``src``, ROUNDS probes of each SIZE 0.5 s apart on one
 connection (idle between, as between a node's probe rounds); it returns one dict per probe
-(``bytes``, ``bandwidth`` as the node computes it, ``raw`` bytes over seconds, ``rtt``).
+(``bytes``, ``bandwidth`` as the node computes it, ``raw`` bytes over seconds, ``rtt``,
+``tail``: the payload's second half as the server timed it).
 """
 
 import json
@@ -44,9 +45,8 @@ def probe(key: str, addr: str, target: str, rounds: int, sizes: list[int]) -> No
     for _ in range(rounds):
         for size in sizes:
             r = host.probe(peer, nbytes=size)
-            results.append(
-                {"bytes": size, "bandwidth": r.bandwidth, "raw": r.bytes / r.seconds, "rtt": r.rtt}
-            )
+            results.append({"bytes": size, "bandwidth": r.bandwidth, "raw": r.bytes / r.seconds,
+                            "rtt": r.rtt, "tail": r.tail_bandwidth})  # fmt: skip
             time.sleep(0.5)
     print(json.dumps({"event": "probes", "results": results}), flush=True)
     host.close()

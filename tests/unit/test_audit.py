@@ -6,6 +6,7 @@ as a rule break (RecordError) or as slack below 1 naming the figure.
 """
 
 import dataclasses
+import math
 
 import pytest
 
@@ -383,3 +384,61 @@ def test_measured_links_enter_the_recomputation(slow):
 def test_audit_limits_are_validated(limits):
     with pytest.raises(ConfigError):
         AuditLimits(**limits)
+
+
+def audit_trusting(claimed: Plan, swarm: Swarm, trust: float, config: PlanConfig) -> Audit:
+    retimer = Retimer(GRAPH, swarm, config, unmeasured_trust=trust)
+    return audit(claimed, retimer.retime(claimed), config, LIMITS)
+
+
+def measured_book(bandwidth: float, n: int = 4) -> BandwidthBook:
+    book = BandwidthBook(max_age_s=60.0)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                book.record(f"peer{i}", f"peer{j}", LinkSample(bandwidth, 0.01, NOW), now=NOW)
+    return book
+
+
+@pytest.mark.parametrize(("faster", "trust", "believed"),
+                         [(4.0, 8.0, True), (4.0, 1.0, False)])  # fmt: skip
+def test_a_link_we_have_not_measured_is_believed_up_to_the_trust_factor(faster, trust, believed):
+    """The proposer measured links ``faster`` times what the ends' records give us; we have
+    measured none. Our estimate is no evidence that the proposer's probes were wrong: up to
+    ``unmeasured_trust`` the claim stands (the testbed's first plans were refused at ~5x)."""
+    config = dataclasses.replace(CONFIG, min_stages=2)
+    here = view(4, **{f"peer{i}": record(f"peer{i}", bandwidth=2e6) for i in range(4)})
+    made_in = view(4, book=measured_book(2e6 * faster),
+                   **{f"peer{i}": record(f"peer{i}", bandwidth=2e6) for i in range(4)})  # fmt: skip
+    result = audit_trusting(plan(GRAPH, made_in, config), here, trust, config)
+    assert result.believable(LIMITS) is believed, result
+
+
+def test_a_claim_beyond_the_trust_factor_is_timed_at_the_bound():
+    config = dataclasses.replace(CONFIG, min_stages=2)
+    records = {f"peer{i}": record(f"peer{i}", bandwidth=2e6) for i in range(4)}
+    here = view(4, **records)
+    claimed = plan(GRAPH, view(4, book=measured_book(2e6 * 32), **records), config)
+    ours = Retimer(GRAPH, here, config, unmeasured_trust=8.0).retime(claimed).plan
+    assert claimed.links[0].forward_bandwidth > 2e6 * 16
+    assert ours.links[0].forward_bandwidth == pytest.approx(2e6 * 8, rel=0.2)  # quantized grid
+    assert ours.estimated_step_time > claimed.estimated_step_time
+
+
+def test_a_link_we_measured_is_judged_by_our_figure_whatever_the_trust():
+    """The same 4x claim, but we measured the links at the records' figure: refused."""
+    config = dataclasses.replace(CONFIG, min_stages=2)
+    records = {f"peer{i}": record(f"peer{i}", bandwidth=2e6) for i in range(4)}
+    here = view(4, book=measured_book(2e6), **records)
+    made_in = view(4, book=measured_book(8e6), **records)
+    result = audit_trusting(plan(GRAPH, made_in, config), here, 8.0, config)
+    assert not result.believable(LIMITS), result
+    assert result.view.figure == "estimated step time"
+
+
+@pytest.mark.parametrize("trust", [0.5, math.inf, math.nan])
+def test_the_trust_factor_is_at_least_one_and_finite(trust):
+    with pytest.raises(ConfigError, match="unmeasured_trust"):
+        Retimer(GRAPH, view(2), CONFIG, unmeasured_trust=trust)
+    with pytest.raises(ConfigError, match="unmeasured_trust"):
+        AuditLimits(unmeasured_trust=trust)

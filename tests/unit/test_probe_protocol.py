@@ -17,10 +17,13 @@ from fusionllm.node.p2p.probes import (
     PING_BYTES,
     PROBE_HEADER,
     PROBE_MAGIC,
+    STEADY_TRUST,
+    TAIL,
     ProbeServer,
     payload_hasher,
     probe_bandwidth,
     probe_over,
+    tail_bandwidth,
 )
 
 
@@ -136,7 +139,7 @@ async def _lying_server(stream: FakeStream, *, ack: bytes | None, echo_early: bo
         return
     for _ in range(3):
         await stream.write(await stream.read(PING_BYTES))
-    await stream.write(ack)  # acked at once, without reading the payload
+    await stream.write(ack + TAIL.pack(0, 0))  # acked at once, without reading the payload
     got = 0
     while got < nbytes:
         got += len(await stream.read(1 << 16))
@@ -251,3 +254,40 @@ def test_probe_bandwidth_is_net_of_the_acks_round_trip_and_at_most_twice_the_raw
     assert probe_bandwidth(16_000, 0.001, 0.0009) == pytest.approx(32e6)
     assert probe_bandwidth(16_000, 0.001, 0.005) == pytest.approx(32e6)
     assert probe_bandwidth(16_000, 0.001, 0.0) == pytest.approx(16e6)
+
+
+def test_the_tail_counts_where_faster_up_to_the_trust_factor():
+    """1 MB in 1.002 s with a 2 ms round trip: 1 MB/s whole (slow start on a far link); the
+    server timed the second half at 1.8 MB/s (the window open): that is the link."""
+    assert probe_bandwidth(1_000_000, 1.002, 0.002, tail=1.8e6) == pytest.approx(1.8e6)
+    assert probe_bandwidth(1_000_000, 1.002, 0.002, tail=0.5e6) == pytest.approx(1e6)
+    assert probe_bandwidth(1_000_000, 1.002, 0.002, tail=0.0) == pytest.approx(1e6)
+    # A server claiming its tail came in at 1 GB/s gains at most STEADY_TRUST.
+    assert probe_bandwidth(1_000_000, 1.002, 0.002, tail=1e9) == pytest.approx(STEADY_TRUST * 1e6)
+
+
+@pytest.mark.parametrize(
+    ("tail_bytes", "tail_s", "expected"),
+    [(500_000, 0.1, 5e6), (125_000, 0.1, 1.25e6), (124_999, 0.1, 0.0), (1_000_001, 0.1, 0.0),
+     (0, 0.1, 0.0), (500_000, 0.0, 0.0)],
+)  # fmt: skip
+def test_a_tail_outside_the_payload_or_too_short_to_time_says_nothing(tail_bytes, tail_s, expected):
+    assert tail_bandwidth(1_000_000, tail_bytes, tail_s) == pytest.approx(expected)
+
+
+def test_the_server_times_the_second_half_of_the_payload():
+    count = Counter()
+
+    async def main():
+        client, server_end = stream_pair(new_peer(), new_peer())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(new_server(count).serve, server_end)
+            result = await probe_over(client, "server", 600_000)
+        return result, server_end.written[-1]
+
+    result, last = trio.run(main)
+    tail_bytes, tail_ns = TAIL.unpack(last[-TAIL.size :])
+    # The tail starts at the first read at or past half of the payload (reads of 64 KiB).
+    assert 600_000 - 300_000 - (64 << 10) < tail_bytes <= 300_000
+    assert tail_ns > 0
+    assert result.tail_bandwidth == pytest.approx(tail_bytes / (tail_ns / 1e9))

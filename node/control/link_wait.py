@@ -1,0 +1,54 @@
+"""Whom the planner waits for: candidates with too few measured links to the other candidates.
+
+A link nobody measured is estimated from its ends' records (dag/swarm.py), and the testbed
+showed what a plan over such links is worth: every first plan on every topology claimed the
+same 0.1122 s, seated stages across a 20 Mbit/s link it took for a fast one, and trained at a
+quarter of the rate the swarm reached once it had measured (docs/testbed.md). So a node does
+not plan while a candidate has measured links (either way) to fewer than ``need`` of the
+others (all of them in a swarm that small), for at most ``wait_s`` after that candidate
+arrived; after that it plans with what is measured (a peer that cannot be probed must not
+stall the swarm). Not every pair: a large swarm only ever measures a sample of its links.
+"""
+
+from collections.abc import Collection, Set
+
+from fusionllm.common.errors import ConfigError
+
+
+def measured_neighbours(
+    peers: Collection[str], measured: Set[tuple[str, str]]
+) -> dict[str, set[str]]:
+    """peer -> the other ``peers`` it has a measured link with, either way."""
+    out: dict[str, set[str]] = {p: set() for p in peers}
+    for a, b in measured:
+        if a in out and b in out and a != b:
+            out[a].add(b)
+            out[b].add(a)
+    return out
+
+
+class LinkWait:
+    """When each candidate was first seen, and which ones planning still waits for."""
+
+    def __init__(self, wait_s: float, *, need: int = 3) -> None:
+        if not 0 <= wait_s < 3600:
+            raise ConfigError(f"link wait must be in [0, 3600) s, got {wait_s}")
+        if need < 1:
+            raise ConfigError(f"need must be >= 1 measured link, got {need}")
+        self.wait_s, self.need = wait_s, need
+        self._first_seen: dict[str, float] = {}
+
+    def waiting(
+        self, peers: Collection[str], measured: Set[tuple[str, str]], *, now: float
+    ) -> set[str]:
+        """Those of ``peers`` with too few measured links whose wait has not run out;
+        members that went are forgotten (one that comes back waits again)."""
+        self._first_seen = {p: self._first_seen.get(p, now) for p in peers}
+        if self.wait_s == 0:
+            return set()
+        need = min(self.need, len(self._first_seen) - 1)
+        return {
+            p
+            for p, linked in measured_neighbours(peers, measured).items()
+            if len(linked) < need and now < self._first_seen[p] + self.wait_s
+        }
