@@ -37,7 +37,16 @@ from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
-from fusionllm.node.training.board import TAG_READY, TAG_WANT, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.board import (
+    READY_ANSWER,
+    TAG_READY,
+    TAG_WANT,
+    Board,
+    Inbox,
+    Ready,
+    Router,
+    encode_ready,
+)
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import Holding, ParamsOf, choose_start
 from fusionllm.node.training.parting import Parting
@@ -145,6 +154,8 @@ class PlanSession:
         self.inbox = Inbox(self.runner.mailbox.put)
         self.parting = Parting(self)
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
+        self._announced: dict[int, torch.Tensor] = {}  # round -> our READY body in it
+        self._answered: dict[str, float] = {}  # peer -> when we last answered its READY
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -193,7 +204,10 @@ class PlanSession:
             if stop.is_set() or not current():
                 return None
             if time.monotonic() >= next_send:
-                self._announce(others, encode_ready(self.vote, mine, round=round_, hint=hint))
+                body = self._announced.setdefault(
+                    round_, encode_ready(self.vote, mine, round=round_, hint=hint)
+                )
+                self._announce(others, body)
                 next_send = time.monotonic() + _READY_RESEND_S
             self.board.wait(
                 lambda: len(self.board.ready_of(others, self.vote, round_)) == len(others),
@@ -204,6 +218,20 @@ class PlanSession:
         for peer in ready:
             self.hooks.cleared(peer)
         return ready
+
+    def answer(self, peer: str, ready: Ready) -> None:
+        """A member's READY, heard in the router's thread. It resends READY until it has heard
+        every member, and so do we; but a READY of ours it refused (it adopted the plan after
+        our resend reached it) is never resent once its own READY completed our round: answer
+        each of its READYs of a round we announced, at most once per resend interval."""
+        body = self._announced.get(ready.round)
+        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+            return
+        now = time.monotonic()
+        if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
+            return
+        self._answered[peer] = now
+        self._announce([peer], body, step=READY_ANSWER)
 
     def barrier_wait_s(self, peer: str) -> float:
         """How long the READY barrier waits for ``peer`` before suspecting it: the grace, plus
@@ -248,9 +276,11 @@ class PlanSession:
             answered = len(self.board.done_of(donors, floor))
             logger.info("%d of %d nodes outside the plan answered in time", answered, len(donors))
 
-    def _announce(self, peers: list[str], body, tag: int = TAG_READY) -> None:
+    def _announce(self, peers: list[str], body, tag: int = TAG_READY, step: int = 0) -> None:
         packed = pack_tensor(body)
-        header = FrameHeader(step=0, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage)
+        header = FrameHeader(
+            step=step, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage
+        )
         for peer in peers:
             if tag != TAG_READY:
                 self.hooks.connect(peer)

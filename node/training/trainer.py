@@ -152,6 +152,7 @@ class SwarmTrainer:
             is_member=self.admits,
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
+            on_ready=self._on_ready,
             moves_from=self._meets,
             copies_from=self._keeps_for,
         )
@@ -216,6 +217,11 @@ class SwarmTrainer:
         if session is not None and peer in session.runner.peer_of.values():
             return True
         return self.view.is_member(peer)
+
+    def _on_ready(self, peer: str, ready) -> None:
+        session = self._session
+        if session is not None:
+            session.answer(peer, ready)
 
     def _meets(self, peer: str) -> bool:
         """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""

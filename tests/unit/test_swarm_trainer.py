@@ -450,3 +450,27 @@ def test_after_a_crash_an_all_new_plan_gets_the_newest_whole_step_from_a_survivo
     merged = {**cluster.losses("peer-b"), **cluster.losses("peer-c")}
     assert sorted(merged) == list(range(RUN.steps))
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
+
+
+def test_a_member_that_adopts_late_still_hears_the_others_ready(cluster_of, monkeypatch):
+    """Topology B's stall at step 0: b adopted the plan after a's READY reached it (refused:
+    a was no member in b's view yet); b's READY then reached a, which had now heard everyone
+    and stopped resending, so b waited at the barrier for a READY that never came, and a for
+    b's frames. A member that hears a READY of a round it announced answers it."""
+    monkeypatch.setattr(session_module, "_READY_RESEND_S", 120.0)  # a's resends cannot help
+    peers = ["peer-a", "peer-b"]
+    two = _plan(peers, 2)
+    cluster = cluster_of(peers)
+    cluster.network.shape_link("peer-a", "peer-b", delay_s=0.05)  # a WAN round trip
+    cluster.views["peer-b"].alive = {"peer-b"}  # b has not seen a's record yet
+    cluster.adopt(two, ["peer-a"])
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    board_b = cluster.trainers["peer-b"].board
+    cluster.wait(lambda: board_b.refused >= 1, "b to refuse a's READY", timeout=30.0)
+    cluster.views["peer-b"].alive = set(peers)
+    cluster.adopt(two, ["peer-b"])
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers),
+                 "both to train to the end", timeout=45.0)  # fmt: skip
+    for peer in peers:
+        assert sorted(cluster.losses(peer)) == list(range(RUN.steps))
