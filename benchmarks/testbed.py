@@ -211,11 +211,12 @@ def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float
     return per_step
 
 
-def run_topology(name: str, methods: list[str], steps: int) -> dict:
+def run_topology(name: str, methods: list[str], steps: int, keep: Path | None = None) -> dict:
     topology = load_topology(name)
     devices = host_devices(topology)
     results = []
-    with tempfile.TemporaryDirectory() as root, Testbed(topology) as bed:
+    with tempfile.TemporaryDirectory() as tmp, Testbed(topology) as bed:
+        root = keep / topology.name if keep else Path(tmp)
         for method in methods:
             print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
             try:
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="mini, naive and opfence, 30 steps")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    parser.add_argument("--keep", type=Path, help="keep every node's log under this folder")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
     for name in topologies:
-        results["topologies"].append(run_topology(name, methods, steps))
+        results["topologies"].append(run_topology(name, methods, steps, args.keep))
         results["seconds"] = time.time() - started
         if args.json:  # after each topology: a later failure keeps what was measured
             args.json.write_text(json.dumps(results, indent=2))
