@@ -50,11 +50,11 @@ from fusionllm.node.training.board import (
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import Holding, ParamsOf, choose_start
 from fusionllm.node.training.parting import Parting
+from fusionllm.node.training.transfer import DONORS, MOVES
 
 logger = get_logger(__name__)
 
 _READY_RESEND_S = 2.0
-_DONOR_WAIT_S = 5.0
 MAX_ROUNDS = 2
 _WATCH_S = 0.5
 # A plan whose first step is still blocked this long after the swarm adopted another one was
@@ -109,6 +109,7 @@ class SessionHooks:
     suspect: Callable[[str, str], None] = lambda peer, reason: None  # (peer, why): keep it out
     cleared: Callable[[str], None] = lambda peer: None  # it met us at the barrier
     link_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, from the peer
+    send_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, to the peer
     barrier_grace_s: float = 30.0  # the READY wait for a member beyond its state's transfer
 
 
@@ -253,7 +254,8 @@ class PlanSession:
     def _ask_donors(self, reached: int, floor: int, *, current, stop) -> None:
         """WANT to every node outside the plan; wait until each answered DONE (its copies newer
         than ``floor`` are filed), we hold the whole model at a step >= ``reached``, or
-        _DONOR_WAIT_S (a donor may be gone)."""
+        the whole model's state at the slowest donor's link (transfer.DONORS: a donor may be
+        gone)."""
         donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
         self.board.reset_done(donors)
         want = torch.tensor([float(reached), float(floor)], dtype=torch.float64)  # (2,)
@@ -272,7 +274,9 @@ class PlanSession:
                     return True
             return False
 
-        if not self.board.wait(enough, timeout=_DONOR_WAIT_S):
+        slowest = min((self.hooks.link_bytes_per_s(p) for p in donors), default=0.0)
+        wait = DONORS.seconds(self.board.state_bytes(everything), slowest)
+        if not self.board.wait(enough, timeout=wait):
             answered = len(self.board.done_of(donors, floor))
             logger.info("%d of %d nodes outside the plan answered in time", answered, len(donors))
 
@@ -293,13 +297,14 @@ class PlanSession:
         """Send our moves, load what we hold, wait for the rest; False if the plan changed."""
         step, names = start.step, self.board.names
         index = {name: i for i, name in enumerate(names)}
-        futures = []
-        for move in start.moves:
-            if move.src == self.me:
-                flat = self.vault.export(self._source(start, move.name), move.name)
-                futures.append(
-                    send_state(self.transport, move.dst, step, index[move.name], flat, 30.0)
-                )
+        futures, waits = [], [MOVES.floor_s]
+        for dst in {m.dst for m in start.moves if m.src == self.me}:
+            names = [m.name for m in start.moves if m.src == self.me and m.dst == dst]
+            wait = MOVES.seconds(self.board.state_bytes(names), self.hooks.send_bytes_per_s(dst))
+            waits.append(wait)
+            for name in names:
+                flat = self.vault.export(self._source(start, name), name)
+                futures.append(send_state(self.transport, dst, step, index[name], flat, wait))
         worker = self.runner.worker
         incoming = sorted(m.name for m in start.moves if m.dst == self.me)
         for name in sorted(set(worker.parameters) - set(incoming)):
@@ -317,7 +322,7 @@ class PlanSession:
             if stop.is_set() or not current():
                 return False
             self.board.wait(lambda: not self.board.missing_state(step, incoming), timeout=0.5)
-        delivered(futures, 35.0)
+        delivered(futures, max(waits) + 5.0)
         return True
 
     def _source(self, start, name: str) -> Holding:

@@ -75,6 +75,7 @@ class SwarmView(Protocol):
     def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
     def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
     def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
+    def send_bytes_per_s(self, peer: str) -> float: ...  # measured from us to ``peer``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -366,6 +367,7 @@ class SwarmTrainer:
             suspect=self.view.suspect,
             cleared=self.view.cleared,
             link_bytes_per_s=self.view.link_bytes_per_s,
+            send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
         )
 

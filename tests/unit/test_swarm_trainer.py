@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fusionllm.node.training.board as board_module
+import fusionllm.node.training.parting as parting_module
 import fusionllm.node.training.session as session_module
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
@@ -23,6 +24,7 @@ from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 from fusionllm.node.swarm_training import build_workload, parameter_shapes
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
+from fusionllm.node.training.transfer import TransferWait
 from tests.support.memory_transport import MemoryNetwork
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,6 +45,7 @@ class FakeView:
         self.suspected: list[tuple[str, str]] = []
         self.met: set[str] = set()
         self.computed: list[float] = []
+        self.bytes_per_s = 1e9  # every link, as measured
 
     def adopted(self):
         return self.current
@@ -76,7 +79,10 @@ class FakeView:
         self.met.add(peer)
 
     def link_bytes_per_s(self, peer: str) -> float:
-        return 1e9
+        return self.bytes_per_s
+
+    def send_bytes_per_s(self, peer: str) -> float:
+        return self.bytes_per_s
 
 
 @functools.cache
@@ -390,6 +396,37 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
 
 
+def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
+    cluster_of, monkeypatch
+):
+    """The leaver's links carry 150 kB/s (its stage's state takes seconds), as measured; the
+    fixed wait (here 0.5 s) would give the hand-over up and the next plan would roll back to
+    the last checkpoint: the wait is the state's bytes at the measured rate."""
+    monkeypatch.setattr(parting_module, "HAND_OVER", TransferWait(floor_s=0.5))
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three = _plan(peers[:3], 3)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    for other in ("peer-a", "peer-c", "peer-d"):
+        cluster.network.shape_link("peer-b", other, rate=150e3)
+    for view in cluster.views.values():
+        view.bytes_per_s = 150e3
+    cluster.start(three)
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
+    cluster.trainers["peer-b"].stop()
+    assert cluster.trainers["peer-b"].wait_gone(60.0)
+    left_at = max(cluster.losses("peer-b")) + 1
+    assert left_at % 4, "left at a checkpoint: a rollback would not show"
+    for view in cluster.views.values():
+        view.alive.discard("peer-b")
+    survivors = ["peer-a", "peer-c", "peer-d"]
+    cluster.adopt(_plan(survivors, 3), peers=survivors)
+    cluster.wait_finished(survivors)
+    assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
+    handover = [e for e in cluster.events["peer-b"] if e["event"] == "handover"]
+    assert handover
+    assert all(e["delivered"] for e in handover)
+
+
 def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     first = _plan(peers[:2], 2)
@@ -412,7 +449,7 @@ def test_nodes_outside_the_plan_answer_a_want_even_with_nothing_newer(cluster_of
     """After a crash the members hold an older checkpoint than the swarm reached and ask the
     backup pool; a backup holding nothing newer says so (DONE) instead of letting the members
     wait out the donor deadline (made far longer than the test's own wait here)."""
-    monkeypatch.setattr(session_module, "_DONOR_WAIT_S", 600.0)
+    monkeypatch.setattr(session_module, "DONORS", TransferWait(floor_s=600.0))
     peers = ["peer-a", "peer-b", "peer-c", "peer-d", "peer-e"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
