@@ -363,6 +363,22 @@ def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_p
     assert any(e["event"] == "copy_sent" for e in cluster.events["peer-c"])
 
 
+def _b_leaves_politely(cluster: Cluster, three: Plan) -> tuple[int, list[str]]:
+    """a, b, c train ``three``; b leaves after 5 steps and a, c, d train on to the end: the
+    step b left at, and the survivors."""
+    cluster.start(three)
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
+    cluster.trainers["peer-b"].stop()
+    assert cluster.trainers["peer-b"].wait_gone(60.0)
+    left_at = max(cluster.losses("peer-b")) + 1
+    for view in cluster.views.values():
+        view.alive.discard("peer-b")
+    survivors = ["peer-a", "peer-c", "peer-d"]
+    cluster.adopt(_plan(survivors, 3), peers=survivors)
+    cluster.wait_finished(survivors)
+    return left_at, survivors
+
+
 @pytest.mark.parametrize("filing_delay_s", [0.0, 0.02])
 def test_a_polite_leave_hands_the_stage_over_without_rollback(
     cluster_of, monkeypatch, filing_delay_s
@@ -381,16 +397,7 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.start(three)
-    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
-    cluster.trainers["peer-b"].stop()
-    assert cluster.trainers["peer-b"].wait_gone(60.0)
-    left_at = max(cluster.losses("peer-b")) + 1
-    for view in cluster.views.values():
-        view.alive.discard("peer-b")
-    survivors = ["peer-a", "peer-c", "peer-d"]
-    cluster.adopt(_plan(survivors, 3), peers=survivors)
-    cluster.wait_finished(survivors)
+    left_at, survivors = _b_leaves_politely(cluster, three)
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
@@ -410,17 +417,8 @@ def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
         cluster.network.shape_link("peer-b", other, rate=150e3)
     for view in cluster.views.values():
         view.bytes_per_s = 150e3
-    cluster.start(three)
-    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
-    cluster.trainers["peer-b"].stop()
-    assert cluster.trainers["peer-b"].wait_gone(60.0)
-    left_at = max(cluster.losses("peer-b")) + 1
+    left_at, survivors = _b_leaves_politely(cluster, three)
     assert left_at % 4, "left at a checkpoint: a rollback would not show"
-    for view in cluster.views.values():
-        view.alive.discard("peer-b")
-    survivors = ["peer-a", "peer-c", "peer-d"]
-    cluster.adopt(_plan(survivors, 3), peers=survivors)
-    cluster.wait_finished(survivors)
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
     handover = [e for e in cluster.events["peer-b"] if e["event"] == "handover"]
     assert handover
