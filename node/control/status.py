@@ -54,14 +54,29 @@ def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[
         now = time.time()
         votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
         plan = None
-        if votes:
-            (epoch, digest), _ = votes.most_common(1)[0]
-            for proposal in directory.proposals(epoch):
-                if proposal.digest == digest:
-                    plan = plan_from_json(proposal.plan)
-                    break
+        followed = followed_plan(votes)
+        for epoch in followed[1] if followed else ():
+            found = [p for p in directory.proposals(epoch) if p.digest == followed[0]]
+            if found:
+                plan = plan_from_json(found[0].plan)
+                break
         skipped = directory.skipped
     return describe(swarm, members, plan, votes, now=now, skipped=skipped)
+
+
+def followed_plan(votes: collections.Counter) -> tuple[str, list[int]] | None:
+    """The digest most members follow, and the epochs they adopted it at, newest first.
+
+    Members adopt the same plan at different epochs (an epoch apart off loopback), so counting
+    (epoch, digest) pairs split one plan's followers and often showed a newer plan that one
+    node had adopted and nobody trained. Ties go to the plan adopted last."""
+    by_digest: dict[str, list[int]] = {}
+    for (epoch, digest), n in votes.items():
+        by_digest.setdefault(digest, []).extend([epoch] * n)
+    if not by_digest:
+        return None
+    digest = max(by_digest, key=lambda d: (len(by_digest[d]), max(by_digest[d]), d))
+    return digest, sorted(set(by_digest[digest]), reverse=True)
 
 
 def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:
