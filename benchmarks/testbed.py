@@ -111,7 +111,9 @@ class _Watch:
         return all(not n.alive() for n in self.nodes)
 
     def _ask(self) -> None:
+        began = time.monotonic()
         self.status = _status(self.bed, self.nodes[0].dht_addr)  # the bootstrap: never killed
+        self.status["call_s"] = time.monotonic() - began
 
     def join(self) -> None:
         if self._asked is not None:
@@ -156,6 +158,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         **_plans(nodes, hosts),
         "wire": _wire(watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
+        "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {})},
         "exit_codes": {n.name: n.process.returncode for n in nodes},
         # every host's steps: one left in backup by a view difference shows as 0
         "node_steps": {n.name: len(trained_steps(n)) for n in nodes},

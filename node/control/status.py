@@ -35,7 +35,9 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
     for attempt in range(1, _ATTEMPTS + 1):
         left = deadline - time.monotonic()
         try:
-            return _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+            status = _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+            status["timing"]["attempts"] = attempt
+            return status
         except DhtError as exc:
             if attempt == _ATTEMPTS or deadline - time.monotonic() < 5.0:
                 raise
@@ -46,9 +48,15 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
 
 def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[str, Any]:
     config = DhtConfig(
-        swarm=swarm, initial_peers=tuple(bootstrap), client_mode=True, start_timeout_s=timeout_s
+        swarm=swarm,
+        initial_peers=tuple(bootstrap),
+        client_mode=True,
+        start_timeout_s=timeout_s,
+        populate_routing=False,
     )
+    began = time.monotonic()
     with DhtClient(config) as client:
+        started = time.monotonic()
         directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
         members = directory.members(include_leaving=True)
         now = time.time()
@@ -61,7 +69,11 @@ def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[
                 plan = plan_from_json(found[0].plan)
                 break
         skipped = directory.skipped
-    return describe(swarm, members, plan, votes, now=now, skipped=skipped)
+        read = time.monotonic()
+    status = describe(swarm, members, plan, votes, now=now, skipped=skipped)
+    # where a slow call's seconds went: the DHT daemon's start (and its bootstrap), the reads
+    status["timing"] = {"start_s": round(started - began, 3), "read_s": round(read - started, 3)}
+    return status
 
 
 def followed_plan(votes: collections.Counter) -> tuple[str, list[int]] | None:
