@@ -256,11 +256,20 @@ def test_the_nodes_train_in_the_runs_precision(cluster_of, precision):
         assert {(e["skipped"], e["loss_scale"]) for e in steps} == {(False, expected_scale)}
 
 
-def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):
+@pytest.mark.parametrize("wan", [False, True])
+def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of, wan):
+    """``wan``: every link 100 ms round trip and 8 Mbit/s (the slowest the product must hold),
+    as measured: the barrier, the moves at the switch and the steps still hold."""
     peers = ["peer-a", "peer-b", "peer-c"]
     two = _plan(peers[:2], 2)
     three = _plan(peers, 3)
     cluster = cluster_of(peers)
+    if wan:
+        for i, a in enumerate(peers):
+            for b in peers[i + 1 :]:
+                cluster.network.shape_link(a, b, delay_s=0.05, rate=1e6)
+        for view in cluster.views.values():
+            view.bytes_per_s = 1e6
     cluster.start(two)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 4, "4 steps on the first plan")
     cluster.adopt(three)  # peer-c joins; every member votes for the new plan at a step's end
