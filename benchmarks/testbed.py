@@ -159,6 +159,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         "wire": _wire(watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
         "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {})},
+        "status_error": watch.status.get("error"),
         "exit_codes": {n.name: n.process.returncode for n in nodes},
         # every host's steps: one left in backup by a view difference shows as 0
         "node_steps": {n.name: len(trained_steps(n)) for n in nodes},
