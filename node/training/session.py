@@ -298,11 +298,11 @@ class PlanSession:
         step, names = start.step, self.board.names
         index = {name: i for i, name in enumerate(names)}
         futures, waits = [], [MOVES.floor_s]
-        for dst in {m.dst for m in start.moves if m.src == self.me}:
-            names = [m.name for m in start.moves if m.src == self.me and m.dst == dst]
-            wait = MOVES.seconds(self.board.state_bytes(names), self.hooks.send_bytes_per_s(dst))
+        for dst in sorted({m.dst for m in start.moves if m.src == self.me}):
+            moved = [m.name for m in start.moves if m.src == self.me and m.dst == dst]
+            wait = MOVES.seconds(self.board.state_bytes(moved), self.hooks.send_bytes_per_s(dst))
             waits.append(wait)
-            for name in names:
+            for name in moved:
                 flat = self.vault.export(self._source(start, name), name)
                 futures.append(send_state(self.transport, dst, step, index[name], flat, wait))
         worker = self.runner.worker
