@@ -62,10 +62,6 @@ class DhtConfig:
     # CPU per op at 16 nodes, the largest idle cost. Records live on the 5 nodes nearest their
     # key (hivemind's num_replicas), so a search needs a few more than 5, not all.
     search_beam: int = 8
-    # After the bootstrap ping, hivemind searches for the node's own neighbours (up to
-    # peer_timeout_s) before the node serves. A one-off reader (``fusionllm status``) skips
-    # that wait: its first get searches the DHT anyway.
-    populate_routing: bool = True
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
@@ -113,7 +109,6 @@ class DhtConfig:
             "max_entries_per_key": self.max_entries_per_key,
             "max_reply_bytes": self.max_reply_bytes,
             "search_beam": self.search_beam,
-            "populate_routing": self.populate_routing,
         }
 
 

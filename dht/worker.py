@@ -55,8 +55,6 @@ async def start_node(config: dict[str, Any]) -> Any:
         client_mode=bool(config["client_mode"]),
         record_validator=CompositeValidator(validators),
         wait_timeout=float(config["wait_timeout_s"]),
-        # 0: hivemind's wait for its neighbour search after the bootstrap ping ends at once
-        bootstrap_timeout=None if config.get("populate_routing", True) else 0.0,
         # Our gets ask for the latest value, so they always search the swarm: refreshing the
         # local cache in the background before an entry expires only adds traffic.
         cache_refresh_before_expiry=0,

@@ -58,7 +58,6 @@ def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[
         initial_peers=tuple(bootstrap),
         client_mode=True,
         start_timeout_s=timeout_s,
-        populate_routing=False,
     )
     began = time.monotonic()
     with DhtClient(config) as client:
