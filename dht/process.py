@@ -7,22 +7,17 @@ then ``on_exit`` tells the owner (DhtClient restarts the worker).
 
 The worker runs in a process group of its own, which its child, hivemind's Go daemon (p2pd),
 joins: killing the group kills both, even after the worker died by SIGKILL (which cannot
-take p2pd down itself). p2pd's unix sockets go into a folder of the worker's own, removed once
-the group is gone: hivemind removes its daemon socket only when it stops a p2pd still running,
-so a daemon that exited on its own (no bootstrap peer reached) or was killed left
-``/tmp/hivemind-p2pd-*.sock`` behind. The group outlives the worker while p2pd runs, so its
-id cannot be reused meanwhile. Its own group also keeps a terminal's Ctrl-C away from the
-worker and p2pd: the node stops them in order.
+take p2pd down itself). The group outlives the worker while p2pd runs, so its id cannot be
+reused meanwhile. Its own group also keeps a terminal's Ctrl-C away from the worker and
+p2pd: the node stops them in order.
 """
 
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -73,11 +68,6 @@ class WorkerProcess:
         self._group_killed = False
         self.exited = threading.Event()  # the reader has ended: no reply will come any more
         self.pid = 0
-        self.socket_dir: str | None = None  # p2pd's unix sockets, while the worker may run
-
-    def _config_with_socket_dir(self) -> dict[str, Any]:
-        self.socket_dir = tempfile.mkdtemp(prefix="fusionllm-dht-")
-        return {**self._worker_config, "socket_dir": self.socket_dir}
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn, send the config, wait for the hello; DhtError (and the worker gone) if not ok."""
@@ -85,7 +75,6 @@ class WorkerProcess:
             self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
         )
         self.pid = self._process.pid
-        config = self._config_with_socket_dir()
         started: Future = Future()
 
         def handshake() -> None:
@@ -95,7 +84,7 @@ class WorkerProcess:
                 started.set_exception(exc)
 
         try:
-            write_message(self._process.stdin, config)
+            write_message(self._process.stdin, self._worker_config)
             threading.Thread(target=handshake, name="dht-hello", daemon=True).start()
             hello = started.result(timeout=timeout_s)
         except (FutureTimeout, PipeClosedError, MessageError, OSError) as exc:
@@ -164,8 +153,6 @@ class WorkerProcess:
             process.wait(timeout=_KILL_WAIT_S)
         if not _wait_group_gone(self.pid, _KILL_WAIT_S):
             logger.warning("the DHT worker's processes (group %d) outlived SIGKILL", self.pid)
-        elif self.socket_dir is not None:  # nobody listens on its sockets any more
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
         for stream in (process.stdin, process.stdout):
             with contextlib.suppress(OSError, ValueError):
                 stream.close()

@@ -41,7 +41,6 @@ async def start_node(config: dict[str, Any]) -> Any:
 
     from fusionllm.dht.validator import SwarmRecordValidator
 
-    _sockets_in(config.get("socket_dir"))
     validators = []
     if config.get("validate_records", True):
         validators.append(
@@ -84,15 +83,6 @@ async def run(config: dict[str, Any], channel_in: BinaryIO, channel_out: BinaryI
             await asyncio.wait_for(node.shutdown(), _SHUTDOWN_S)  # stops p2pd, waits for it
         except Exception:
             logger.warning("the DHT node did not shut down cleanly", exc_info=True)
-
-
-def _sockets_in(folder: str | None) -> None:
-    """p2pd's unix sockets in ``folder`` (our client removes it once p2pd is gone), not in
-    /tmp, where hivemind leaves a daemon's socket behind unless it stopped the daemon itself."""
-    from hivemind.p2p import P2P
-
-    if folder and isinstance(getattr(P2P, "_UNIX_SOCKET_PREFIX", None), str):
-        P2P._UNIX_SOCKET_PREFIX = f"/unix{folder}/hivemind-"
 
 
 class NarrowSearch:

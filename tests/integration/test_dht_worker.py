@@ -7,17 +7,14 @@ up exits by itself."""
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import psutil
 import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
-from fusionllm.dht.process import WorkerProcess
 from fusionllm.dht.wire import read_message, write_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -120,35 +117,6 @@ def test_p2pd_exits_by_itself_when_its_worker_is_killed_and_nobody_cleans_up(tmp
             p2pd.kill()  # only if the test failed: never leave it running
         worker.stdin.close()
         worker.stdout.close()
-
-
-def test_p2pd_sockets_go_with_the_worker_whether_it_started_died_or_found_no_peer(tmp_path):
-    """p2pd's unix sockets live in the worker's own folder, removed once the worker's group is
-    gone: after a start that reached no bootstrap peer (hivemind then leaves the daemon's socket
-    in /tmp), and after a worker killed by SIGKILL (a status call whose daemon died)."""
-    config = DhtConfig(swarm="sockets", identity_path=tmp_path / "key", validate_records=False,
-                       start_timeout_s=60.0)  # fmt: skip
-    worker = WorkerProcess(config.worker_config(), max_reply_bytes=config.max_reply_bytes)
-    try:
-        worker.start(config.start_timeout_s)
-        sockets = os.listdir(worker.socket_dir)
-        assert any(name.startswith("hivemind-p2pd-") for name in sockets), sockets
-        os.kill(worker.pid, signal.SIGKILL)
-        _wait(worker.exited.is_set, 10, "the worker's end noticed")
-    finally:
-        worker.kill()
-    assert not os.path.exists(worker.socket_dir)
-
-    with socket.socket() as closed:  # a port nobody listens on: the bootstrap is unreachable
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # well-formed, nobody's
-    unreachable = replace(config, initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}",))
-    failed = WorkerProcess(unreachable.worker_config(), max_reply_bytes=config.max_reply_bytes)
-    with pytest.raises(DhtError, match=r"did not start|failed to start"):
-        failed.start(unreachable.start_timeout_s)
-    assert failed.socket_dir is not None
-    assert not os.path.exists(failed.socket_dir)
 
 
 def test_narrow_searches_still_find_every_nodes_record():
