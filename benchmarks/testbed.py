@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.testbed_kill import Killer
 from benchmarks.testbed_report import print_tables, write_plots
 from benchmarks.testbed_swarm import _links, _status
 from fusionllm.node.control.probe import measure_device
-from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
+from fusionllm.node.local_swarm import FAST, LocalSwarm, trained_steps, wait_for
 from fusionllm.testbed.bed import Testbed, unavailable
 from fusionllm.testbed.topology import Topology, load_topology
 
@@ -49,6 +50,8 @@ RUN = {"seq-len": 64, "micro-batch-size": 8, "micro-batches": 4, "lr": 3e-3, "se
 TOKENS_PER_STEP = 64 * 8 * 4
 TIMING = {**FAST, "heartbeat": 2.0, "ttl": 10.0, "epoch": 4.0, "probe-kib": 1024}
 QUICK = {"topologies": ["mini"], "methods": ["naive", "opfence"], "steps": 30}
+KILLED = "opfence-kill"  # OP-Fence + AdaTopK with a member SIGKILLed halfway
+KILL_CHECKPOINTS = 5  # steps between checkpoints in the killed run
 
 
 def host_devices(topology: Topology) -> dict[str, dict]:
@@ -86,8 +89,9 @@ class _Watch:
     """What a run samples while it goes: the emulator's counters at the warm-up's end and at
     the last step, and one ``fusionllm status`` (in a thread: it takes seconds)."""
 
-    def __init__(self, bed: Testbed, nodes, warmup: int, steps: int) -> None:
+    def __init__(self, bed: Testbed, nodes, warmup: int, steps: int, killer=None) -> None:
         self.bed, self.nodes, self.warmup, self.steps = bed, nodes, warmup, steps
+        self.killer = killer
         self.counters: dict[int, dict] = {}
         self.status: dict = {}
         self._asked: threading.Thread | None = None
@@ -99,13 +103,17 @@ class _Watch:
         for mark in (self.warmup, self.steps - 1):
             if last >= mark and mark not in self.counters:
                 self.counters[mark] = {"step": last, **self.bed.emulator_stats()["fifos"]}
+        if self.killer is not None:
+            self.killer.poll(last)
         if last >= self.steps // 2 and self._asked is None:
             self._asked = threading.Thread(target=self._ask, daemon=True)
             self._asked.start()
         return all(not n.alive() for n in self.nodes)
 
     def _ask(self) -> None:
-        self.status = _status(self.bed, self.nodes[0].dht_addr)
+        began = time.monotonic()
+        self.status = _status(self.bed, self.nodes[0].dht_addr)  # the bootstrap: never killed
+        self.status["call_s"] = time.monotonic() - began
 
     def join(self) -> None:
         if self._asked is not None:
@@ -113,20 +121,28 @@ class _Watch:
 
 
 def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
-    """One swarm of the method on ``bed``, ``steps`` steps to the end."""
+    """One swarm of the method on ``bed``, ``steps`` steps to the end (``KILLED``: OP-Fence +
+    AdaTopK with one member SIGKILLed halfway, the others finishing without it)."""
     (root / method).mkdir(parents=True, exist_ok=True)
-    # Every run starts on the whole swarm: nobody trains alone while the others join.
-    extra = {**TIMING, **RUN, **METHODS[method], "steps": steps, "min-peers": len(bed.hosts)}
+    # Every run starts on the whole swarm: nobody trains alone while the others join; the
+    # killed run's survivors must be allowed to plan without the one killed.
+    # checkpoints (and their copies on the next stage) only there: the survivors resume from
+    # the newest copy, and the other methods' figures carry no checkpoint cost.
+    flags = METHODS.get(method, {"checkpoint-every": KILL_CHECKPOINTS})
+    peers = len(bed.hosts) - (method == KILLED)
+    extra = {**TIMING, **RUN, **flags, "steps": steps, "min-peers": peers}
     swarm = LocalSwarm(root / method, extra=extra)
     warmup = max(3, steps // 5)
     launched = time.time()
     try:
         nodes = _start(swarm, bed, devices)
         ready_at = time.time()
-        watch = _Watch(bed, nodes, warmup, steps)
-        deadline = time.monotonic() + 60 + 20 * steps
+        killer = Killer(nodes, steps // 2) if method == KILLED else None
+        watch = _Watch(bed, nodes, warmup, steps, killer)
+        deadline = time.monotonic() + 60 + 20 * steps + (180 if killer else 0)
         while not watch.poll():
-            crashed = [n.name for n in nodes if not n.alive() and n.process.returncode != 0]
+            crashed = [n.name for n in nodes if not n.alive() and n.process.returncode != 0
+                       and (killer is None or n is not killer.victim)]  # fmt: skip
             if crashed:  # the rest would wait for it (--min-peers) until the deadline
                 raise AssertionError(f"{method}: {crashed} exited with an error")
             if time.monotonic() > deadline:
@@ -143,7 +159,12 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         **_stage_seconds(nodes, warmup),
         "wire": _wire(watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
+        "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {})},
+        "status_error": watch.status.get("error"),
         "exit_codes": {n.name: n.process.returncode for n in nodes},
+        # every host's steps: one left in backup by a view difference shows as 0
+        "node_steps": {n.name: len(trained_steps(n)) for n in nodes},
+        **(killer.report() if killer else {}),
     }  # fmt: skip
 
 
@@ -228,11 +249,12 @@ def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float
     return per_step
 
 
-def run_topology(name: str, methods: list[str], steps: int) -> dict:
+def run_topology(name: str, methods: list[str], steps: int, keep: Path | None = None) -> dict:
     topology = load_topology(name)
     devices = host_devices(topology)
     results = []
-    with tempfile.TemporaryDirectory() as root, Testbed(topology) as bed:
+    with tempfile.TemporaryDirectory() as tmp, Testbed(topology) as bed:
+        root = keep / topology.name if keep else Path(tmp)
         for method in methods:
             print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
             try:
@@ -248,25 +270,27 @@ def run_topology(name: str, methods: list[str], steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", action="append", help="A, B, C, mini or a file (B and C)")
-    parser.add_argument("--method", action="append", choices=sorted(METHODS), help="(all four)")
+    parser.add_argument("--method", action="append", choices=sorted([*METHODS, KILLED]),
+                        help="(all four, then opfence-kill)")  # fmt: skip
     parser.add_argument("--steps", type=int, help="steps per run (40; --quick: 30)")
     parser.add_argument("--quick", action="store_true", help="mini, naive and opfence, 30 steps")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    parser.add_argument("--keep", type=Path, help="keep every node's log under this folder")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
         print(f"testbed unavailable: {reason}", file=sys.stderr)
         return 1
     topologies = args.topology or (QUICK["topologies"] if args.quick else ["B", "C"])
-    methods = args.method or (QUICK["methods"] if args.quick else list(METHODS))
+    methods = args.method or (QUICK["methods"] if args.quick else [*METHODS, KILLED])
     steps = args.steps or (QUICK["steps"] if args.quick else 40)
     if steps < 10:
         parser.error("--steps must be at least 10 (a warm-up, then medians)")
     started = time.time()
     results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
     for name in topologies:
-        results["topologies"].append(run_topology(name, methods, steps))
+        results["topologies"].append(run_topology(name, methods, steps, args.keep))
         results["seconds"] = time.time() - started
         if args.json:  # after each topology: a later failure keeps what was measured
             args.json.write_text(json.dumps(results, indent=2))

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 BASELINES = ("naive", "balanced")
+KILLED = "opfence-kill"
 
 
 def _baseline_rate(runs: list[dict]) -> float | None:
@@ -32,7 +33,8 @@ def _time_to(run: dict, target: float) -> float | None:
 def _method_rows(topology: dict) -> list[str]:
     runs = topology["runs"]
     base = _baseline_rate(runs)
-    target = max((r["last5_loss"] for r in runs if "last5_loss" in r), default=None)
+    target = max((r["last5_loss"] for r in runs if "last5_loss" in r and r["method"] != KILLED),
+                 default=None)  # fmt: skip
     head = (f"{'method':14} {'step s':>7} {'tok/s':>7} {'x best':>7} {'est s':>7} "
             f"{'est/meas':>8} {'loss@N':>7} {'last5':>7} {'t→target':>8} {'plans':>5}  "
             "plan (hosts per stage)")  # fmt: skip
@@ -76,10 +78,28 @@ def _link_rows(topology: dict) -> list[str]:
     return rows
 
 
+def _node_rows(topology: dict) -> list[str]:
+    """Steps each host trained, per run (0: it never trained), and the killed run's recovery."""
+    rows = [f"steps trained per host ({topology['topology']}):"]
+    for r in topology["runs"]:
+        steps = ", ".join(f"{k} {v}" for k, v in sorted(r.get("node_steps", {}).items()))
+        rows.append(f"  {r['method']:14} {steps or '-'}")
+    for r in topology["runs"]:
+        if r.get("killed"):
+            recovery = r.get("recovery_s")
+            rows.append(
+                f"  {r['method']}: {r['killed']} SIGKILLed after step {r['killed_after_step']}; "
+                f"recovered in {'-' if recovery is None else f'{recovery:.1f}'} s, "
+                f"{r.get('steps_lost')} steps lost"
+            )
+    return rows
+
+
 def tables(results: dict) -> str:
     lines: list[str] = []
     for topology in results["topologies"]:
-        lines += [*_method_rows(topology), *_wire_rows(topology), *_link_rows(topology), ""]
+        lines += [*_method_rows(topology), *_node_rows(topology), *_wire_rows(topology),
+                  *_link_rows(topology), ""]  # fmt: skip
     return "\n".join(lines)
 
 

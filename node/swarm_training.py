@@ -104,6 +104,12 @@ class DaemonView:
         info = daemon.members.get(peer)
         return max(measured, default=info.uplink if info is not None else _UNMEASURED_BYTES_PER_S)
 
+    def send_bytes_per_s(self, peer: str) -> float:
+        daemon = self._daemon
+        measured = daemon.book.towards(peer, time.time(), sources={daemon.peer_id})
+        info = daemon.members.get(daemon.peer_id)
+        return max(measured, default=info.uplink if info is not None else _UNMEASURED_BYTES_PER_S)
+
 
 def build_workload(
     run: RunSpec, data_path: Path | None = None, data_dtype: str | None = None

@@ -7,6 +7,7 @@ measured links, fences, stages and the backup pool.
 """
 
 import collections
+import re
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ def _no_signing(data: bytes) -> bytes:
 
 _ATTEMPTS = 4
 _RETRY_PAUSE_S = 2.0  # a busy bootstrap node answers a moment later
+_RETRIED = re.compile(r"connect to bootstrap peers|none of the initial_peers responded")
 
 
 def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -35,8 +37,14 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
     for attempt in range(1, _ATTEMPTS + 1):
         left = deadline - time.monotonic()
         try:
-            return _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+            status = _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+            status["timing"]["attempts"] = attempt
+            return status
         except DhtError as exc:
+            # Only a bootstrap peer that did not answer (busy) is worth another try: a malformed
+            # address failed the same way four times (45 s on the testbed) before.
+            if not _RETRIED.search(str(exc)):
+                raise
             if attempt == _ATTEMPTS or deadline - time.monotonic() < 5.0:
                 raise
             logger.info("could not read the swarm (attempt %d): %s; retrying", attempt, exc)
@@ -45,35 +53,61 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
 
 
 def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[str, Any]:
+    began = time.monotonic()
     client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    started = time.monotonic()
     try:
-        return read_swarm(client, swarm)
+        status = read_swarm(client, swarm)
     finally:
         client.close()
+    # where a slow call's seconds went: the DHT daemon's start (and its bootstrap), the reads
+    status["timing"]["start_s"] = round(started - began, 3)
+    return status
 
 
 def status_client(bootstrap: list[str], swarm: str, *, timeout_s: float) -> DhtClient:
     """A started client-mode DHT client for ``read_swarm`` (the caller closes it)."""
     config = DhtConfig(
-        swarm=swarm, initial_peers=tuple(bootstrap), client_mode=True, start_timeout_s=timeout_s
+        swarm=swarm,
+        initial_peers=tuple(bootstrap),
+        client_mode=True,
+        start_timeout_s=timeout_s,
     )
     return DhtClient(config).start()
 
 
 def read_swarm(client: DhtClient, swarm: str) -> dict[str, Any]:
     """One read of the swarm's records and its most followed plan, described."""
+    started = time.monotonic()
     directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
     members = directory.members(include_leaving=True)
     now = time.time()
     votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
     plan = None
-    if votes:
-        (epoch, digest), _ = votes.most_common(1)[0]
-        for proposal in directory.proposals(epoch):
-            if proposal.digest == digest:
-                plan = plan_from_json(proposal.plan)
-                break
-    return describe(swarm, members, plan, votes, now=now, skipped=directory.skipped)
+    followed = followed_plan(votes)
+    for epoch in followed[1] if followed else ():
+        found = [p for p in directory.proposals(epoch) if p.digest == followed[0]]
+        if found:
+            plan = plan_from_json(found[0].plan)
+            break
+    status = describe(swarm, members, plan, votes, now=now, skipped=directory.skipped)
+    status["timing"] = {"read_s": round(time.monotonic() - started, 3)}
+    return status
+
+
+def followed_plan(votes: collections.Counter) -> tuple[str, list[int]] | None:
+    """The digest most members follow, and the epochs they adopted it at, newest first.
+
+    Members adopt the same plan at different epochs (an epoch apart off loopback), so counting
+    (epoch, digest) pairs split one plan's followers and often showed a newer plan that one
+    node had adopted and nobody trained. Ties go to the plan adopted last."""
+    by_digest: dict[str, list[int]] = {}
+    for (epoch, digest), n in votes.items():
+        by_digest.setdefault(digest, []).extend([epoch] * n)
+    if not by_digest:
+        return None
+    digest = max(by_digest, key=lambda d: (len(by_digest[d]), max(by_digest[d]), d))
+    return digest, sorted(set(by_digest[digest]), reverse=True)
 
 
 def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:

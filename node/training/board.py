@@ -10,7 +10,8 @@ READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start
 good) x MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round
 of the meeting, holds the n ``Holding``s listed (unused slots are -1), each with fp16's loss
 scale state at its step (``ScaleState``; 0, 0 when it has none); ``hint`` is the newest step
-the swarm's records show it reached.
+the swarm's records show it reached. A READY whose header step is ``READY_ANSWER`` answers one
+(a member that already met hears a peer still waiting): it is filed, never answered.
 WANT (``TAG_WANT``, float64 ``[hint, floor]``): a plan member asks a node outside the plan for
 copies of the newest state it holds after step ``floor`` (the newest step the plan's members hold
 in full, which is less than the swarm reached).
@@ -46,6 +47,7 @@ TAG_WANT = TAG_READY + 2
 TAG_DONE = TAG_READY + 3
 TAG_STATE = 1 << 25  # + parameter index
 TAG_CUSTODY = 1 << 26  # + parameter index
+READY_ANSWER = 1  # the header step of a READY that answers one
 _READY_HEAD = 4
 _ENTRY = 5  # step, start, stop, scale, good steps
 READY_LEN = _READY_HEAD + _ENTRY * MAX_HOLDINGS
@@ -181,6 +183,7 @@ class Board:
         is_member: Callable[[str], bool],
         on_copy: Callable[[Copy], None] = lambda copy: None,
         on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
+        on_ready: Callable[[str, Ready], None] = lambda peer, ready: None,
         moves_from: Callable[[str], bool] = lambda peer: True,
         copies_from: Callable[[str], bool] = lambda peer: True,
     ):
@@ -189,6 +192,7 @@ class Board:
         self._is_member = is_member
         self._on_copy = on_copy
         self._on_want = on_want
+        self._on_ready = on_ready  # a READY that is not an answer: the sender still waits
         self._moves_from = moves_from  # who may send STATE: the plan we meet's members
         self._copies_from = copies_from  # who may send copies to keep, besides those asked
         self._asked: frozenset[str] = frozenset()  # who may answer DONE: the last WANT's
@@ -238,6 +242,8 @@ class Board:
             with self._cond:
                 self._ready[(item.peer, ready.round)] = ready
                 self._cond.notify_all()
+            if header.step != READY_ANSWER:
+                self._on_ready(item.peer, ready)
         elif is_want(header):
             hint, floor = item.tensor.tolist()
             if not (_count(hint) and _count(floor)):

@@ -23,6 +23,7 @@ from fusionllm.node.training.board import Board
 from fusionllm.node.training.checkpoints import StageState
 from fusionllm.node.training.copies import delivered, send_copy, send_done
 from fusionllm.node.training.holdings import SEED_STEP, Holding
+from fusionllm.node.training.transfer import MOVES
 
 logger = get_logger(__name__)
 
@@ -30,7 +31,7 @@ _POLL_S = 0.2
 # A donor mid-step gives its live stage once the step ends: a step rarely takes longer.
 _LIVE_COPY_WAIT_S = 5.0
 # How long a request for state waits for our view to adopt the asker's plan (it adopted it a
-# moment earlier); the asker waits 5 s for answers (session._DONOR_WAIT_S).
+# moment earlier); the asker waits at least 5 s for answers (transfer.DONORS).
 _VIEW_LAG_S = 3.0
 _PLANS_REMEMBERED = 8
 
@@ -111,11 +112,14 @@ class Donor:
             holding = stage.holding
             if (peer, holding) in self._donated:
                 continue
-            if not self.answers.spend(peer, sum(t.nbytes for t in stage.state.values())):
+            nbytes = sum(t.nbytes for t in stage.state.values())
+            if not self.answers.spend(peer, nbytes):
                 logger.info("%s used up its state budget: no more copies", peer[:16])
                 break
             self._donated.add((peer, holding))
-            ok = delivered(send_copy(self.transport, peer, stage, self.board.names, 30.0), 35.0)
+            wait = MOVES.seconds(nbytes, self.view.send_bytes_per_s(peer))
+            copy = send_copy(self.transport, peer, stage, self.board.names, wait)
+            ok = delivered(copy, wait + 5.0)
             sent += ok
             self._emit({"event": "donated", "to": peer, "step": holding.step,
                         "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip

@@ -19,10 +19,9 @@ from fusionllm.node.pipeline.mailbox import Role
 from fusionllm.node.training.checkpoints import CheckpointError, DataCursor
 from fusionllm.node.training.copies import delivered, send_copy, stage_state
 from fusionllm.node.training.holdings import Holding, checkpoint_custodian, parting_custodian
+from fusionllm.node.training.transfer import HAND_OVER
 
 logger = get_logger(__name__)
-
-_HAND_OVER_TIMEOUT_S = 30.0
 
 
 class Parting:
@@ -80,23 +79,21 @@ class Parting:
                 continue
             holding = Holding(held.next_step, *ranges[stage])
             source = peers[Role(stage, 0)]
+            nbytes = s.board.state_bytes(s.hooks.params_of(*ranges[stage]))
             if source == s.me:
-                futures = send_copy(
-                    s.transport,
-                    keeper,
-                    stage_state(held.worker, holding, scale=held.scale),
-                    s.board.names,
-                    30.0,
-                )
-                ok = delivered(futures, _HAND_OVER_TIMEOUT_S)
+                wait = HAND_OVER.seconds(nbytes, s.hooks.send_bytes_per_s(keeper))
+                state = stage_state(held.worker, holding, scale=held.scale)
+                futures = send_copy(s.transport, keeper, state, s.board.names, wait)
+                ok = delivered(futures, wait + 5.0)
                 s.hooks.emit({"event": "handover", "to": keeper, "step": held.next_step,
                               "stage": stage, "delivered": ok})  # fmt: skip
             if keeper == s.me:
-                self._await_copy(holding, source)
+                wait = HAND_OVER.seconds(nbytes, s.hooks.link_bytes_per_s(source))
+                self._await_copy(holding, source, wait + 5.0)
 
-    def _await_copy(self, holding: Holding, source: str) -> None:
+    def _await_copy(self, holding: Holding, source: str, wait_s: float) -> None:
         s = self.session
-        deadline = time.monotonic() + _HAND_OVER_TIMEOUT_S
+        deadline = time.monotonic() + wait_s
         while holding not in s.vault.custody.holdings():
             if time.monotonic() > deadline:
                 logger.warning("%s's state for %s never came: the next plan may roll back",

@@ -38,7 +38,16 @@ from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
-from fusionllm.node.training.board import TAG_READY, TAG_WANT, Board, Inbox, Router, encode_ready
+from fusionllm.node.training.board import (
+    READY_ANSWER,
+    TAG_READY,
+    TAG_WANT,
+    Board,
+    Inbox,
+    Ready,
+    Router,
+    encode_ready,
+)
 from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import (
@@ -49,11 +58,11 @@ from fusionllm.node.training.holdings import (
     start_scale,
 )
 from fusionllm.node.training.parting import Parting
+from fusionllm.node.training.transfer import DONORS, MOVES
 
 logger = get_logger(__name__)
 
 _READY_RESEND_S = 2.0
-_DONOR_WAIT_S = 5.0
 MAX_ROUNDS = 2
 _WATCH_S = 0.5
 # A plan whose first step is still blocked this long after the swarm adopted another one was
@@ -109,6 +118,7 @@ class SessionHooks:
     suspect: Callable[[str, str], None] = lambda peer, reason: None  # (peer, why): keep it out
     cleared: Callable[[str], None] = lambda peer: None  # it met us at the barrier
     link_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, from the peer
+    send_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, to the peer
     barrier_grace_s: float = 30.0  # the READY wait for a member beyond its state's transfer
 
 
@@ -155,6 +165,8 @@ class PlanSession:
         self.inbox = Inbox(self.runner.mailbox.put)
         self.parting = Parting(self)
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
+        self._announced: dict[int, torch.Tensor] = {}  # round -> our READY body in it
+        self._answered: dict[str, float] = {}  # peer -> when we last answered its READY
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -238,6 +250,7 @@ class PlanSession:
             if stop.is_set() or not current():
                 return None
             if time.monotonic() >= next_send:
+                body = self._announced.setdefault(round_, body)  # what answer() resends
                 self._announce(others, body)
                 next_send = time.monotonic() + _READY_RESEND_S
             self.board.wait(
@@ -249,6 +262,20 @@ class PlanSession:
         for peer in ready:
             self.hooks.cleared(peer)
         return ready
+
+    def answer(self, peer: str, ready: Ready) -> None:
+        """A member's READY, heard in the router's thread. It resends READY until it has heard
+        every member, and so do we; but a READY of ours it refused (it adopted the plan after
+        our resend reached it) is never resent once its own READY completed our round: answer
+        each of its READYs of a round we announced, at most once per resend interval."""
+        body = self._announced.get(ready.round)
+        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+            return
+        now = time.monotonic()
+        if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
+            return
+        self._answered[peer] = now
+        self._announce([peer], body, step=READY_ANSWER)
 
     def barrier_wait_s(self, peer: str) -> float:
         """How long the READY barrier waits for ``peer`` before suspecting it: the grace, plus
@@ -270,7 +297,8 @@ class PlanSession:
     def _ask_donors(self, reached: int, floor: int, *, current, stop) -> None:
         """WANT to every node outside the plan; wait until each answered DONE (its copies newer
         than ``floor`` are filed), we hold the whole model at a step >= ``reached``, or
-        _DONOR_WAIT_S (a donor may be gone)."""
+        the whole model's state at the slowest donor's link (transfer.DONORS: a donor may be
+        gone)."""
         donors = [p for p in self.hooks.donors() if p not in self.assignment.members]
         self.board.reset_done(donors)
         want = torch.tensor([float(reached), float(floor)], dtype=torch.float64)  # (2,)
@@ -289,13 +317,17 @@ class PlanSession:
                     return True
             return False
 
-        if not self.board.wait(enough, timeout=_DONOR_WAIT_S):
+        slowest = min((self.hooks.link_bytes_per_s(p) for p in donors), default=0.0)
+        wait = DONORS.seconds(self.board.state_bytes(everything), slowest)
+        if not self.board.wait(enough, timeout=wait):
             answered = len(self.board.done_of(donors, floor))
             logger.info("%d of %d nodes outside the plan answered in time", answered, len(donors))
 
-    def _announce(self, peers: list[str], body, tag: int = TAG_READY) -> None:
+    def _announce(self, peers: list[str], body, tag: int = TAG_READY, step: int = 0) -> None:
         packed = pack_tensor(body)
-        header = FrameHeader(step=0, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage)
+        header = FrameHeader(
+            step=step, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage
+        )
         for peer in peers:
             if tag != TAG_READY:
                 self.hooks.connect(peer)
@@ -308,13 +340,14 @@ class PlanSession:
         """Send our moves, load what we hold, wait for the rest; False if the plan changed."""
         step, names = start.step, self.board.names
         index = {name: i for i, name in enumerate(names)}
-        futures = []
-        for move in start.moves:
-            if move.src == self.me:
-                flat = self.vault.export(self._source(start, move.name), move.name)
-                futures.append(
-                    send_state(self.transport, move.dst, step, index[move.name], flat, 30.0)
-                )
+        futures, waits = [], [MOVES.floor_s]
+        for dst in sorted({m.dst for m in start.moves if m.src == self.me}):
+            moved = [m.name for m in start.moves if m.src == self.me and m.dst == dst]
+            wait = MOVES.seconds(self.board.state_bytes(moved), self.hooks.send_bytes_per_s(dst))
+            waits.append(wait)
+            for name in moved:
+                flat = self.vault.export(self._source(start, name), name)
+                futures.append(send_state(self.transport, dst, step, index[name], flat, wait))
         worker = self.runner.worker
         # Past the seed step every parameter's state is imported below: no init to overwrite.
         worker.make_real(initialise=step == SEED_STEP)
@@ -334,7 +367,7 @@ class PlanSession:
             if stop.is_set() or not current():
                 return False
             self.board.wait(lambda: not self.board.missing_state(step, incoming), timeout=0.5)
-        delivered(futures, 35.0)
+        delivered(futures, max(waits) + 5.0)
         return True
 
     def _source(self, start, name: str) -> Holding:

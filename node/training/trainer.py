@@ -75,6 +75,7 @@ class SwarmView(Protocol):
     def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
     def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
     def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
+    def send_bytes_per_s(self, peer: str) -> float: ...  # measured from us to ``peer``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +153,7 @@ class SwarmTrainer:
             is_member=self.admits,
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
+            on_ready=self._on_ready,
             moves_from=self._meets,
             copies_from=self._keeps_for,
         )
@@ -216,6 +218,11 @@ class SwarmTrainer:
         if session is not None and peer in session.runner.peer_of.values():
             return True
         return self.view.is_member(peer)
+
+    def _on_ready(self, peer: str, ready) -> None:
+        session = self._session
+        if session is not None:
+            session.answer(peer, ready)
 
     def _meets(self, peer: str) -> bool:
         """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
@@ -360,6 +367,7 @@ class SwarmTrainer:
             suspect=self.view.suspect,
             cleared=self.view.cleared,
             link_bytes_per_s=self.view.link_bytes_per_s,
+            send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
         )
 

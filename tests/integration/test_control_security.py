@@ -176,6 +176,10 @@ def test_a_rogue_peer_changes_nothing_and_status_shows_the_swarm(tmp_path) -> No
         assert serving | set(status["plan"]["backup"]) == {n.peer_id for n in nodes}
         assert status["links"], "nodes should have published measured links"
         assert {p["device"] for p in status["peers"]} == {"test-cpu"}
+        timing = status["timing"]  # where a slow call's time went
+        assert timing["attempts"] >= 1
+        assert 0 < timing["start_s"] < 90
+        assert 0 < timing["read_s"] < 90
     except AssertionError:
         print(swarm.logs())
         raise

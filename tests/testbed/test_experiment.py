@@ -44,6 +44,11 @@ def test_the_quick_experiment_trains_both_methods_to_the_end(tmp_path):
         assert run["plan"]
         assert run["plan_steps"] > 0
         assert run["wire"], "no emulated link carried the run's tensors"
+        # every host the plan seats trained (none left in backup by a view difference)
+        assert set(run["node_steps"]) == {"n1", "n2", "home"}
+        seated = {host for stage in run["plan"] for host in stage}
+        assert all(run["node_steps"][h] > 0 for h in seated), (run["plan"], run["node_steps"])
+        assert run["status_s"]["call"] > 0  # the mid-run `fusionllm status`, timed
     assert "topology mini" in result.stdout
     assert sorted(p.name for p in plots.iterdir()) == [
         "estimate_vs_measured.png", "loss_vs_time.png", "tokens_per_s.png"

@@ -76,7 +76,7 @@ class Donor:
         self.trainer = Donations(
             run=RunSpec(),
             peer_id="peer-a",
-            view=None,
+            view=SimpleNamespace(send_bytes_per_s=lambda peer: 1e6),
             vault=self.vault,
             board=SimpleNamespace(names=["w"], state_bytes=lambda names: 1 << 20),
             transport=None,

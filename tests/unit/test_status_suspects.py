@@ -3,7 +3,7 @@
 import collections
 
 from fusionllm.dht.records import NodeState, Suspicion
-from fusionllm.node.control.status import describe, format_status
+from fusionllm.node.control.status import describe, followed_plan, format_status
 from tests.unit.test_epochs import T0, record
 
 
@@ -43,3 +43,13 @@ def test_status_says_when_one_accusation_is_not_enough():
 def test_an_expired_suspicion_is_not_shown():
     status = describe("demo", _swarm(), None, collections.Counter(), now=T0 + 20, skipped=0)
     assert status["suspected"] == []
+
+
+def test_status_shows_the_plan_most_members_follow_whatever_epoch_each_adopted_it_at():
+    """Off loopback members adopt one plan epochs apart: three follow "aa" (adopted at epochs
+    7, 8, 8), one adopted "bb" at epoch 9; counting (epoch, digest) pairs picked "bb"."""
+    aa, bb = "aa" * 32, "bb" * 32
+    votes = collections.Counter({(7, aa): 1, (8, aa): 2, (9, bb): 1})
+    assert followed_plan(votes) == (aa, [8, 7])
+    assert followed_plan(collections.Counter({(3, aa): 1, (4, bb): 1})) == (bb, [4])
+    assert followed_plan(collections.Counter()) is None

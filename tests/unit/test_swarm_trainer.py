@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fusionllm.node.training.board as board_module
+import fusionllm.node.training.parting as parting_module
 import fusionllm.node.training.session as session_module
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
@@ -23,6 +24,7 @@ from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 from fusionllm.node.swarm_training import build_workload, parameter_shapes
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
+from fusionllm.node.training.transfer import TransferWait
 from tests.support.memory_transport import MemoryNetwork
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,6 +45,7 @@ class FakeView:
         self.suspected: list[tuple[str, str]] = []
         self.met: set[str] = set()
         self.computed: list[float] = []
+        self.bytes_per_s = 1e9  # every link, as measured
 
     def adopted(self):
         return self.current
@@ -76,7 +79,10 @@ class FakeView:
         self.met.add(peer)
 
     def link_bytes_per_s(self, peer: str) -> float:
-        return 1e9
+        return self.bytes_per_s
+
+    def send_bytes_per_s(self, peer: str) -> float:
+        return self.bytes_per_s
 
 
 @functools.cache
@@ -256,11 +262,20 @@ def test_the_nodes_train_in_the_runs_precision(cluster_of, precision):
         assert {(e["skipped"], e["loss_scale"]) for e in steps} == {(False, expected_scale)}
 
 
-def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of):
+@pytest.mark.parametrize("wan", [False, True])
+def test_a_plan_change_moves_state_and_the_loss_continues(cluster_of, wan):
+    """``wan``: every link 100 ms round trip and 8 Mbit/s (the slowest the product must hold),
+    as measured: the barrier, the moves at the switch and the steps still hold."""
     peers = ["peer-a", "peer-b", "peer-c"]
     two = _plan(peers[:2], 2)
     three = _plan(peers, 3)
     cluster = cluster_of(peers)
+    if wan:
+        for i, a in enumerate(peers):
+            for b in peers[i + 1 :]:
+                cluster.network.shape_link(a, b, delay_s=0.05, rate=1e6)
+        for view in cluster.views.values():
+            view.bytes_per_s = 1e6
     cluster.start(two)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 4, "4 steps on the first plan")
     cluster.adopt(three)  # peer-c joins; every member votes for the new plan at a step's end
@@ -363,6 +378,22 @@ def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_p
     assert any(e["event"] == "copy_sent" for e in cluster.events["peer-c"])
 
 
+def _b_leaves_politely(cluster: Cluster, three: Plan) -> tuple[int, list[str]]:
+    """a, b, c train ``three``; b leaves after 5 steps and a, c, d train on to the end: the
+    step b left at, and the survivors."""
+    cluster.start(three)
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
+    cluster.trainers["peer-b"].stop()
+    assert cluster.trainers["peer-b"].wait_gone(60.0)
+    left_at = max(cluster.losses("peer-b")) + 1
+    for view in cluster.views.values():
+        view.alive.discard("peer-b")
+    survivors = ["peer-a", "peer-c", "peer-d"]
+    cluster.adopt(_plan(survivors, 3), peers=survivors)
+    cluster.wait_finished(survivors)
+    return left_at, survivors
+
+
 @pytest.mark.parametrize("filing_delay_s", [0.0, 0.02])
 def test_a_polite_leave_hands_the_stage_over_without_rollback(
     cluster_of, monkeypatch, filing_delay_s
@@ -381,19 +412,32 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
-    cluster.start(three)
-    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 5, "5 steps")
-    cluster.trainers["peer-b"].stop()
-    assert cluster.trainers["peer-b"].wait_gone(60.0)
-    left_at = max(cluster.losses("peer-b")) + 1
-    for view in cluster.views.values():
-        view.alive.discard("peer-b")
-    survivors = ["peer-a", "peer-c", "peer-d"]
-    cluster.adopt(_plan(survivors, 3), peers=survivors)
-    cluster.wait_finished(survivors)
+    left_at, survivors = _b_leaves_politely(cluster, three)
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
+
+
+def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
+    cluster_of, monkeypatch
+):
+    """The leaver's links carry 150 kB/s (its stage's state takes seconds), as measured; the
+    fixed wait (here 0.5 s) would give the hand-over up and the next plan would roll back to
+    the last checkpoint: the wait is the state's bytes at the measured rate."""
+    monkeypatch.setattr(parting_module, "HAND_OVER", TransferWait(floor_s=0.5))
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three = _plan(peers[:3], 3)
+    cluster = cluster_of(peers, checkpoint_every=4)
+    for other in ("peer-a", "peer-c", "peer-d"):
+        cluster.network.shape_link("peer-b", other, rate=150e3)
+    for view in cluster.views.values():
+        view.bytes_per_s = 150e3
+    left_at, survivors = _b_leaves_politely(cluster, three)
+    assert left_at % 4, "left at a checkpoint: a rollback would not show"
+    assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
+    handover = [e for e in cluster.events["peer-b"] if e["event"] == "handover"]
+    assert handover
+    assert all(e["delivered"] for e in handover)
 
 
 def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
@@ -418,7 +462,7 @@ def test_nodes_outside_the_plan_answer_a_want_even_with_nothing_newer(cluster_of
     """After a crash the members hold an older checkpoint than the swarm reached and ask the
     backup pool; a backup holding nothing newer says so (DONE) instead of letting the members
     wait out the donor deadline (made far longer than the test's own wait here)."""
-    monkeypatch.setattr(session_module, "_DONOR_WAIT_S", 600.0)
+    monkeypatch.setattr(session_module, "DONORS", TransferWait(floor_s=600.0))
     peers = ["peer-a", "peer-b", "peer-c", "peer-d", "peer-e"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
@@ -456,3 +500,27 @@ def test_after_a_crash_an_all_new_plan_gets_the_newest_whole_step_from_a_survivo
     merged = {**cluster.losses("peer-b"), **cluster.losses("peer-c")}
     assert sorted(merged) == list(range(RUN.steps))
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
+
+
+def test_a_member_that_adopts_late_still_hears_the_others_ready(cluster_of, monkeypatch):
+    """Topology B's stall at step 0: b adopted the plan after a's READY reached it (refused:
+    a was no member in b's view yet); b's READY then reached a, which had now heard everyone
+    and stopped resending, so b waited at the barrier for a READY that never came, and a for
+    b's frames. A member that hears a READY of a round it announced answers it."""
+    monkeypatch.setattr(session_module, "_READY_RESEND_S", 120.0)  # a's resends cannot help
+    peers = ["peer-a", "peer-b"]
+    two = _plan(peers, 2)
+    cluster = cluster_of(peers)
+    cluster.network.shape_link("peer-a", "peer-b", delay_s=0.05)  # a WAN round trip
+    cluster.views["peer-b"].alive = {"peer-b"}  # b has not seen a's record yet
+    cluster.adopt(two, ["peer-a"])
+    for trainer in cluster.trainers.values():
+        trainer.start()
+    board_b = cluster.trainers["peer-b"].board
+    cluster.wait(lambda: board_b.refused >= 1, "b to refuse a's READY", timeout=30.0)
+    cluster.views["peer-b"].alive = set(peers)
+    cluster.adopt(two, ["peer-b"])
+    cluster.wait(lambda: all(cluster.trainers[p].finished.is_set() for p in peers),
+                 "both to train to the end", timeout=45.0)  # fmt: skip
+    for peer in peers:
+        assert sorted(cluster.losses(peer)) == list(range(RUN.steps))
