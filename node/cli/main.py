@@ -6,6 +6,7 @@
 - node_cmd.py:   ``fusionllm node`` (one node of a swarm)
 - swarm_cmd.py:  ``fusionllm swarm`` (N node daemons on this machine)
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
+- health_cmd.py: ``fusionllm health`` (does the node on this machine answer? docker's check)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - options.py:    the run options every training command shares
@@ -22,6 +23,7 @@ from fusionllm.common.logs import configure_logging, get_logger
 from fusionllm.node.cli import (
     demo_cmd,
     export_cmd,
+    health_cmd,
     node_cmd,
     prepare_cmd,
     status_cmd,
@@ -71,7 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     version = commands.add_parser("version", help="print the installed version")
     version.add_argument("--json", action="store_true", help="machine-readable output")
     version.set_defaults(handler=_cmd_version)
-    for command in (demo_cmd, train_cmd, node_cmd, swarm_cmd, status_cmd, prepare_cmd, export_cmd):
+    for command in (
+        demo_cmd,
+        train_cmd,
+        node_cmd,
+        swarm_cmd,
+        status_cmd,
+        prepare_cmd,
+        export_cmd,
+        health_cmd,
+    ):
         command.add_parser(commands)
     return parser
 
