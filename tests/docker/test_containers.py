@@ -48,6 +48,12 @@ def _start(engine, image, name, network, tmp_path, *, extra=(), mounts=(), first
     return engine.start(image, name, args, docker_args=docker_args)
 
 
+def _quiet_for(events: list[dict], seconds: float) -> bool:
+    """Whether some node started a plan, and none in the last ``seconds``."""
+    started = [e["t"] for e in events if e["event"] == "train_plan"]
+    return bool(started) and time.time() - max(started) >= seconds
+
+
 def _since(container: Container) -> float:
     return time.time() - container.started
 
@@ -99,6 +105,9 @@ def test_three_containers_find_each_other_train_and_leave(engine, image, tmp_pat
         # The HEALTHCHECK asks each node on its own ports (fusionllm health).
         wait_for(lambda: all(c.state()["Health"]["Status"] == "healthy" for c in containers),
                  60, "every container healthy")  # fmt: skip
+        # A leave that meets a plan switch ends in the switch (which moves the stage too): the
+        # polite leave is tested on a settled plan, as tests/integration/test_churn.py does.
+        wait_for(lambda: _quiet_for(everyone(), 3 * FAST["epoch"]), 120, "a settled plan", poll=1)
         epochs = [c.last("epoch") for c in containers]
         assert all(len(e["members"]) == 3 for e in epochs), epochs
         serving = [c for c in containers if c.last("train_plan")]
