@@ -6,6 +6,7 @@
 - node_cmd.py:   ``fusionllm node`` (one node of a swarm)
 - swarm_cmd.py:  ``fusionllm swarm`` (N node daemons on this machine)
 - status_cmd.py: ``fusionllm status`` (a swarm as its DHT shows it)
+- health_cmd.py: ``fusionllm health`` (does the node on this machine answer? docker's check)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - keygen_cmd.py: ``fusionllm keygen --swarm-key FILE`` (a private swarm's key), --swarm-key
@@ -26,6 +27,7 @@ from fusionllm.node.cli import (
     config,
     demo_cmd,
     export_cmd,
+    health_cmd,
     keygen_cmd,
     node_cmd,
     prepare_cmd,
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         status_cmd,
         prepare_cmd,
         export_cmd,
+        health_cmd,
         keygen_cmd,
     ):
         command.add_parser(commands)
