@@ -177,6 +177,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             barrier_grace_s=config.barrier_grace_s,
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
+            fault_stall_after=config.fault_stall_after,
             pin_cores=config.pin_cores,
             device=config.device,
         ),

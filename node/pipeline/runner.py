@@ -53,7 +53,7 @@ from fusionllm.compression import (
     budget_codec,
     pack_tensor,
 )
-from fusionllm.node.errors import PipelineError, StepAbortedError
+from fusionllm.node.errors import FrameTimeoutError, PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
 from fusionllm.node.pipeline.compute import Compute, Staging
@@ -69,6 +69,7 @@ from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
 from fusionllm.node.pipeline.loss_scale import LossScale
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
+from fusionllm.node.pipeline.patience import Patience, PatienceConfig
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.steps import Sends, StepReport
@@ -137,6 +138,9 @@ class PipelineRunner:
         self.dataset = dataset
         self.transport = transport
         self.timeout_s = timeout_s
+        # A frame's wait: the step's measured rhythm, at most ``timeout_s`` (patience.py).
+        floor = min(PatienceConfig.floor_s, timeout_s)
+        self.patience = Patience(PatienceConfig(cap_s=timeout_s, floor_s=floor))
         self._vote = vote
         self.completed_steps: int | None = None  # the step after the last one applied
         self.roles = roles_of(config)
@@ -222,6 +226,7 @@ class PipelineRunner:
 
     def run_step(self, step: int) -> StepReport:
         started = time.perf_counter()
+        self.patience.step_started(step, time.monotonic())
         self.mailbox.advance(step)
         sends = Sends()
         self._compute_cpu_s = 0.0
@@ -437,7 +442,9 @@ class PipelineRunner:
         self, kind: FrameKind, step: int, tag: int, sender: Role, sends: Sends
     ) -> torch.Tensor:
         key = (kind.value, step, tag, self.roles.index(sender))
-        deadline = time.monotonic() + self.timeout_s
+        header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=sender.stage)
+        patience = self.patience.wait_s(self.expectations.frame_bytes(header))
+        deadline = time.monotonic() + patience
         while True:
             sends.check()
             left = deadline - time.monotonic()
@@ -447,7 +454,9 @@ class PipelineRunner:
                 raise
             except PipelineError:
                 if left <= _CHECK_S:
-                    raise PipelineError(
+                    raise FrameTimeoutError(
                         f"{self.role}: {kind.value} frame (step {step}, tag {tag}) from {sender} "
-                        f"did not arrive within {self.timeout_s}s"
+                        f"did not arrive within {patience:.1f}s",
+                        rank=key[3],
+                        step=step,
                     ) from None

@@ -88,9 +88,12 @@ class TrainerConfig:
     device: str = "cpu"  # where a stage we serve computes (compute.resolve_device)
     # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
     barrier_grace_s: float = 30.0
+    fault_stall_after: int = 0  # test hook: stall after this many steps of a plan (session.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        if not isinstance(self.fault_stall_after, int) or self.fault_stall_after < 0:
+            raise ConfigError(f"fault_stall_after must be >= 0, got {self.fault_stall_after!r}")
         object.__setattr__(self, "device", str(resolve_device(self.device)))
         if not 0 < self.barrier_grace_s <= 3600:
             raise ConfigError(f"barrier_grace_s must be in (0, 3600], got {self.barrier_grace_s}")
@@ -361,6 +364,7 @@ class SwarmTrainer:
             cleared=self.view.cleared,
             link_bytes_per_s=self.view.link_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
+            fault_stall_after=self.config.fault_stall_after,
         )
 
     def _followed(self) -> str | None:
