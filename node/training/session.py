@@ -370,6 +370,8 @@ class PlanSession:
         blamed = None if culprit is None else self.runner.peer_of.get(self.runner.roles[culprit])
         self.hooks.emit({"event": "stall", "step": timeout.step, "waited_on": waited,
                          "blamed": blamed, "t": time.time()})  # fmt: skip
+        whom = blamed[:16] if blamed else "nobody (the members wait on each other)"
+        logger.warning("step %d stalled waiting on %s: blaming %s", timeout.step, waited[:16], whom)
         if blamed is not None:
             self.hooks.suspect(blamed, "stalled")
 

@@ -10,6 +10,9 @@ Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per te
   and keep it out for the backoff;
 - a third node waits in backup and a serving one is SIGSTOPped (its connections stay up, it
   sends nothing): the others go on within 60 s, losing at most one checkpoint interval;
+- a seated member stops sending frames mid-run while its heartbeat stays up (the hidden
+  ``--fault-stall-after`` hook): the member that waited on it blames it, not anyone else,
+  and the others go on within 60 s;
 - a member floods the trainers with requests for state (WANT): at most one answer per plan;
 - a member claims 4x the speed it computes at: its own steps measure it, its record says so,
   and the swarm re-plans it with the measured figure.
@@ -163,6 +166,40 @@ def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(tmp_pat
     finally:
         if stopped is not None:
             stopped.process.send_signal(signal.SIGCONT)
+        if swarm is not None:
+            swarm.close()
+
+
+def test_a_member_that_stalls_mid_run_with_its_heartbeat_up_is_blamed_and_planned_around(
+    tmp_path,
+):
+    """The newcomer computes honestly at the test CPU's speed (100x the trainers' claim), so
+    the swarm seats it; after 10 steps of that plan it stops sending frames and stepping, its
+    process and heartbeat up (the hidden ``--fault-stall-after`` hook). Its partner's step
+    times out after the step's rhythm allows (not the 60 s step timeout), blames it, and the
+    two others train on within 60 s; nobody else is suspected."""
+    swarm = None
+    try:
+        swarm, nodes = _trainers(tmp_path)
+        joined = time.time()
+        staller = swarm.start("staller", bootstrap=nodes[0].dht_addr, device=TEST_DEVICE,
+                              extra={"fault-stall-after": 10})  # fmt: skip
+        wait_for(lambda: _planned(nodes[0], staller.peer_id, joined), 120, "it seated")
+        stalled = wait_for(lambda: staller.last("fault_stall"), 180, "its stall")
+        stalled_at = stalled["t"]
+        resumed = wait_for(lambda: first_step_after(nodes, stalled_at), 120, "steps without it")
+        blames = [e for n in nodes for e in n.snapshot() if e["event"] == "stall"]
+        right = [(e["step"], e["blamed"] == staller.peer_id) for e in blames]
+        print(f"stalled member: steps again after {resumed - stalled_at:.1f} s; blames {right}")
+        assert resumed - stalled_at < RESUME_S, swarm.logs()
+        assert staller.alive()  # its process stayed up all along
+        assert blames, swarm.logs()
+        assert all(e["blamed"] == staller.peer_id for e in blames), blames
+        wait_for(lambda: all(_suspected_by(n, staller.peer_id) for n in nodes), 30, "suspicion")
+        for node in [*nodes, staller]:
+            for other in nodes:
+                assert not _suspected_by(node, other.peer_id), swarm.logs()
+    finally:
         if swarm is not None:
             swarm.close()
 
