@@ -56,6 +56,7 @@ from fusionllm.compression import (
 from fusionllm.node.errors import FrameTimeoutError, PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
+from fusionllm.node.pipeline.busy import compute_clock
 from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
@@ -161,6 +162,7 @@ class PipelineRunner:
             weights=weight_source(config),
         )
         self.staging = Staging(self.compute)
+        self._clock = compute_clock(self.compute)  # busy_s: kernel time on a GPU (busy.py)
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
         self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
@@ -304,7 +306,7 @@ class PipelineRunner:
                 computed, waited = self._backward(step, mb, sends)
             busy += computed
             wait += waited
-        return losses, busy, wait, order
+        return losses, self._clock.settle(busy), wait, order
 
     def _forward(
         self, step: int, mb: int, sends: Sends
@@ -327,9 +329,9 @@ class PipelineRunner:
             flat = self.staging.to_device(("activation", s - 1), flat)
             inputs = self.layout.links[s - 1].unpack(flat)
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
-        t1, cpu = time.perf_counter(), time.thread_time()
+        t1, cpu, mark = time.perf_counter(), time.thread_time(), self._clock.start()
         out = worker.forward(step, mb, inputs, targets)
-        computed = time.perf_counter() - t1
+        computed = self._clock.stop(mark)
         self._compute_cpu_s += time.thread_time() - cpu
         if worker.is_last:
             return computed, t1 - t0, out["loss"]
@@ -367,9 +369,9 @@ class PipelineRunner:
             )
             flat = self.staging.to_device(("gradient", s), flat)
             grads = self.layout.links[s].unpack(flat)
-        t1, cpu = time.perf_counter(), time.thread_time()
+        t1, cpu, mark = time.perf_counter(), time.thread_time(), self._clock.start()
         input_grads = worker.backward(step, mb, grads)
-        computed = time.perf_counter() - t1
+        computed = self._clock.stop(mark)
         self._compute_cpu_s += time.thread_time() - cpu
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
