@@ -154,6 +154,14 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,
     )
     group.add_argument(
+        "--fault-under-report",
+        type=float,
+        default=1.0,
+        # Test hook (test_stalling_members.py): the node says it computed this many times
+        # less than it measured, in its step summaries and to its own pace (a liar).
+        help=argparse.SUPPRESS,
+    )
+    group.add_argument(
         "--step-timeout",
         type=float,
         default=60.0,
@@ -323,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         barrier_grace_s=args.barrier_grace,
         checkpoint_pause_s=args.checkpoint_pause,
         fault_stall_after=args.fault_stall_after,
+        fault_under_report=args.fault_under_report,
         train=train,
         pin_cores=args.pin_cores,
         data_path=Path(args.data).expanduser() if args.data else None,

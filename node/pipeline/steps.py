@@ -25,6 +25,9 @@ class StepReport:
     # what a test or a log reads to see that no sample is repeated or skipped.
     samples: tuple[int, ...] = ()
     eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
+    # Every process's (compute s, activation wait s, gradient wait s), in rank order, from the
+    # step's summaries (summary.py): what the members witness of each other's pace.
+    timings: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclass

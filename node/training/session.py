@@ -105,6 +105,8 @@ class SessionHooks:
     # Test hook (--fault-stall-after): after this many steps of one plan, stop sending frames
     # and stepping until the node is killed, while its heartbeat goes on. 0: never.
     fault_stall_after: int = 0
+    # Test hook (--fault-under-report): report this many times less compute than we measured.
+    fault_under_report: float = 1.0
 
 
 class PlanSession:
@@ -138,6 +140,7 @@ class PlanSession:
             vote=hooks.vote,
             own_pump=False,
             compute=compute,
+            fault_under_report=hooks.fault_under_report,
         )
         self.transport = transport
         self.board = board

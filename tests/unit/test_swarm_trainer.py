@@ -43,6 +43,7 @@ class FakeView:
         self.suspected: list[tuple[str, str]] = []
         self.met: set[str] = set()
         self.computed: list[float] = []
+        self.timings: list[tuple] = []  # (ranks, timings) of every step's summaries
 
     def adopted(self):
         return self.current
@@ -68,6 +69,9 @@ class FakeView:
 
     def measured(self, compute_s: float) -> None:
         self.computed.append(compute_s)
+
+    def witnessed(self, ranks, timings) -> None:
+        self.timings.append((ranks, timings))
 
     def suspect(self, peer: str, reason: str) -> None:
         self.suspected.append((peer, reason))
@@ -229,6 +233,15 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
         np.testing.assert_allclose([losses[s] for s in range(RUN.steps)], reference, atol=1e-5)
         assert (tmp_path / peer / "final-params.pt").exists()
     assert all(v.finished for v in cluster.views.values())
+    # Every step, every node hears every rank's timings from the summaries, the same on all.
+    stages = {p: k for k, s in enumerate(fixed.stages) for p in s.peers}
+    for peer in peers:
+        seen = cluster.views[peer].timings
+        assert len(seen) == RUN.steps
+        ranks, timings = seen[-1]
+        assert ranks == sorted(stages.items(), key=lambda kv: kv[1])
+        assert all(busy > 0 and min(waits) >= 0 for busy, *waits in timings), timings
+    assert cluster.views[peers[0]].timings[-1] == cluster.views[peers[2]].timings[-1]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
