@@ -102,8 +102,8 @@ class PaceMeter:
 
 Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient wait s)
 # A member's word on its compute stands unless its neighbours waited more than this many times
-# as long on it: their waits also hold per-frame costs the cost model leaves out, which would
-# otherwise make every honest member of a small stage look slow.
+# as long on it: their waits also hold its work between steps (optimizer step, summary) and
+# per-frame costs, which would otherwise make an honest member of a small stage look slow.
 _BELIEVED_WITHIN = 2.0
 
 

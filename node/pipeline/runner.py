@@ -240,7 +240,7 @@ class PipelineRunner:
         scale = self._scale()
         self.worker.loss_scale = scale
         eval_sum, eval_count = eval_pass(self, step, sends)  # before the step changes anything
-        losses, busy, (wait, wait_in, wait_out), order = self._schedule(step, sends)
+        losses, busy, (wait_in, wait_out), order = self._schedule(step, sends)
         if self.loss_scale is not None:  # before any gradient leaves: they must be finite
             self._overflow |= self.worker.unscale_or_zero(scale)
         all_reduce_replicas(self, step, sends)
@@ -268,7 +268,7 @@ class PipelineRunner:
             grad_norm=norm,
             seconds=time.perf_counter() - started,
             busy_s=busy,
-            wait_s=wait,
+            wait_s=wait_in + wait_out,
             busy_cpu_s=self._compute_cpu_s,
             votes=totals.votes,
             peak_device_bytes=self.compute.peak_memory_bytes(),
@@ -287,12 +287,10 @@ class PipelineRunner:
 
     def _schedule(
         self, step: int, sends: Sends
-    ) -> tuple[list[torch.Tensor], float, tuple[float, float, float], list[tuple[str, int]]]:
+    ) -> tuple[list[torch.Tensor], float, tuple[float, float], list[tuple[str, int]]]:
         """This process's 1F1B forwards and backwards of ``step``: (the losses, on the device
-        until the summary: no sync before; compute seconds; seconds waiting for frames, and of
-        those for activations and for gradients but the step's first of each, which wait out
-        the neighbour's work between steps (its optimizer step, checkpoint, summary) rather
-        than its forwards and backwards; the schedule run)."""
+        until the summary: no sync before; compute seconds; seconds waiting for activations
+        and for gradients; the schedule run)."""
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -303,20 +301,19 @@ class PipelineRunner:
             slack=_WARMUP_SLACK,
         )
         losses: list[torch.Tensor] = []
-        busy = 0.0
-        waits: dict[str, list[float]] = {"F": [], "B": []}
+        busy, wait_in, wait_out = 0.0, 0.0, 0.0
         for kind, mb in order:
             if kind == "F":
                 computed, waited, loss = self._forward(step, mb, sends)
+                wait_in += waited
                 if loss is not None:
                     losses.append(loss)
             else:
                 computed, waited = self._backward(step, mb, sends)
-            waits[kind].append(waited)
+                wait_out += waited
             busy += computed
         busy = self._clock.settle(busy) / self._under_report  # a liar's word (test hook)
-        total = sum(waits["F"]) + sum(waits["B"])
-        return losses, busy, (total, sum(waits["F"][1:]), sum(waits["B"][1:])), order
+        return losses, busy, (wait_in, wait_out), order
 
     def _forward(
         self, step: int, mb: int, sends: Sends

@@ -9,9 +9,9 @@ One float64 tensor of ``SUMMARY_LEN`` per process, sent to all others (runner.py
 every process then skips the step together. The eval sums are the validation losses of an
 evaluation step (evaluation.py; 0 elsewhere). The last three are that process's step timings:
 its forwards' and backwards' compute, and how long its schedule waited for activations and
-for gradients (but the first of each, runner.py); every member witnesses every other's pace
-from them (control/pace.py), and a neighbour's waits check what a member says it computed.
-Pure functions; the runner sends and takes them.
+for gradients; every member witnesses every other's pace from them (control/pace.py), and a
+neighbour's waits check what a member says it computed. Pure functions; the runner sends and
+takes them.
 """
 
 from collections.abc import Sequence
