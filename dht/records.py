@@ -26,6 +26,7 @@ MAX_SUSPECTS = 16  # suspicions one record carries (node/control/suspicion.py)
 MAX_STRIKES = 64
 MAX_REASON_CHARS = 32
 MAX_PACE = 1e6
+MAX_WITNESSED = 16  # other members' paces one record carries (node/control/pace.py)
 MAX_NAME_CHARS = 128
 MAX_PEER_ID_CHARS = 128
 MAX_PLAN_BYTES = 512 << 10
@@ -93,6 +94,13 @@ def _float(value: Any, what: str, low: float, high: float, *, low_open: bool = F
         raise RecordError(f"{what} must be a finite number in {'(' if low_open else '['}"
                           f"{low}, {high}], got {value}")  # fmt: skip
     return value
+
+
+def _exactly(value: Any, what: str, n: int) -> list:
+    items = _list(value, what, n)
+    if len(items) != n:
+        raise RecordError(f"{what} must have {n} fields, got {len(items)}")
+    return items
 
 
 def _list(value: Any, what: str, max_items: int) -> list:
@@ -251,14 +259,32 @@ class Suspicion:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "Suspicion":
-        items = _list(wire, "suspicion", 4)
-        if len(items) != 4:
-            raise RecordError(f"suspicion must have 4 fields, got {len(items)}")
+        items = _exactly(wire, "suspicion", 4)
         return cls(
             _str(items[0], "suspect", MAX_PEER_ID_CHARS),
             _float(items[1], "suspected until", 0.0, 1e11),
             _str(items[2], "suspicion reason", MAX_REASON_CHARS),
             _int(items[3], "strikes", 1, MAX_STRIKES),
+        )
+
+
+@dataclass(frozen=True)
+class Witnessed:
+    """How many times slower than its device another member of our plan computes, from the
+    compute its step summaries gave (node/control/pace.py's ``PaceWitness``)."""
+
+    peer: str
+    pace: float
+
+    def to_wire(self) -> list[Any]:
+        return [self.peer, self.pace]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "Witnessed":
+        items = _exactly(wire, "witnessed pace", 2)
+        return cls(
+            _str(items[0], "witnessed peer", MAX_PEER_ID_CHARS),
+            _float(items[1], "witnessed pace", 1.0, MAX_PACE),
         )
 
 
@@ -291,6 +317,9 @@ class NodeInfo:
     # How many times slower than its device it measured itself (node/control/pace.py): every
     # planner divides the device's figures by it. Old records lack it: 1, as advertised.
     pace: float = 1.0
+    # Paces of the other members of its plan, measured from their step summaries (pace.py):
+    # planners believe those over a member's own ``pace``. Old records lack it: none.
+    witnessed: tuple[Witnessed, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -320,13 +349,14 @@ class NodeInfo:
             **({"obs": True} if self.observer else {}),
             **({"sus": [x.to_wire() for x in self.suspects]} if self.suspects else {}),
             **({"pace": self.pace} if self.pace != 1.0 else {}),
+            **({"wit": [x.to_wire() for x in self.witnessed]} if self.witnessed else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        optional = frozenset({"train", "beat", "obs", "sus", "pace"})
+        optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit"})
         w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
@@ -368,6 +398,9 @@ class NodeInfo:
                 Suspicion.from_wire(x) for x in _list(w.get("sus", []), "suspects", MAX_SUSPECTS)
             ),
             "pace": _float(w["pace"], "pace", 1.0, MAX_PACE) if "pace" in w else 1.0,
+            "witnessed": tuple(
+                Witnessed.from_wire(x) for x in _list(w.get("wit", []), "witnessed", MAX_WITNESSED)
+            ),
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)

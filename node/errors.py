@@ -37,3 +37,13 @@ class ControlError(TransportError):
 
 class ProbeRefusedError(ControlError):
     """A peer refused our bandwidth probe: too large for it, too frequent, or it is busy."""
+
+
+class FrameTimeoutError(PipelineError):
+    """A frame did not come within its deadline: ``rank`` is the process we waited on, at
+    ``step`` (training/blame.py asks the others whether that process was waiting too)."""
+
+    def __init__(self, message: str, *, rank: int, step: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step

@@ -92,6 +92,9 @@ class DaemonView:
     def measured(self, compute_s: float) -> None:
         self._daemon.measured(compute_s)
 
+    def witnessed(self, ranks: list[tuple[str, int]], timings: list) -> None:
+        self._daemon.witnessed(ranks, timings)
+
     def suspect(self, peer: str, reason: str) -> None:
         self._daemon.suspect(peer, reason)
 
@@ -185,6 +188,8 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             barrier_grace_s=config.barrier_grace_s,
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
+            fault_stall_after=config.fault_stall_after,
+            fault_under_report=config.fault_under_report,
             pin_cores=config.pin_cores,
             device=config.device,
         ),

@@ -162,6 +162,22 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,  # fault injection for tests: sleep between write and rename
     )
     group.add_argument(
+        "--fault-stall-after",
+        type=int,
+        default=0,
+        # Test hook (tests/integration/test_stalling_members.py): after this many steps of a
+        # plan the node stops sending frames and stepping, its heartbeat still up.
+        help=argparse.SUPPRESS,
+    )
+    group.add_argument(
+        "--fault-under-report",
+        type=float,
+        default=1.0,
+        # Test hook (test_stalling_members.py): the node says it computed this many times
+        # less than it measured, in its step summaries and to its own pace (a liar).
+        help=argparse.SUPPRESS,
+    )
+    group.add_argument(
         "--step-timeout",
         type=float,
         default=60.0,
@@ -337,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         step_timeout_s=args.step_timeout,
         barrier_grace_s=args.barrier_grace,
         checkpoint_pause_s=args.checkpoint_pause,
+        fault_stall_after=args.fault_stall_after,
+        fault_under_report=args.fault_under_report,
         train=train,
         pin_cores=args.pin_cores,
         data_path=Path(args.data).expanduser() if args.data else None,

@@ -44,7 +44,13 @@ from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
-from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
+from fusionllm.node.control.pace import (
+    PaceMeter,
+    PaceWitness,
+    Timing,
+    checked_compute,
+    predicted_compute_s,
+)
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
@@ -81,6 +87,7 @@ class NodeDaemon:
         self.pace = PaceMeter()  # our measured compute against our device's (pace.py)
         self.timings = Timings()  # our DHT rounds' durations (the node's metrics read them)
         self._paced_plan: str | None = None  # the plan the meter's steps were measured in
+        self.witness = PaceWitness()  # the other members' paces, from the step summaries
 
     # What the agreement decided (read by the trainer, the status command and our record).
 
@@ -301,6 +308,7 @@ class NodeDaemon:
             observer=self.config.observer,
             suspects=self.suspicions.current(),
             pace=self.pace.published,
+            witnessed=self.witness.current(),
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -377,6 +385,29 @@ class NodeDaemon:
         if self.pace.add(compute_s, predicted) != before:
             logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
                            self.pace.published)  # fmt: skip
+            self._beat_now.set()
+
+    def witnessed(self, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
+        """One step's summaries of the plan we follow: every rank's (peer, stage) and timings.
+        Each other member's checked compute against what its advertised device predicts;
+        a pace newly witnessed goes out at once (pace.py)."""
+        adopted, members = self.adopted, self._members_now()
+        if adopted is None or len(ranks) != len(timings):
+            return
+        config = self.settings.plan_config()
+        checked = checked_compute(
+            adopted.plan, [s for _, s in ranks], timings, config.micro_batches
+        )
+        before = self.witness.current()
+        for (peer, _), compute_s in zip(ranks, checked, strict=True):
+            info = members.get(peer)
+            if peer == self.peer_id or info is None:
+                continue
+            predicted = predicted_compute_s(self.costs, adopted.plan, peer, info.device, config)
+            if predicted is not None:
+                self.witness.add(adopted.digest, peer, compute_s, predicted)
+        if self.witness.current() != before:
+            logger.info("witnessed paces: %s", self.witness.current())
             self._beat_now.set()
 
     def health(self) -> dict[str, int]:

@@ -47,6 +47,7 @@ from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.link_wait import LinkWait
+from fusionllm.node.control.pace import with_witnessed_paces
 from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
@@ -198,6 +199,7 @@ class PlanAgreement:
                          len(everyone) - len(members))  # fmt: skip
         self.quiet.drop_suspects(members)
         members[self.peer_id] = self._own_info()
+        members = with_witnessed_paces(members)  # members' paces as their plans saw them
         self.excluded = excluded(members, now=self.clock())
         # Members that finished the run leave: their last records tell a backup it is over.
         if any(

@@ -14,17 +14,32 @@ The published pace moves in powers of two and only when the median leaves a wide
 it, so noise and the cost model's per-stage error do not re-plan the swarm. A pace can only
 make a node look slower: a liar gains nothing by it. Pure: fed numbers, no clock
 (tests/unit/test_pace.py).
+
+A member's own pace is its own word. So every member also witnesses the others of its plan:
+each step's summaries carry every process's compute and its waits for activations and
+gradients (pipeline/summary.py); ``checked_compute`` takes a member's compute as the larger of
+what it said and what its neighbours' waits show (the upstream neighbour waited for gradients
+while the member computed, the downstream one for activations; minus what the member itself
+waited on further along, and the plan's time on the links), and ``PaceWitness`` keeps a
+``PaceMeter`` per member on those figures. A record says whom its node witnessed slower than
+its device (``NodeInfo.witnessed``), and every planner takes a member's pace as the larger of
+its own and the median of its witnesses' (``with_witnessed_paces``): a member that says it
+computes faster than it does is planned at the speed its neighbours saw. The neighbours'
+check is exact for the first and last stages; a middle stage's own waits enter its check.
+Stages with replicas are witnessed from their compute alone.
 """
 
+import dataclasses
 import math
 import statistics
 from collections import deque
+from collections.abc import Mapping, Sequence
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import DeviceProfile, node_time
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.planner import Plan, PlanConfig
-from fusionllm.dht.records import DeviceInfo
+from fusionllm.dht.records import MAX_WITNESSED, DeviceInfo, NodeInfo, Witnessed
 
 THRESHOLD = 2.0  # the issue's "more than 2x slower than its advertised device predicts"
 # A published pace holds while the median stays within [0.5, 2.5] x it: the cost model's
@@ -83,3 +98,91 @@ class PaceMeter:
     def reset(self) -> None:
         """A new plan: its stage is another amount of work, measured afresh."""
         self._ratios.clear()
+
+
+Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient wait s)
+# A member's word on its compute stands unless its neighbours waited more than this many times
+# as long on it: their waits also hold its work between steps (optimizer step, summary) and
+# per-frame costs, which would otherwise make an honest member of a small stage look slow.
+_BELIEVED_WITHIN = 2.0
+
+
+def _link_s(plan: Plan, link: int, micro_batches: int) -> float:
+    """The plan's time for one step's frames across the cut after stage ``link``."""
+    cut = next((x for x in plan.links if x.src_stage == link), None)
+    if cut is None:
+        return 0.0
+    one_way = [(cut.forward_wire_bytes, cut.forward_bandwidth, cut.forward_rtt),
+               (cut.backward_wire_bytes, cut.backward_bandwidth, cut.backward_rtt)]  # fmt: skip
+    return micro_batches * sum(b / max(bw, 1.0) + rtt / 2 for b, bw, rtt in one_way)
+
+
+def checked_compute(
+    plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int
+) -> list[float]:
+    """Each process's compute in one step (rank order; ``stages[r]`` is rank r's stage): what
+    it said, or what its neighbours waited on it where that is more than twice as much."""
+    width = [len(s.peers) for s in plan.stages]
+    alone = {r: stages[r] for r in range(len(stages)) if width[stages[r]] == 1}
+    at = {stage: r for r, stage in alone.items()}
+    checked = []
+    for r, (busy, wait_in, wait_out) in enumerate(timings):
+        bounds = [busy]
+        t = alone.get(r)
+        if t is not None and t - 1 in at:  # the upstream waited for our gradients
+            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches)
+            bounds.append(up)
+        if t is not None and t + 1 in at:  # the downstream waited for our activations
+            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches)
+            bounds.append(down)
+        seen = max(bounds)
+        checked.append(seen if seen > _BELIEVED_WITHIN * busy else busy)
+    return checked
+
+
+class PaceWitness:
+    """The paces of the other members of our plans, from their checked compute."""
+
+    def __init__(self, *, window: int = 16, threshold: float = THRESHOLD) -> None:
+        self._window, self._threshold = window, threshold
+        self._meters: dict[str, PaceMeter] = {}
+        self._plan: str | None = None
+
+    def add(self, plan: str, peer: str, measured_s: float, predicted_s: float) -> None:
+        if plan != self._plan:  # another stage: measured afresh, the published paces kept
+            for meter in self._meters.values():
+                meter.reset()
+            self._plan = plan
+        meter = self._meters.get(peer)
+        if meter is None:
+            if len(self._meters) >= 4 * MAX_WITNESSED:  # bounded: forget the fastest
+                del self._meters[min(self._meters, key=lambda p: self._meters[p].published)]
+            meter = self._meters[peer] = PaceMeter(window=self._window, threshold=self._threshold)
+        meter.add(measured_s, predicted_s)
+
+    def current(self) -> tuple[Witnessed, ...]:
+        """The members witnessed slower than their devices (what our record says)."""
+        slow = [Witnessed(p, m.published) for p, m in self._meters.items() if m.published > 1.0]
+        return tuple(sorted(slow, key=lambda w: (-w.pace, w.peer))[:MAX_WITNESSED])
+
+
+def witnessed_pace(members: Mapping[str, NodeInfo], peer: str) -> float:
+    """The median (lower) of the paces other members witnessed of ``peer``; 1.0 if none."""
+    seen = [
+        w.pace
+        for by, info in members.items()
+        if by != peer and not info.observer
+        for w in info.witnessed
+        if w.peer == peer
+    ]
+    return statistics.median_low(sorted(seen)) if seen else 1.0
+
+
+def with_witnessed_paces(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
+    """``members`` with each pace raised to what its witnesses saw, where that is slower."""
+    out = dict(members)
+    for peer, info in members.items():
+        pace = witnessed_pace(members, peer)
+        if pace > info.pace:
+            out[peer] = dataclasses.replace(info, pace=pace)
+    return out

@@ -7,7 +7,12 @@ same records seats the same peers and the leaderless agreement does not split ov
 - a member is kept out while enough of the members serving a plan with it suspect it (their
   records' ``suspects``, written by suspicion.py): at least half of the others that serve,
   and at least one. One member's word is then not enough to keep a peer out of a swarm where
-  others trained with it, and a member left alone with a silent partner still goes on.
+  others trained with it, and a member left alone with a silent partner still goes on;
+- a suspicion counts only from a member that was itself progressing: not from one whose
+  record shows fewer steps than the suspect's (it is the one behind), and of two members that
+  suspect each other, only from the one further along (at the same step, neither: nobody can
+  tell who failed whom). In a plan of two, the member that stalled, crashed at the barrier or
+  came late cannot keep its partner out by suspecting it back.
 """
 
 from collections.abc import Mapping
@@ -27,15 +32,29 @@ class Accusation:
 def accusations(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[Accusation]]:
     """Suspicions in force now, by suspect, from members that train (observers' do not
     count: they wait for nobody)."""
+    live = {
+        by: {s.peer: s for s in info.suspects if s.until > now and s.peer != by}
+        for by, info in members.items()
+        if not info.observer
+    }
     found: dict[str, list[Accusation]] = {}
-    for by in sorted(members):
-        info = members[by]
-        if info.observer:
-            continue
-        for s in info.suspects:
-            if s.until > now and s.peer != by and s.peer in members:
-                found.setdefault(s.peer, []).append(Accusation(by, s.reason, s.until, s.strikes))
+    for by in sorted(live):
+        for peer, s in sorted(live[by].items()):
+            if peer in members and _counts(members, live, by, peer):
+                found.setdefault(peer, []).append(Accusation(by, s.reason, s.until, s.strikes))
     return found
+
+
+def _progress(info: NodeInfo) -> int:
+    return info.training.step if info.training is not None else -1
+
+
+def _counts(members: Mapping[str, NodeInfo], live: Mapping[str, Mapping], by: str, peer: str):
+    """Whether ``by``'s suspicion of ``peer`` counts: ``by`` is not behind ``peer``, and if
+    ``peer`` suspects ``by`` back, ``by`` is strictly ahead."""
+    mine, theirs = _progress(members[by]), _progress(members[peer])
+    mutual = by in live.get(peer, {})
+    return mine > theirs or (mine == theirs and not mutual)
 
 
 def excluded(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[Accusation]]:

@@ -4,6 +4,8 @@ Needs only the run's config and layout, so a transport can be given its ``expect
 the runner that uses it exists (runner.py).
 """
 
+import math
+
 import torch
 
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
@@ -19,6 +21,8 @@ TAG_SUMMARY = 0  # float64 summary.Summary: [squared norm, loss sum, loss count,
 #                   eval sum, eval count]
 TAG_DP = 1  # float32 flat gradients of the whole stage
 TAG_TIED = 2  # + index of the tied parameter, float32 gradient of its shape
+# float64 [rank]: the sender's step timed out waiting on that rank's frame (training/blame.py)
+TAG_STALL = 1 << 23
 
 # Activation tags of validation micro-batches (evaluation.py): EVAL_TAG + micro-batch.
 EVAL_TAG = 1 << 24
@@ -62,6 +66,8 @@ class Expectations:
         if header.kind is FrameKind.CONTROL:
             if header.micro_batch == TAG_SUMMARY:
                 return TensorSpec(torch.float64, (SUMMARY_LEN,))
+            if header.micro_batch == TAG_STALL:
+                return TensorSpec(torch.float64, (1,))
             if header.micro_batch == TAG_DP and header.stage == s:
                 return TensorSpec(torch.float32, (self._num_parameters,))
             tied = sorted(self.layout.tied)
@@ -69,6 +75,14 @@ class Expectations:
             if 0 <= i < len(tied) and tied[i] in self._shapes:
                 return TensorSpec(torch.float32, self._shapes[tied[i]])
         return _NEVER
+
+    def frame_bytes(self, header: FrameHeader) -> int:
+        """The most bytes a frame of ``header`` may take (dense, its spec's dtype); 0 for a
+        frame we would refuse."""
+        spec = self.expect(header)
+        if spec is None or any(d < 0 for d in spec.shape):
+            return 0
+        return math.prod(spec.shape) * spec.dtype.itemsize
 
     def admit(self, rank: int, header: FrameHeader) -> str | None:
         """Why the process of ``rank`` may not send this frame, or None (the mailbox's check)."""
@@ -92,7 +106,7 @@ class Expectations:
                 return f"micro-batch {mb} is not the sender's"
             return None
         tag = header.micro_batch
-        if tag == TAG_SUMMARY:
+        if tag in (TAG_SUMMARY, TAG_STALL):
             return None
         if tag == TAG_DP:
             return None if sender.stage == s else "gradients from another stage's replica"

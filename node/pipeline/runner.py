@@ -54,9 +54,10 @@ from fusionllm.compression import (
     budget_codec,
     pack_tensor,
 )
-from fusionllm.node.errors import PipelineError, StepAbortedError
+from fusionllm.node.errors import FrameTimeoutError, PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
+from fusionllm.node.pipeline.busy import compute_clock
 from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
@@ -70,6 +71,7 @@ from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
 from fusionllm.node.pipeline.loss_scale import LossScale, ScaleState
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
+from fusionllm.node.pipeline.patience import Patience, PatienceConfig
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.steps import Sends, StepReport
@@ -127,6 +129,7 @@ class PipelineRunner:
         own_pump: bool = True,
         compute: Compute | None = None,
         deferred: bool = False,
+        fault_under_report: float = 1.0,  # test hook: say we computed this many times faster
     ) -> None:
         """``vote`` is sent with every step's summary, so every process ends the step knowing
         every other's (a node votes for the plan it would run next: a unanimous vote switches
@@ -141,6 +144,9 @@ class PipelineRunner:
         self.dataset = dataset
         self.transport = transport
         self.timeout_s = timeout_s
+        # A frame's wait: the step's measured rhythm, at most ``timeout_s`` (patience.py).
+        floor = min(PatienceConfig.floor_s, timeout_s)
+        self.patience = Patience(PatienceConfig(cap_s=timeout_s, floor_s=floor))
         self._vote = vote
         self.completed_steps: int | None = None  # the step after the last one applied
         self.roles = roles_of(config)
@@ -162,6 +168,10 @@ class PipelineRunner:
             deferred=deferred,
         )
         self.staging = Staging(self.compute)
+        self._clock = compute_clock(self.compute)  # busy_s: kernel time on a GPU (busy.py)
+        if not 1.0 <= fault_under_report <= 1e3:
+            raise PipelineError(f"fault_under_report {fault_under_report} is not in [1, 1000]")
+        self._under_report = fault_under_report
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
         self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
@@ -246,6 +256,7 @@ class PipelineRunner:
 
     def run_step(self, step: int) -> StepReport:
         started = time.perf_counter()
+        self.patience.step_started(step, time.monotonic())
         self.mailbox.advance(step)
         sends = Sends()
         self._compute_cpu_s = 0.0
@@ -253,12 +264,12 @@ class PipelineRunner:
         scale = self._scale()
         self.worker.loss_scale = scale
         eval_sum, eval_count = eval_pass(self, step, sends)  # before the step changes anything
-        losses, busy, wait, order = self._schedule(step, sends)
+        losses, busy, (wait_in, wait_out), order = self._schedule(step, sends)
         if self.loss_scale is not None:  # before any gradient leaves: they must be finite
             self._overflow |= self.worker.unscale_or_zero(scale)
         all_reduce_replicas(self, step, sends)
         mine = Summary(0.0, sum(float(x) for x in losses), len(losses), 0.0, self._overflow,
-                       eval_sum, eval_count)  # fmt: skip
+                       eval_sum, eval_count, busy, wait_in, wait_out)  # fmt: skip
         if self._summary_first:
             mine = self._send_summary(step, sends, mine)
         sum_tied(self, step, sends)
@@ -281,7 +292,7 @@ class PipelineRunner:
             grad_norm=norm,
             seconds=time.perf_counter() - started,
             busy_s=busy,
-            wait_s=wait,
+            wait_s=wait_in + wait_out,
             busy_cpu_s=self._compute_cpu_s,
             votes=totals.votes,
             peak_device_bytes=self.compute.peak_memory_bytes(),
@@ -290,6 +301,7 @@ class PipelineRunner:
             samples=self._samples_read(step, order),
             eval_loss=totals.eval_sum / totals.eval_count if totals.eval_count else None,
             links=self.traffic.take(),
+            timings=totals.timings,
         )
 
     def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
@@ -300,10 +312,10 @@ class PipelineRunner:
 
     def _schedule(
         self, step: int, sends: Sends
-    ) -> tuple[list[torch.Tensor], float, float, list[tuple[str, int]]]:
+    ) -> tuple[list[torch.Tensor], float, tuple[float, float], list[tuple[str, int]]]:
         """This process's 1F1B forwards and backwards of ``step``: (the losses, on the device
-        until the summary: no sync before; compute seconds; seconds waiting for frames; the
-        schedule run)."""
+        until the summary: no sync before; compute seconds; seconds waiting for activations
+        and for gradients; the schedule run)."""
         s = self.role.stage
         order = replica_schedule(
             s,
@@ -314,17 +326,19 @@ class PipelineRunner:
             slack=_WARMUP_SLACK,
         )
         losses: list[torch.Tensor] = []
-        busy, wait = 0.0, 0.0
+        busy, wait_in, wait_out = 0.0, 0.0, 0.0
         for kind, mb in order:
             if kind == "F":
                 computed, waited, loss = self._forward(step, mb, sends)
+                wait_in += waited
                 if loss is not None:
                     losses.append(loss)
             else:
                 computed, waited = self._backward(step, mb, sends)
+                wait_out += waited
             busy += computed
-            wait += waited
-        return losses, busy, wait, order
+        busy = self._clock.settle(busy) / self._under_report  # a liar's word (test hook)
+        return losses, busy, (wait_in, wait_out), order
 
     def _forward(
         self, step: int, mb: int, sends: Sends
@@ -347,9 +361,9 @@ class PipelineRunner:
             flat = self.staging.to_device(("activation", s - 1), flat)
             inputs = self.layout.links[s - 1].unpack(flat)
         targets = self.dataset.batch(self.config.batch, step, mb)[1] if worker.is_last else None
-        t1, cpu = time.perf_counter(), time.thread_time()
+        t1, cpu, mark = time.perf_counter(), time.thread_time(), self._clock.start()
         out = worker.forward(step, mb, inputs, targets)
-        computed = time.perf_counter() - t1
+        computed = self._clock.stop(mark)
         self._compute_cpu_s += time.thread_time() - cpu
         if worker.is_last:
             return computed, t1 - t0, out["loss"]
@@ -387,9 +401,9 @@ class PipelineRunner:
             )
             flat = self.staging.to_device(("gradient", s), flat)
             grads = self.layout.links[s].unpack(flat)
-        t1, cpu = time.perf_counter(), time.thread_time()
+        t1, cpu, mark = time.perf_counter(), time.thread_time(), self._clock.start()
         input_grads = worker.backward(step, mb, grads)
-        computed = time.perf_counter() - t1
+        computed = self._clock.stop(mark)
         self._compute_cpu_s += time.thread_time() - cpu
         if not worker.is_first:
             target = Role(s - 1, owner(mb, self.replicas[s - 1]))
@@ -471,7 +485,9 @@ class PipelineRunner:
         self, kind: FrameKind, step: int, tag: int, sender: Role, sends: Sends
     ) -> torch.Tensor:
         key = (kind.value, step, tag, self.roles.index(sender))
-        deadline = time.monotonic() + self.timeout_s
+        header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=sender.stage)
+        patience = self.patience.wait_s(self.expectations.frame_bytes(header))
+        deadline = time.monotonic() + patience
         while True:
             sends.check()
             left = deadline - time.monotonic()
@@ -481,7 +497,9 @@ class PipelineRunner:
                 raise
             except PipelineError:
                 if left <= _CHECK_S:
-                    raise PipelineError(
+                    raise FrameTimeoutError(
                         f"{self.role}: {kind.value} frame (step {step}, tag {tag}) from {sender} "
-                        f"did not arrive within {self.timeout_s}s"
+                        f"did not arrive within {patience:.1f}s",
+                        rank=key[3],
+                        step=step,
                     ) from None

@@ -27,6 +27,9 @@ class StepReport:
     samples: tuple[int, ...] = ()
     eval_loss: float | None = None  # held-out loss before this step (evaluation.py), if run
     links: tuple[LinkTally, ...] = ()  # what this process sent on each link this step
+    # Every process's (compute s, activation wait s, gradient wait s), in rank order, from the
+    # step's summaries (summary.py): what the members witness of each other's pace.
+    timings: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclass

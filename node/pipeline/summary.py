@@ -2,11 +2,16 @@
 
 One float64 tensor of ``SUMMARY_LEN`` per process, sent to all others (runner.py's all-gather):
 
-    [squared gradient norm, loss sum, loss count, plan vote, overflow, eval sum, eval count]
+    [squared gradient norm, loss sum, loss count, plan vote, overflow, eval sum, eval count,
+     compute s, activation wait s, gradient wait s]
 
 ``overflow`` is 1.0 where that process saw an inf/NaN gradient in an fp16 step (loss_scale.py):
 every process then skips the step together. The eval sums are the validation losses of an
-evaluation step (evaluation.py; 0 elsewhere). Pure functions; the runner sends and takes them.
+evaluation step (evaluation.py; 0 elsewhere). The last three are that process's step timings:
+its forwards' and backwards' compute, and how long its schedule waited for activations and
+for gradients; every member witnesses every other's pace from them (control/pace.py), and a
+neighbour's waits check what a member says it computed. Pure functions; the runner sends and
+takes them.
 """
 
 from collections.abc import Sequence
@@ -16,7 +21,8 @@ import torch
 
 from fusionllm.node.errors import PipelineError
 
-SUMMARY_LEN = 7
+SUMMARY_LEN = 10
+_MAX_SECONDS = 1e6  # a step's timing; more is a lie or a broken clock
 
 
 @dataclass(frozen=True)
@@ -28,10 +34,14 @@ class Summary:
     overflow: bool = False
     eval_sum: float = 0.0
     eval_count: int = 0
+    busy_s: float = 0.0
+    wait_in_s: float = 0.0  # for activations
+    wait_out_s: float = 0.0  # for gradients
 
     def to_tensor(self) -> torch.Tensor:
         values = [self.sq, self.loss_sum, float(self.loss_count), self.vote, float(self.overflow),
-                  self.eval_sum, float(self.eval_count)]  # fmt: skip
+                  self.eval_sum, float(self.eval_count), self.busy_s, self.wait_in_s,
+                  self.wait_out_s]  # fmt: skip
         return torch.tensor(values, dtype=torch.float64)  # (SUMMARY_LEN,)
 
     @classmethod
@@ -44,11 +54,13 @@ class Summary:
             or part[2] < 0
             or part[6] < 0
             or float(part[4]) not in (0.0, 1.0)
+            or not bool(((part[7:] >= 0) & (part[7:] <= _MAX_SECONDS)).all())
         )
         if bad:
             raise PipelineError(f"step {step}: bad summary {part.tolist()} from {sender}")
-        sq, loss_sum, count, vote, overflow, eval_sum, eval_count = part.tolist()
-        return cls(sq, loss_sum, round(count), vote, overflow == 1.0, eval_sum, round(eval_count))
+        sq, loss_sum, count, vote, overflow, eval_sum, eval_count, *times = part.tolist()
+        return cls(sq, loss_sum, round(count), vote, overflow == 1.0, eval_sum, round(eval_count),
+                   *times)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,8 @@ class StepTotals:
     overflow: bool  # any process's
     eval_sum: float = 0.0
     eval_count: int = 0
+    # (compute s, activation wait s, gradient wait s) of every process, in rank order
+    timings: tuple[tuple[float, float, float], ...] = ()
 
 
 def combine(parts: Sequence[Summary]) -> StepTotals:
@@ -76,4 +90,5 @@ def combine(parts: Sequence[Summary]) -> StepTotals:
         overflow=any(p.overflow for p in parts),
         eval_sum=float(total[3]),
         eval_count=round(float(total[4])),
+        timings=tuple((p.busy_s, p.wait_in_s, p.wait_out_s) for p in parts),
     )

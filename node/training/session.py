@@ -29,7 +29,7 @@ from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import pack_tensor
 from fusionllm.dag import OpGraph
-from fusionllm.node.errors import PipelineError
+from fusionllm.node.errors import FrameTimeoutError, PipelineError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
@@ -38,6 +38,7 @@ from fusionllm.node.pipeline.loss_scale import ScaleState
 from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.training.assignment import Assignment, plan_vote
+from fusionllm.node.training.blame import blame_stall
 from fusionllm.node.training.board import (
     READY_ANSWER,
     TAG_READY,
@@ -120,6 +121,11 @@ class SessionHooks:
     link_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, from the peer
     send_bytes_per_s: Callable[[str], float] = lambda peer: 12.5e6  # measured, to the peer
     barrier_grace_s: float = 30.0  # the READY wait for a member beyond its state's transfer
+    # Test hook (--fault-stall-after): after this many steps of one plan, stop sending frames
+    # and stepping until the node is killed, while its heartbeat goes on. 0: never.
+    fault_stall_after: int = 0
+    # Test hook (--fault-under-report): report this many times less compute than we measured.
+    fault_under_report: float = 1.0
 
 
 class PlanSession:
@@ -154,6 +160,7 @@ class PlanSession:
             own_pump=False,
             compute=compute,
             deferred=True,  # _gather makes the stage real: initialised, or loaded only
+            fault_under_report=hooks.fault_under_report,
         )
         self.transport = transport
         self.board = board
@@ -400,11 +407,16 @@ class PlanSession:
         for step in itertools.count(start):
             if last_step and step >= last_step:
                 return Ending(Outcome.FINISHED, self._held(step))
+            if step - start == self.hooks.fault_stall_after > 0:
+                self._stall(step, stop)
             if stop.is_set():
                 return Ending(Outcome.STOPPED, self._held(step))
             self.vault.begin_step()  # the live stage changes in place until set_live
             try:
                 report = self.runner.run_step(step)
+            except FrameTimeoutError as exc:
+                self._blame(exc)
+                return self._failed(step, exc)
             except (PipelineError, FusionError) as exc:
                 return self._failed(step, exc)
             on_step(report)
@@ -433,6 +445,24 @@ class PlanSession:
                 self.parting.hand_over(held, leaving, preferred=new.members)
             return Ending(Outcome.SWITCH, held)
         return None
+
+    def _blame(self, timeout: FrameTimeoutError) -> None:
+        """Suspect the member at the end of the wait chain (blame.py), if there is one."""
+        culprit = blame_stall(self.runner, timeout)
+        waited = self.runner.peer_of[self.runner.roles[timeout.rank]]
+        blamed = None if culprit is None else self.runner.peer_of.get(self.runner.roles[culprit])
+        self.hooks.emit({"event": "stall", "step": timeout.step, "waited_on": waited,
+                         "blamed": blamed, "t": time.time()})  # fmt: skip
+        whom = blamed[:16] if blamed else "nobody (the members wait on each other)"
+        logger.warning("step %d stalled waiting on %s: blaming %s", timeout.step, waited[:16], whom)
+        if blamed is not None:
+            self.hooks.suspect(blamed, "stalled")
+
+    def _stall(self, step: int, stop: threading.Event) -> None:
+        """The test hook's fault: this member stops mid-run, its heartbeat still up."""
+        logger.warning("fault injection: stalling before step %d", step)
+        self.hooks.emit({"event": "fault_stall", "step": step, "t": time.time()})
+        stop.wait()
 
     def _failed(self, step: int, exc: Exception) -> Ending:
         self.runner.worker.drop(step)

@@ -72,6 +72,8 @@ class SwarmView(Protocol):
     def members(self) -> list[str]: ...  # every live member's peer id
     def progress(self) -> int: ...  # the newest step the members' records say was reached
     def measured(self, compute_s: float) -> None: ...  # one step's compute of our stage
+    # One step's (peer, stage) and (compute, activation wait, gradient wait) of every rank
+    def witnessed(self, ranks: list[tuple[str, int]], timings: list) -> None: ...
     def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
     def cleared(self, peer: str) -> None: ...  # a member met us at the barrier
     def link_bytes_per_s(self, peer: str) -> float: ...  # measured from ``peer`` to us
@@ -89,9 +91,17 @@ class TrainerConfig:
     device: str = "cpu"  # where a stage we serve computes (compute.resolve_device)
     # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
     barrier_grace_s: float = 30.0
+    fault_stall_after: int = 0  # test hook: stall after this many steps of a plan (session.py)
+    fault_under_report: float = 1.0  # test hook: report this many times less compute
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        if not isinstance(self.fault_stall_after, int) or self.fault_stall_after < 0:
+            raise ConfigError(f"fault_stall_after must be >= 0, got {self.fault_stall_after!r}")
+        if not 1.0 <= self.fault_under_report <= 1e3:
+            raise ConfigError(
+                f"fault_under_report must be in [1, 1000], got {self.fault_under_report!r}"
+            )
         object.__setattr__(self, "device", str(resolve_device(self.device)))
         if not 0 < self.barrier_grace_s <= 3600:
             raise ConfigError(f"barrier_grace_s must be in (0, 3600], got {self.barrier_grace_s}")
@@ -369,6 +379,8 @@ class SwarmTrainer:
             link_bytes_per_s=self.view.link_bytes_per_s,
             send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
+            fault_stall_after=self.config.fault_stall_after,
+            fault_under_report=self.config.fault_under_report,
         )
 
     def _followed(self) -> str | None:
@@ -432,6 +444,11 @@ class SwarmTrainer:
         role = self._role
         self.view.publish(role, self.step, self.loss, False, self.evaluation)
         self.view.measured(report.busy_s)
+        session = self._session
+        if session is not None and report.timings:
+            runner = session.runner
+            ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
+            self.view.witnessed(ranks, list(report.timings))
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,

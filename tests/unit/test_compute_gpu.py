@@ -4,11 +4,14 @@ Marked ``gpu``; every test skips, saying why, where torch sees no CUDA device (a
 Run them on a GPU machine with ``python -m pytest -m gpu tests/unit/test_compute_gpu.py``.
 """
 
+import time
+
 import pytest
 import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.compression import Float16Codec, decode_frame, pack_tensor, parse_frame
+from fusionllm.node.pipeline.busy import compute_clock
 from fusionllm.node.pipeline.compute import Compute, Staging, resolve_device
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.local_train import train_local
@@ -123,3 +126,22 @@ def test_a_half_precision_cuda_pipeline_follows_one_cuda_process(dataset, precis
     assert gap < 2e-3, (swarm.losses(), reference.losses)
     skipped = {role: [r.skipped for r in run.reports] for role, run in swarm.results.items()}
     assert len(set(map(tuple, skipped.values()))) == 1, skipped  # every stage skips alike
+
+
+def test_busy_time_counts_the_kernels_not_their_launches():
+    """A chain of large matmuls returns to the host long before the GPU finishes them: the
+    events' time is the kernels', so it covers the synchronised wall time, not the launch."""
+    compute = Compute.of("cuda")
+    clock = compute_clock(compute)
+    a = torch.randn(4096, 4096, device=compute.device)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    mark = clock.start()
+    for _ in range(20):
+        a = a @ a / 64.0
+    assert clock.stop(mark) == 0.0
+    launched = time.perf_counter() - began
+    busy = clock.settle(0.0)
+    finished = time.perf_counter() - began
+    assert busy > 0.5 * finished, (busy, launched, finished)
+    assert busy > launched

@@ -70,7 +70,12 @@ class Donor:
         assignment = SimpleNamespace(role=Role(0, 0), ranges=(RANGE,), digest="ab" * 32)
         self.session = object.__new__(PlanSession)
         self.session.__dict__.update(
-            vault=self.vault, runner=self.runner, assignment=assignment, layout=None, vote=0.5
+            vault=self.vault,
+            runner=self.runner,
+            assignment=assignment,
+            layout=None,
+            vote=0.5,
+            hooks=SimpleNamespace(fault_stall_after=0),
         )
         self.session.parting = SimpleNamespace(checkpoint=lambda held: None)
         self.trainer = Donations(

@@ -41,8 +41,9 @@ def test_expected_shapes_by_header(layout) -> None:
     gradient = middle.expect(_header(FrameKind.GRADIENT, tag=1, stage=2))
     assert gradient.shape == (layout.links[1].numel,)
     summary = middle.expect(_header(FrameKind.CONTROL, tag=TAG_SUMMARY, stage=2))
-    # norm, loss sum, loss count, vote, fp16 overflow, validation loss sum and count
-    assert summary.shape == (SUMMARY_LEN,) == (7,)
+    # norm, loss sum, loss count, vote, fp16 overflow, validation loss sum and count, compute,
+    # activation and gradient waits
+    assert summary.shape == (SUMMARY_LEN,) == (10,)
     dp = middle.expect(_header(FrameKind.CONTROL, tag=TAG_DP, stage=1))
     assert dp.shape[0] > 0
     # Anything else matches no tensor: the transport refuses the frame.

@@ -6,7 +6,13 @@ import dataclasses
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.dht.records import MAX_SUSPECTS, DeviceInfo, NodeState, Suspicion
+from fusionllm.dht.records import (
+    MAX_SUSPECTS,
+    DeviceInfo,
+    NodeState,
+    Suspicion,
+    TrainingProgress,
+)
 from fusionllm.node.control.agreement import serving_peers
 from fusionllm.node.control.seating import accusations, excluded, seatable
 from fusionllm.node.control.suspicion import SuspicionBook, SuspicionConfig
@@ -103,6 +109,45 @@ def test_half_the_others_that_serve_are_enough_and_fewer_are_not():
     assert "e" not in excluded(members, now=T0)  # 1 of the 4 others: one member's word
     members["b"] = _serving("b", "e")
     assert "e" in excluded(members, now=T0)  # 2 of 4
+
+
+def _at(step: int) -> TrainingProgress:
+    return TrainingProgress(replica=0, step=step, loss=1.0)
+
+
+def test_in_a_plan_of_two_the_partner_that_stalled_is_kept_out():
+    # b stopped mid-run (its heartbeat up): a suspects it, b suspects nobody.
+    members = {"a": _serving("a", "b", training=_at(40)), "b": _serving("b", training=_at(40))}
+    assert set(excluded(members, now=T0)) == {"b"}
+    assert set(seatable(members, now=T0)) == {"a"}
+
+
+def test_in_a_plan_of_two_suspecting_back_keeps_nobody_out_at_the_same_step():
+    # Each waited on the other (a frame lost between them): nobody can tell who failed whom.
+    members = {
+        "a": _serving("a", "b", training=_at(40)),
+        "b": _serving("b", "a", training=_at(40)),
+    }
+    assert excluded(members, now=T0) == {}
+    assert set(seatable(members, now=T0)) == {"a", "b"}
+
+
+def test_in_a_plan_of_two_only_the_member_further_along_is_believed():
+    # b crashed at the barrier and came back late: it suspects a, which went on without it.
+    members = {
+        "a": _serving("a", "b", training=_at(60)),
+        "b": _serving("b", "a", training=_at(40)),
+    }
+    assert set(excluded(members, now=T0)) == {"b"}
+    assert [x.by for x in accusations(members, now=T0)["b"]] == ["a"]
+    # Behind, its word alone does not count either, mutual or not.
+    members["a"] = _serving("a", training=_at(60))
+    assert excluded(members, now=T0) == {}
+    # A member that never trained (no progress in its record) cannot keep a trainer out.
+    members = {"a": _serving("a", training=_at(3)), "n": _serving("n", "a")}
+    assert excluded(members, now=T0) == {}
+    members["a"] = _serving("a", "n", training=_at(3))
+    assert set(excluded(members, now=T0)) == {"n"}
 
 
 def test_a_suspicion_ends_with_its_backoff():

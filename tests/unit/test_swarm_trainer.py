@@ -46,6 +46,7 @@ class FakeView:
         self.met: set[str] = set()
         self.computed: list[float] = []
         self.bytes_per_s = 1e9  # every link, as measured
+        self.timings: list[tuple] = []  # (ranks, timings) of every step's summaries
 
     def adopted(self):
         return self.current
@@ -71,6 +72,9 @@ class FakeView:
 
     def measured(self, compute_s: float) -> None:
         self.computed.append(compute_s)
+
+    def witnessed(self, ranks, timings) -> None:
+        self.timings.append((ranks, timings))
 
     def suspect(self, peer: str, reason: str) -> None:
         self.suspected.append((peer, reason))
@@ -124,6 +128,8 @@ class Cluster:
         checkpoint_every: int = 0,
         run: RunSpec = RUN,
         barrier_grace_s: float = 30.0,
+        step_timeout_s: float = TIMEOUT_S,
+        stalls: dict[str, int] | None = None,  # peer -> steps of a plan before it stalls
     ) -> None:
         self.network = MemoryNetwork()
         self.views = {p: FakeView(peers) for p in peers}
@@ -136,9 +142,10 @@ class Cluster:
                 TrainerConfig(
                     run=run,
                     work_dir=tmp_path / peer,
-                    step_timeout_s=TIMEOUT_S,
+                    step_timeout_s=step_timeout_s,
                     checkpoint_every=checkpoint_every,
                     barrier_grace_s=barrier_grace_s,
+                    fault_stall_after=(stalls or {}).get(peer, 0),
                 ),
                 peer_id=peer,
                 transport=transport,
@@ -238,6 +245,15 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
         np.testing.assert_allclose([losses[s] for s in range(RUN.steps)], reference, atol=1e-5)
         assert (tmp_path / peer / "final-params.pt").exists()
     assert all(v.finished for v in cluster.views.values())
+    # Every step, every node hears every rank's timings from the summaries, the same on all.
+    stages = {p: k for k, s in enumerate(fixed.stages) for p in s.peers}
+    for peer in peers:
+        seen = cluster.views[peer].timings
+        assert len(seen) == RUN.steps
+        ranks, timings = seen[-1]
+        assert ranks == sorted(stages.items(), key=lambda kv: kv[1])
+        assert all(busy > 0 and min(waits) >= 0 for busy, *waits in timings), timings
+    assert cluster.views[peers[0]].timings[-1] == cluster.views[peers[2]].timings[-1]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -343,6 +359,34 @@ def test_a_member_that_never_comes_to_the_barrier_is_suspected_and_planned_aroun
     assert sorted(cluster.losses("peer-a")) == list(range(RUN.steps))
     # once, though its barrier went on (a tiny grace may also catch a or b building slowly)
     assert all(v.suspected.count(("peer-c", "barrier")) == 1 for v in views)
+
+
+def test_a_member_that_stalls_mid_run_is_blamed_not_the_neighbour_waiting_on_it(cluster_of):
+    """The last stage stops after 5 steps, its heartbeat up (it stays a member): the middle
+    stage times out waiting for its gradient, the first for the middle's; both suspect the
+    last (the end of the wait chain), nobody the middle, well within the step timeout's cap."""
+    peers = ["peer-a", "peer-b", "peer-c"]
+    three = _plan(peers, 3)
+    first, middle, last = (s.peers[0] for s in three.stages)
+    cluster = cluster_of(peers, step_timeout_s=6.0, stalls={last: 5})
+    cluster.start(three)
+    views = [cluster.views[first], cluster.views[middle]]
+    cluster.wait(lambda: all(v.suspected for v in views), "the stall to be blamed", 60.0)
+    stalled = next(e for e in cluster.events[last] if e["event"] == "fault_stall")
+    assert stalled["step"] == 5
+    assert all(v.suspected == [(last, "stalled")] for v in views), [v.suspected for v in views]
+    for peer in (first, middle):
+        stall = next(e for e in cluster.events[peer] if e["event"] == "stall")
+        assert stall["blamed"] == last, stall
+        assert stall["step"] == 5, stall
+        assert stall["t"] - stalled["t"] < 6.0 + 5.0  # one frame's wait, then the notes
+    waited = {e["waited_on"] for p in (first, middle) for e in cluster.events[p]
+              if e["event"] == "stall"}  # fmt: skip
+    assert middle in waited  # the first stage waited on the middle one, which is not blamed
+    cluster.kill(last)
+    cluster.adopt(_plan([first, middle], 2), [first, middle])  # what the daemons agree on next
+    cluster.wait_finished([first, middle])
+    assert sorted(cluster.losses(first)) == list(range(RUN.steps))
 
 
 def test_a_killed_stage_is_taken_over_from_its_checkpoint_copy(cluster_of, tmp_path):

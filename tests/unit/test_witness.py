@@ -1,0 +1,157 @@
+"""Members witness each other's pace from the step summaries (control/pace.py): the timings
+the summaries carry, the neighbours' check of what a member says it computed, the witness's
+meters, the records that carry them and the pace every planner then uses."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusionllm.dht.records import MAX_WITNESSED, NodeInfo, RecordError, Witnessed
+from fusionllm.node.control.pace import (
+    PaceWitness,
+    checked_compute,
+    with_witnessed_paces,
+    witnessed_pace,
+)
+from fusionllm.node.errors import PipelineError
+from fusionllm.node.pipeline.summary import Summary, combine
+from tests.unit.test_epochs import record
+
+# ----------------------------------------------------------------------------- the summary
+
+
+def test_the_summary_carries_each_processs_timings_in_rank_order():
+    parts = [Summary(1.0, 2.0, 2, 0.5, busy_s=0.3, wait_out_s=0.9),
+             Summary(0.0, 3.0, 2, 0.5, busy_s=0.8, wait_in_s=0.4)]  # fmt: skip
+    for part in parts:
+        assert Summary.from_tensor(part.to_tensor(), step=0, sender="x") == part
+    assert combine(parts).timings == ((0.3, 0.0, 0.9), (0.8, 0.4, 0.0))
+
+
+@pytest.mark.parametrize("index", [7, 8, 9])
+@pytest.mark.parametrize("value", [-0.1, float("inf"), 2e6])
+def test_a_timing_that_cannot_be_is_refused(index, value):
+    bad = Summary(1.0, 2.0, 2, 0.5).to_tensor()
+    bad[index] = value
+    with pytest.raises(PipelineError, match="bad summary"):
+        Summary.from_tensor(bad, step=1, sender="x")
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def _plan(widths: list[int], link_s: float = 0.0):
+    """A plan's shape as checked_compute reads it: replicas per stage, and links whose
+    frames take ``link_s`` per micro-batch each way (1 MB at 1 MB/s ... and no RTT)."""
+    stages = [SimpleNamespace(peers=tuple(f"p{s}.{r}" for r in range(w))) for s, w in
+              enumerate(widths)]  # fmt: skip
+    one = int(link_s * 1e6)
+    links = [SimpleNamespace(src_stage=s, forward_wire_bytes=one, forward_bandwidth=1e6,
+                             forward_rtt=0.0, backward_wire_bytes=one, backward_bandwidth=1e6,
+                             backward_rtt=0.0) for s in range(len(widths) - 1)]  # fmt: skip
+    return SimpleNamespace(stages=stages, links=links)
+
+
+def test_an_honest_report_stands():
+    # Two stages, each computing 1 s; each waits a little on the other.
+    timings = [(1.0, 0.0, 0.3), (1.0, 0.2, 0.0)]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 1.0]
+
+
+def test_a_neighbours_wait_up_to_twice_the_report_leaves_the_word_standing():
+    # Stage 0 waited 1.9 s for stage 1's gradients, which said 1 s: frames and per-step costs
+    # the cost model leaves out; stage 1's word stands.
+    timings = [(1.0, 0.0, 1.9), (1.0, 0.1, 0.0)]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 1.0]
+
+
+def test_a_last_stage_that_under_reports_is_checked_by_its_upstream_waits():
+    # Stage 1 says 0.5 s; stage 0 waited 4 s for its gradients: it computed ~4 s.
+    timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0)]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 4.0]
+
+
+def test_a_first_stage_that_under_reports_is_checked_by_its_downstream_waits():
+    timings = [(0.5, 0.0, 0.2), (1.0, 3.0, 0.0)]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [3.0, 1.0]
+
+
+def test_the_plans_time_on_the_links_is_not_blamed_on_compute():
+    # 4 micro-batches x 0.25 s each way on the link: 2 s of stage 0's 4 s wait.
+    timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0)]
+    assert checked_compute(_plan([1, 1], 0.25), [0, 1], timings, 4) == [1.0, 2.0]
+
+
+def test_a_middle_stage_is_charged_only_its_own_part_of_the_wait():
+    # Stage 0 waited 5 s on stage 1, which itself waited 3 s on stage 2: stage 1's part is 2 s.
+    timings = [(1.0, 0.0, 5.0), (0.5, 0.0, 3.0), (3.0, 0.0, 0.0)]
+    assert checked_compute(_plan([1, 1, 1]), [0, 1, 2], timings, 4) == [1.0, 2.0, 3.0]
+
+
+def test_replicated_stages_are_taken_at_their_word():
+    timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0), (0.5, 0.1, 0.0)]
+    assert checked_compute(_plan([1, 2]), [0, 1, 1], timings, 4) == [1.0, 0.5, 0.5]
+
+
+# ----------------------------------------------------------------------------- the witness
+
+
+def test_the_witness_publishes_a_pace_per_member_after_a_window():
+    witness = PaceWitness(window=4)
+    for _ in range(3):
+        witness.add("plan1", "slow", 4.2, 1.0)
+        witness.add("plan1", "fine", 1.1, 1.0)
+    assert witness.current() == ()
+    witness.add("plan1", "slow", 4.2, 1.0)
+    witness.add("plan1", "fine", 1.1, 1.0)
+    assert witness.current() == (Witnessed("slow", 4.0),)
+    witness.add("plan2", "slow", 1.0, 1.0)  # a new plan: measured afresh, the pace kept
+    assert witness.current() == (Witnessed("slow", 4.0),)
+
+
+def test_the_witness_is_bounded():
+    witness = PaceWitness(window=3)
+    for i in range(10 * MAX_WITNESSED):
+        for _ in range(3):
+            witness.add("plan", f"p{i}", 8.0, 1.0)
+    assert len(witness._meters) <= 4 * MAX_WITNESSED
+    assert len(witness.current()) == MAX_WITNESSED
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def test_a_record_carries_what_it_witnessed_and_refuses_nonsense():
+    info = record("a", witnessed=(Witnessed("b", 4.0),))
+    assert NodeInfo.from_wire(info.to_wire()).witnessed == (Witnessed("b", 4.0),)
+    assert "wit" not in record("a").to_wire()  # none: the field stays off the wire
+    for bad in ([["b", 0.5]], [["b"]], [[3, 2.0]], [["b", 2.0]] * (MAX_WITNESSED + 1)):
+        wire = {**info.to_wire(), "wit": bad}
+        with pytest.raises(RecordError):
+            NodeInfo.from_wire(wire)
+
+
+def test_planners_take_the_median_witnessed_pace_where_it_is_slower():
+    members = {
+        "a": record("a", witnessed=(Witnessed("liar", 4.0),)),
+        "b": record("b", witnessed=(Witnessed("liar", 8.0), Witnessed("a", 2.0))),
+        "c": record("c", witnessed=(Witnessed("liar", 2.0),)),
+        "liar": record("liar", witnessed=(Witnessed("a", 64.0),)),  # lies about a, too
+        "w": record("w", observer=True, witnessed=(Witnessed("c", 64.0),)),
+    }
+    assert witnessed_pace(members, "liar") == 4.0
+    assert witnessed_pace(members, "a") == 2.0  # median_low of [2, 64]
+    assert witnessed_pace(members, "c") == 1.0  # an observer's word does not count
+    paced = with_witnessed_paces(members)
+    assert paced["liar"].pace == 4.0
+    assert paced["c"] is members["c"]
+    # A member's own slower pace stands.
+    members["liar"] = dataclasses.replace(members["liar"], pace=16.0)
+    assert with_witnessed_paces(members)["liar"].pace == 16.0
+
+
+def test_a_step_summary_tensor_is_float64_of_ten():
+    assert Summary(0.0, 0.0, 0, 0.0).to_tensor().dtype == torch.float64
+    assert Summary(0.0, 0.0, 0, 0.0).to_tensor().shape == (10,)
