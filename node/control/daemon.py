@@ -26,6 +26,7 @@ from typing import Any
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.graph import GraphCosts
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError, start_client
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import (
@@ -147,8 +148,21 @@ class NodeDaemon:
             sign=key_pair.private_key.sign,
             auth=self.config.swarm_key,
         )
-        self.agreement = PlanAgreement(
-            settings=settings,
+        self.agreement = self._plan_agreement(costs, node_ids)
+        self.links = self._link_monitor()
+        self._heartbeat()
+        self._start_loops()
+        self._emit(
+            "ready",
+            addrs=self.host.addrs,
+            dht_addrs=self.dht.maddrs,
+            device=self.device.to_wire(),
+        )
+        return self
+
+    def _plan_agreement(self, costs: GraphCosts, node_ids: tuple[str, ...]) -> PlanAgreement:
+        return PlanAgreement(
+            settings=self.settings,
             costs=costs,
             node_ids=node_ids,
             peer_id=self.peer_id,
@@ -160,8 +174,9 @@ class NodeDaemon:
             # Probes reach every member within a few intervals (fanout 3, both ends probe).
             link_wait_s=3 * self.config.probe_interval_s,
         )
-        self.links = self._link_monitor()
-        self._heartbeat()
+
+    def _start_loops(self) -> None:
+        """The heartbeat, the link probes and the bandwidth gossip, each on a daemon thread."""
         loops = (
             ("heartbeat", self._heartbeat_loop),
             ("probes", self.links.probe_loop),
@@ -173,13 +188,6 @@ class NodeDaemon:
             )
             thread.start()
             self._threads.append(thread)
-        self._emit(
-            "ready",
-            addrs=self.host.addrs,
-            dht_addrs=self.dht.maddrs,
-            device=self.device.to_wire(),
-        )
-        return self
 
     def _start_network(self) -> None:
         """The node's one py-libp2p host with the control plane on it, and the DHT worker; a

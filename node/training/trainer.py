@@ -155,32 +155,10 @@ class SwarmTrainer:
         own, custody = config.stores()
         self.vault = Vault(own=own, custody=custody, params_of=self.params_of)
         self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
-        # The board hears whom the transport admits: a peer of the plan we serve still counts
-        # after it left the member list, or the state it handed over on its way out (frames
-        # still queued when its record goes) would be refused while we wait for it.
-        self.board = Board(
-            shapes=shapes,
-            is_member=self.admits,
-            on_copy=self._on_copy,
-            on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
-            on_ready=self._on_ready,
-            moves_from=self._meets,
-            copies_from=self._keeps_for,
-        )
+        self.board = self._new_board(shapes)
         self._last_members: frozenset[str] = frozenset()  # of the plan we served last
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
-        self.donor = Donor(
-            run=config.run,
-            peer_id=peer_id,
-            view=view,
-            vault=self.vault,
-            board=self.board,
-            transport=transport,
-            connect=self.connect,
-            emit=on_event,
-            keeper=self._keeper,
-            stop=self._stop,
-        )
+        self.donor = self._new_donor()
         self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
@@ -189,6 +167,34 @@ class SwarmTrainer:
         self.loss: float | None = None
         self.evaluation: tuple[int, float] | None = None  # newest validation (step, loss)
         self._thread = threading.Thread(target=self._main, name="node-train", daemon=True)
+
+    def _new_board(self, shapes: dict[str, tuple[int, ...]]) -> Board:
+        # The board hears whom the transport admits: a peer of the plan we serve still counts
+        # after it left the member list, or the state it handed over on its way out (frames
+        # still queued when its record goes) would be refused while we wait for it.
+        return Board(
+            shapes=shapes,
+            is_member=self.admits,
+            on_copy=self._on_copy,
+            on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
+            on_ready=self._on_ready,
+            moves_from=self._meets,
+            copies_from=self._keeps_for,
+        )
+
+    def _new_donor(self) -> Donor:
+        return Donor(
+            run=self.run_spec,
+            peer_id=self.peer_id,
+            view=self.view,
+            vault=self.vault,
+            board=self.board,
+            transport=self.transport,
+            connect=self.connect,
+            emit=self._emit,
+            keeper=self._keeper,
+            stop=self._stop,
+        )
 
     @property
     def graph(self) -> OpGraph:
