@@ -22,6 +22,8 @@ from fusionllm.node.cli.options import (
 )
 from fusionllm.node.observe.listen import listen_arg
 
+SAME_ON_EVERY_NODE = "the same on every node of a swarm"
+
 
 def add_parser(commands) -> None:
     node = commands.add_parser(
@@ -39,68 +41,24 @@ def add_parser(commands) -> None:
         "step and hands its stage to a member that stays.",
     )
     add_swarm_address(node, joining=True)
-    node.add_argument(
-        "--key",
-        default="~/.fusionllm/identity.key",
-        help="identity key file, created (mode 0600) if missing (default: %(default)s)",
-    )
-    node.add_argument(
-        "--work-dir",
-        help="where the node writes what it trained (default: beside --key, named after it)",
-    )
-    node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
-    node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
-    node.add_argument(
-        "--lane-port",
-        type=int,
-        default=0,
-        help="where peers open lanes, direct TCP connections for tensors sealed with a key "
-        "agreed over the encrypted control connection (default: free; open it in a "
-        "firewall or container for full speed)",
-    )
-    node.add_argument(
-        "--no-lanes",
-        action="store_true",
-        help="send tensors only inside the control connection (slower; for networks that "
-        "allow one port only)",
-    )
+    _add_identity_and_port_options(node)
     add_announce_options(node)
     add_swarm_key_option(node)
     add_run_options(node)
     add_data_options(node)
     add_device_option(node)
     _add_plan_options(node)
+    _add_timing_options(node)
+    _add_test_hooks(node)
     _add_probe_options(node)
     _add_compute_options(node)
-    node.add_argument("--duration", type=float, help="leave after this many seconds")
-    node.add_argument(
-        "--no-train",
-        action="store_true",
-        help="observe: follow the swarm's plans and train nothing; the node's record says so, "
-        "and no plan seats it",
-    )
-    node.add_argument(
-        "--control-only",
-        action="store_true",
-        help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
-    )
-    node.add_argument("--events", action="store_true", help="print events as JSON lines")
-    node.add_argument(
-        "--metrics",
-        metavar="HOST:PORT",
-        type=listen_arg,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics: step, loss, tokens/s, "
-        "step time, bytes per link before and after compression and its codec, peers, the "
-        "plan, refusals by reason, DHT rounds, checkpoint age (port 0: a free one, printed "
-        "at start; default: off)",
-    )
+    _add_role_options(node)
     add_config_option(node)  # last: it names every option above
     node.set_defaults(handler=run)
 
 
 def _add_plan_options(node: argparse.ArgumentParser) -> None:
-    group = node.add_argument_group("planning and timing", "the same on every node of a swarm")
+    group = node.add_argument_group("planning", SAME_ON_EVERY_NODE)
     group.add_argument("--min-stages", type=int, default=1, help="(default: %(default)s)")
     group.add_argument("--max-stages", type=int, default=8, help="(default: %(default)s)")
     group.add_argument(
@@ -130,6 +88,10 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         default=64,
         help="data-parallel replicas per stage at most (default: %(default)s)",
     )
+
+
+def _add_timing_options(node: argparse.ArgumentParser) -> None:
+    group = node.add_argument_group("timing and checkpoints", SAME_ON_EVERY_NODE)
     group.add_argument(
         "--heartbeat", type=float, default=5.0, help="record refresh, s (default: %(default)s)"
     )
@@ -156,28 +118,6 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         "many steps (default: %(default)s)",
     )
     group.add_argument(
-        "--checkpoint-pause",
-        type=float,
-        default=0.0,
-        help=argparse.SUPPRESS,  # fault injection for tests: sleep between write and rename
-    )
-    group.add_argument(
-        "--fault-stall-after",
-        type=int,
-        default=0,
-        # Test hook (tests/integration/test_stalling_members.py): after this many steps of a
-        # plan the node stops sending frames and stepping, its heartbeat still up.
-        help=argparse.SUPPRESS,
-    )
-    group.add_argument(
-        "--fault-under-report",
-        type=float,
-        default=1.0,
-        # Test hook (test_stalling_members.py): the node says it computed this many times
-        # less than it measured, in its step summaries and to its own pace (a liar).
-        help=argparse.SUPPRESS,
-    )
-    group.add_argument(
         "--step-timeout",
         type=float,
         default=60.0,
@@ -190,6 +130,87 @@ def _add_plan_options(node: argparse.ArgumentParser) -> None:
         help="how long a plan's start waits for a member, s, plus the time its stage's state "
         "takes at the measured bandwidth; then the member is suspected and planned around "
         "for 15 s, twice as long each repeat (default: %(default)s)",
+    )
+
+
+def _add_test_hooks(node: argparse.ArgumentParser) -> None:
+    """Fault injection for tests, hidden from --help and from the config file."""
+    node.add_argument(
+        "--checkpoint-pause",
+        type=float,
+        default=0.0,
+        help=argparse.SUPPRESS,  # fault injection for tests: sleep between write and rename
+    )
+    node.add_argument(
+        "--fault-stall-after",
+        type=int,
+        default=0,
+        # Test hook (tests/integration/test_stalling_members.py): after this many steps of a
+        # plan the node stops sending frames and stepping, its heartbeat still up.
+        help=argparse.SUPPRESS,
+    )
+    node.add_argument(
+        "--fault-under-report",
+        type=float,
+        default=1.0,
+        # Test hook (test_stalling_members.py): the node says it computed this many times
+        # less than it measured, in its step summaries and to its own pace (a liar).
+        help=argparse.SUPPRESS,
+    )
+
+
+def _add_identity_and_port_options(node: argparse.ArgumentParser) -> None:
+    node.add_argument(
+        "--key",
+        default="~/.fusionllm/identity.key",
+        help="identity key file, created (mode 0600) if missing (default: %(default)s)",
+    )
+    node.add_argument(
+        "--work-dir",
+        help="where the node writes what it trained (default: beside --key, named after it)",
+    )
+    node.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    node.add_argument("--port", type=int, default=0, help="control/data port (default: free)")
+    node.add_argument("--dht-port", type=int, default=0, help="DHT port (default: free)")
+    node.add_argument(
+        "--lane-port",
+        type=int,
+        default=0,
+        help="where peers open lanes, direct TCP connections for tensors sealed with a key "
+        "agreed over the encrypted control connection (default: free; open it in a "
+        "firewall or container for full speed)",
+    )
+    node.add_argument(
+        "--no-lanes",
+        action="store_true",
+        help="send tensors only inside the control connection (slower; for networks that "
+        "allow one port only)",
+    )
+
+
+def _add_role_options(node: argparse.ArgumentParser) -> None:
+    """What the node does in the swarm and what it shows of it."""
+    node.add_argument("--duration", type=float, help="leave after this many seconds")
+    node.add_argument(
+        "--no-train",
+        action="store_true",
+        help="observe: follow the swarm's plans and train nothing; the node's record says so, "
+        "and no plan seats it",
+    )
+    node.add_argument(
+        "--control-only",
+        action="store_true",
+        help=argparse.SUPPRESS,  # tests and benchmarks of the control plane: plannable, no trainer
+    )
+    node.add_argument("--events", action="store_true", help="print events as JSON lines")
+    node.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        type=listen_arg,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics: step, loss, tokens/s, "
+        "step time, bytes per link before and after compression and its codec, peers, the "
+        "plan, refusals by reason, DHT rounds, checkpoint age (port 0: a free one, printed "
+        "at start; default: off)",
     )
 
 
