@@ -33,7 +33,8 @@ Frame headers: ``stage`` is always the sender's stage (checked against the sende
 Compression per link and direction, at the config's top-k ratio's bytes: activations as
 ``activation_codec`` picks (a ternary code of every element while it fits, else top-k; no error
 feedback, each micro-batch is new data), gradients as the config's ``gradient_codec`` (top-k, or
-the ternary code) with error feedback (link_feedback.py: one residual per link and receiver).
+the ternary code) with error feedback (link_feedback.py: one residual per link and receiver);
+link_codecs.py packs both and counts their bytes.
 """
 
 import math
@@ -46,14 +47,7 @@ from dataclasses import replace
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import (
-    Codec,
-    Float16Codec,
-    IdentityCodec,
-    activation_codec,
-    budget_codec,
-    pack_tensor,
-)
+from fusionllm.compression import pack_tensor
 from fusionllm.node.errors import FrameTimeoutError, PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
@@ -68,6 +62,7 @@ from fusionllm.node.pipeline.expectations import (
     roles_of,
 )
 from fusionllm.node.pipeline.layout import PipelineLayout
+from fusionllm.node.pipeline.link_codecs import LinkCodecs
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
 from fusionllm.node.pipeline.loss_scale import LossScale, ScaleState
 from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
@@ -87,10 +82,6 @@ logger = get_logger(__name__)
 # see benchmarks/pipeline.py. One more activation per stage is the memory it costs.
 _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
-# A half link's 2-byte floats: float16 with a power-of-two scale per frame (Float16Codec), so
-# loss-scaled or unscaled gradients fit its range and keep 11 bits of precision (bfloat16: 8);
-# a frame no scale fits goes as bfloat16.
-HALF_WIRE = torch.float16
 
 
 def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
@@ -110,6 +101,13 @@ def _compute_for(config: TrainConfig, compute: Compute | None) -> Compute:
             f"the run computes in {config.precision}, this process in {chosen.precision}"
         )
     return chosen
+
+
+def _checked_under_report(factor: float) -> float:
+    """The test hook's factor: a liar that says it computed 1 to 1000 times faster."""
+    if not 1.0 <= factor <= 1e3:
+        raise PipelineError(f"fault_under_report {factor} is not in [1, 1000]")
+    return factor
 
 
 class PipelineRunner:
@@ -150,28 +148,14 @@ class PipelineRunner:
         self._vote = vote
         self.completed_steps: int | None = None  # the step after the last one applied
         self.roles = roles_of(config)
-        if role not in self.roles:
-            raise PipelineError(f"{role} is not part of this run")
-        self.rank = self.roles.index(role)
         self.peer_of = dict(peers)
-        missing = [r for r in self.roles if r != role and r not in self.peer_of]
-        if missing:
-            raise PipelineError(f"no peer id for {missing}")
+        self._check_peers()
+        self.rank = self.roles.index(role)
         self.compute = _compute_for(config, compute)
-        self.worker = StageWorker(
-            layout,
-            role.stage,
-            optimizer=config.optimizer,
-            micro_batches=config.micro_batches,
-            compute=self.compute,
-            weights=weight_source(config),
-            deferred=deferred,
-        )
+        self.worker = self._new_worker(deferred)
         self.staging = Staging(self.compute)
         self._clock = compute_clock(self.compute)  # busy_s: kernel time on a GPU (busy.py)
-        if not 1.0 <= fault_under_report <= 1e3:
-            raise PipelineError(f"fault_under_report {fault_under_report} is not in [1, 1000]")
-        self._under_report = fault_under_report
+        self._under_report = _checked_under_report(fault_under_report)
         self.loss_scale = LossScale() if self.compute.precision == "fp16" else None
         self._overflow = False  # this step's, so far (fp16)
         self.replicas = config.stage_replicas
@@ -179,17 +163,43 @@ class PipelineRunner:
         self.tied_index = {name: i for i, name in enumerate(sorted(layout.tied))}
         self._feedback = GradientFeedback()
         self.traffic = LinkTraffic()  # bytes per link this step (the StepReport's links)
+        self.codecs = LinkCodecs(
+            config=config, staging=self.staging, feedback=self._feedback, traffic=self.traffic
+        )
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
         self._summary_first = _summary_first(role, self.tied_names, layout)
         self.expectations = Expectations(config, layout, role)
-        self.mailbox = Mailbox(
-            ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != role},
-            admit=self.expectations.admit,
-            # 4 steps' frames, validation activations (M) included
-            max_frames=4 * (2 * config.micro_batches + len(self.roles) + len(layout.tied)) + 16,
-        )
+        self.mailbox = self._new_mailbox()
         self._stop = threading.Event()
         self._pump = self._pump_thread() if own_pump else None
+
+    def _check_peers(self) -> None:
+        if self.role not in self.roles:
+            raise PipelineError(f"{self.role} is not part of this run")
+        missing = [r for r in self.roles if r != self.role and r not in self.peer_of]
+        if missing:
+            raise PipelineError(f"no peer id for {missing}")
+
+    def _new_worker(self, deferred: bool) -> StageWorker:
+        config = self.config
+        return StageWorker(
+            self.layout,
+            self.role.stage,
+            optimizer=config.optimizer,
+            micro_batches=config.micro_batches,
+            compute=self.compute,
+            weights=weight_source(config),
+            deferred=deferred,
+        )
+
+    def _new_mailbox(self) -> Mailbox:
+        frames_per_step = 2 * self.config.micro_batches + len(self.roles) + len(self.layout.tied)
+        return Mailbox(
+            ranks={self.peer_of[r]: self.roles.index(r) for r in self.roles if r != self.role},
+            admit=self.expectations.admit,
+            # 4 steps' frames, validation activations (M) included
+            max_frames=4 * frames_per_step + 16,
+        )
 
     def _pump_thread(self) -> threading.Thread:
         return threading.Thread(
@@ -377,12 +387,7 @@ class PipelineRunner:
 
     def activation_body(self, link: int, flat: torch.Tensor) -> bytes:
         """An activation frame of ``link`` from its host values, in the plan's code for it."""
-        ratio = self.config.activation_ratio(link)
-        if ratio >= 1.0 and self.config.activation_half(link):
-            codec: Codec = Float16Codec(HALF_WIRE)
-        else:
-            codec = activation_codec(flat.numel(), ratio)
-        return self._counted(link, "activation", flat, codec, pack_tensor(flat, codec))
+        return self.codecs.activation(link, flat)
 
     def _backward(self, step: int, mb: int, sends: Sends) -> tuple[float, float]:
         """Micro-batch ``mb`` backward: the output gradient from stage s + 1 (none on the last
@@ -459,23 +464,7 @@ class PipelineRunner:
     # ----- frames -----------------------------------------------------------------------------
 
     def _pack_gradient(self, link: int, target: Role, flat: torch.Tensor) -> bytes:
-        ratio = self.config.gradient_ratio(link)
-        flat = self.staging.to_host(("gradient", link), flat)  # codecs run on the host
-        if ratio >= 1.0:
-            half = self.config.gradient_half(link)
-            codec: Codec = Float16Codec(HALF_WIRE) if half else IdentityCodec()
-            return self._counted(link, "gradient", flat, codec, pack_tensor(flat, codec))
-        ternary = self.config.gradient_codec == "ternary"
-        codec = budget_codec(flat.numel(), ratio, ternary=ternary)
-        body = self._feedback.pack(link, target, flat, codec)
-        return self._counted(link, "gradient", flat, codec, body)
-
-    def _counted(self, link: int, kind: str, flat: torch.Tensor, codec: Codec, body: bytes):
-        dense = flat.numel() * flat.element_size()
-        self.traffic.add(
-            link=link, kind=kind, codec=codec.codec_id, dense_bytes=dense, wire_bytes=len(body)
-        )
-        return body
+        return self.codecs.gradient(link, target, flat)
 
     def send(self, target: Role, kind: FrameKind, step: int, tag: int, body: bytes) -> Future:
         header = FrameHeader(step=step, micro_batch=tag, kind=kind, stage=self.role.stage)
