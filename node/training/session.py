@@ -49,16 +49,15 @@ from fusionllm.node.training.board import (
     Router,
     encode_ready,
 )
-from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import (
     SEED_STEP,
     Holding,
     ParamsOf,
     choose_start,
-    start_scale,
 )
 from fusionllm.node.training.parting import Parting
+from fusionllm.node.training.resume import restore_residuals, restore_scale
 from fusionllm.node.training.transfer import DONORS, MOVES
 
 logger = get_logger(__name__)
@@ -212,42 +211,16 @@ class PlanSession:
         self.vault.discard_after(start.step)
         if not self._gather(start, stop=stop, current=current):
             return None
-        self._restore_scale(start.step, ready, tuple(zip(mine, scales, strict=True)))
-        self._restore_residuals(start)
+        members, held = self.assignment.members, tuple(zip(mine, scales, strict=True))
+        restore_scale(
+            self.runner, step=start.step, members=members, ready=ready, me=self.me, mine=held
+        )
+        restore_residuals(
+            self.runner, vault=self.vault, assignment=self.assignment, me=self.me, start=start
+        )
         self.runner.mailbox.advance(start.step)
         self.inbox.open()
         return start.step
-
-    def _restore_scale(self, step: int, ready: dict, mine: tuple) -> None:
-        """Every member continues from the same fp16 loss scale: that of the step they resume
-        at, as the first member holding it announced (holdings.start_scale)."""
-        announced = {
-            peer: tuple(zip(r.holdings, r.scales, strict=False)) for peer, r in ready.items()
-        }
-        announced[self.me] = mine
-        scale = start_scale(step, self.assignment.members, announced)
-        if scale is not None:
-            self.runner.restore_scale(scale)
-
-    def _restore_residuals(self, start) -> None:
-        """Our own checkpoint of the start step, written under this very plan, holds the
-        error-feedback residuals of our links: carry them on. Under another plan the links,
-        codecs and receivers may differ: they start from zero."""
-        holding = Holding(start.step, *self.assignment.ranges[self.role.stage])
-        local = start.local.get(self.me, ())
-        if (
-            start.step == SEED_STEP
-            or holding not in local
-            or holding not in self.vault.own.holdings()
-        ):
-            return
-        try:
-            saved = self.vault.stored_stage(holding)
-            if saved.plan == self.assignment.digest and saved.residuals:
-                self.runner.load_residuals(saved.residuals)
-                logger.info("resumed %d error-feedback residuals", len(saved.residuals))
-        except (CheckpointError, ValueError) as exc:  # a damaged or foreign file
-            logger.warning("no error-feedback residuals from %s: %s", holding, exc)
 
     def _hear(self, others, body, round_: int, *, current, stop) -> dict | None:
         ready: dict = {}
