@@ -1,7 +1,7 @@
 """The training half of a node: its tensor transport and its trainer, on the daemon's host.
 
 Imported by ``swarm_node.run_node`` only for a node that trains: this is where torch comes in.
-The trainer sees the daemon through ``DaemonView`` (``training.trainer.SwarmView``).
+The trainer sees the daemon through ``DaemonView`` (``training.trainer_config.SwarmView``).
 """
 
 import math
@@ -47,7 +47,7 @@ _UNMEASURED_BYTES_PER_S = 12.5e6  # 100 Mbit/s: a link we know nothing of
 
 
 class DaemonView:
-    """What the trainer may see of the daemon (``training.trainer.SwarmView``)."""
+    """What the trainer may see of the daemon (``training.trainer_config.SwarmView``)."""
 
     def __init__(self, daemon: NodeDaemon) -> None:
         self._daemon = daemon

@@ -37,7 +37,8 @@ class SwarmSettings:
     settle_fraction: float = 0.5
     switch_margin: float = 0.1  # keep the current plan unless a new one is this much faster
     # Every stage must checkpoint the same steps, or a crash finds no step that every stage
-    # saved: part of the digest. 20 steps: see DEFAULT_CHECKPOINT_EVERY in training/trainer.py.
+    # saved: part of the digest. 20 steps: see DEFAULT_CHECKPOINT_EVERY in
+    # training/trainer_config.py.
     checkpoint_every: int = 20
     # An idle, stable swarm acts only every this many epochs, and refreshes its records less
     # often (node/control/quiet.py); 1: act every epoch always.

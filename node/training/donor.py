@@ -42,7 +42,7 @@ class Donor:
         *,
         run: RunSpec,
         peer_id: str,
-        view,  # trainer.SwarmView: adopted()
+        view,  # trainer_config.SwarmView: adopted()
         vault,  # vault.Vault
         board: Board,
         transport,
