@@ -273,7 +273,8 @@ class PlanAgreement:
         try:
             if not seat:  # observers (or suspects) only: an empty swarm is no plan, not a crash
                 raise InfeasiblePlanError("no member may be seated: waiting for a node that trains")
-            fresh = self._plan(self._swarm({p: members[p] for p in seat}))
+            seated = self._swarm({p: members[p] for p in seat})
+            fresh = self._plan(seated)
         except InfeasiblePlanError as exc:
             self.backoff.planned(self._turn, ids, None)
             self.counters["plans_failed"] += 1
@@ -284,9 +285,11 @@ class PlanAgreement:
                 level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
             )
             return
-        if incumbent is None and self.adopted is not None:  # it broke: keep what we can of it
+        # It broke: keep what we can of it, among those we may seat (a suspect or an observer
+        # still holding its stage is no survivor).
+        if incumbent is None and self.adopted is not None:
             fresh = after_a_loss(self.adopted.plan, fresh, lambda peers: self._plan(self._swarm(
-                {p: members[p] for p in peers})), swarm=swarm, costs=self.costs,
+                {p: members[p] for p in peers})), swarm=seated, costs=self.costs,
                 config=self.plan_config, switch_margin=self.settings.switch_margin,
                 policy=self.switch_policy)  # fmt: skip
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time

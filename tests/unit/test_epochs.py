@@ -274,6 +274,22 @@ def test_a_swarm_of_observers_only_plans_nothing_and_goes_on():
     assert directory.plans == {}
 
 
+def test_after_a_plan_breaks_a_holder_that_may_not_be_seated_is_no_survivor():
+    # The plan a member left is kept among its surviving holders (switching.after_a_loss):
+    # a holder that turned observer (or is suspected) still holds its stage, but it is not a
+    # survivor. It was kept, so the swarm proposed a plan its own audit refused, for good.
+    clock = FakeClock(T0 + 0.1)
+    directory, nodes = swarm_of(3, clock)
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    old = nodes[0].agreement.adopted.plan
+    assert {p for s in old.stages for p in s.peers} == {"peer0", "peer1", "peer2"}
+    directory.records["peer2"] = dataclasses.replace(directory.records["peer2"], observer=True)
+    nodes[0].agreement.propose(e + 1)
+    proposed = plan_from_json(directory.plans[e + 1]["peer0"].plan)
+    assert {p for s in proposed.stages for p in s.peers} <= {"peer0", "peer1"}
+
+
 # ----------------------------------------------------------------------------- adopt
 
 
