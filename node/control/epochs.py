@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.methods import InfeasiblePlanError
@@ -46,6 +46,7 @@ from fusionllm.node.control.audit import AuditLimits
 from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
+from fusionllm.node.control.directory_view import Directory
 from fusionllm.node.control.link_wait import LinkWait
 from fusionllm.node.control.pace import with_witnessed_paces
 from fusionllm.node.control.plan_memo import PlanMemo
@@ -55,12 +56,6 @@ from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.control.switching import after_a_loss, judge_switch
 
 logger = logging.getLogger(__name__)
-
-
-class Directory(Protocol):
-    def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]: ...
-    def proposals(self, epoch: int) -> list[PlanProposal]: ...
-    def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool: ...
 
 
 class PlanAgreement:
@@ -285,13 +280,8 @@ class PlanAgreement:
                 level, "epoch %d: no feasible plan for %d members: %s", epoch, len(members), exc
             )
             return
-        # It broke: keep what we can of it, among those we may seat (a suspect or an observer
-        # still holding its stage is no survivor).
-        if incumbent is None and self.adopted is not None:
-            fresh = after_a_loss(self.adopted.plan, fresh, lambda peers: self._plan(self._swarm(
-                {p: members[p] for p in peers})), swarm=seated, costs=self.costs,
-                config=self.plan_config, switch_margin=self.settings.switch_margin,
-                policy=self.switch_policy)  # fmt: skip
+        if incumbent is None and self.adopted is not None:  # it broke: keep what we can of it
+            fresh = self._survivors_plan(fresh, members, seated)
         plan_bytes, estimate = plan_to_json(fresh), fresh.estimated_step_time
         if incumbent is not None:
             retimer = Retimer(self.costs, swarm, self.plan_config)  # the fresh plan's snapshot
@@ -306,6 +296,14 @@ class PlanAgreement:
         # switch margin of the one we follow is as good as no plan at all).
         self.backoff.planned(self._turn, ids, hashlib.sha256(plan_bytes).hexdigest())
         self._publish(epoch, plan_bytes, estimate)
+
+    def _survivors_plan(self, fresh, members: Mapping[str, NodeInfo], seated: Swarm):
+        """``after_a_loss`` among the members we may seat: a suspect or an observer that still
+        holds its stage is no survivor (kept, it made a plan our own audit refused)."""
+        return after_a_loss(self.adopted.plan, fresh, lambda peers: self._plan(self._swarm(
+            {p: members[p] for p in peers})), swarm=seated, costs=self.costs,
+            config=self.plan_config, switch_margin=self.settings.switch_margin,
+            policy=self.switch_policy)  # fmt: skip
 
     def _replan_reason(
         self,
