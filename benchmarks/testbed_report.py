@@ -56,12 +56,18 @@ def _method_rows(topology: dict) -> list[str]:
     return rows
 
 
-def _wire_rows(topology: dict) -> list[str]:
-    rows = [f"bytes per step on the emulated links ({topology['topology']}, KiB):"]
+def _per_run(topology: dict, title: str, field: str, show=str) -> list[str]:
+    """A titled row per run: the run's ``field`` (a dict) as "key value" pairs, sorted."""
+    rows = [f"{title}:"]
     for r in topology["runs"]:
-        wire = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r.get("wire", {}).items()))
-        rows.append(f"  {r['method']:14} {wire or '-'}")
+        items = ", ".join(f"{k} {show(v)}" for k, v in sorted(r.get(field, {}).items()))
+        rows.append(f"  {r['method']:14} {items or '-'}")
     return rows
+
+
+def _wire_rows(topology: dict) -> list[str]:
+    title = f"bytes per step on the emulated links ({topology['topology']}, KiB)"
+    return _per_run(topology, title, "wire", lambda nbytes: f"{nbytes / 1024:.0f}")
 
 
 def _link_rows(topology: dict) -> list[str]:
@@ -80,10 +86,7 @@ def _link_rows(topology: dict) -> list[str]:
 
 def _node_rows(topology: dict) -> list[str]:
     """Steps each host trained, per run (0: it never trained), and the killed run's recovery."""
-    rows = [f"steps trained per host ({topology['topology']}):"]
-    for r in topology["runs"]:
-        steps = ", ".join(f"{k} {v}" for k, v in sorted(r.get("node_steps", {}).items()))
-        rows.append(f"  {r['method']:14} {steps or '-'}")
+    rows = _per_run(topology, f"steps trained per host ({topology['topology']})", "node_steps")
     for r in topology["runs"]:
         if r.get("killed"):
             recovery = r.get("recovery_s")
