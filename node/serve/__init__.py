@@ -1,0 +1,1 @@
+"""Serving generation from the swarm: what clients ask for (api.py) and how it is answered."""
