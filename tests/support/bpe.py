@@ -2,13 +2,14 @@
 
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """GPT-2's kind of tokenizer at ``vocab_size`` (with one special token, <|endoftext|>)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()  # as GPT-2's tokenizer.json: ids back to UTF-8 text
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
