@@ -1,0 +1,139 @@
+"""How the gateway refuses: status codes and OpenAI's error shape, from a fake source's errors.
+
+The app runs in-process under httpx's ASGI transport (no server): what is tested here is the
+mapping of errors to answers; tests/integration/test_gateway.py runs the real server.
+"""
+
+import json
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import httpx
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.node.serve.api import (
+    BadLogitsError,
+    NoServingPlanError,
+    OverloadedError,
+    SamplingParams,
+    SessionLostError,
+)
+from fusionllm.node.serve.gateway import gateway_app
+from fusionllm.node.serve.gateway_config import GatewayLimits
+from fusionllm.node.serve.text import TextCodec
+
+
+class FailingSource:
+    """Yields ``good`` ids, then raises ``error`` (a fake of the TokenSource protocol)."""
+
+    model_name, vocab_size, max_context = "fake", 256, 64
+
+    def __init__(self, error: Exception, good: bytes = b"") -> None:
+        self.error, self.good = error, good
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+        for token in self.good:
+            yield token
+        raise self.error
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _post(source, path: str, body: dict | bytes, limits: GatewayLimits | None = None):
+    app = gateway_app(source, TextCodec.byte_level(), limits=limits)
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            if isinstance(body, bytes):
+                return await client.post(path, content=body)
+            return await client.post(path, json=body)
+
+    return anyio.run(main)
+
+
+def _error(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code", "match"),
+    [
+        (NoServingPlanError("no plan for 'fake'"), 503, "unavailable", "no plan for 'fake'"),
+        (SessionLostError("route broke"), 503, "unavailable", "route broke"),
+        (BadLogitsError("logits are not all finite"), 503, "unavailable", "not all finite"),
+        (OverloadedError("caches full"), 429, "overloaded", "caches full"),
+        (RuntimeError("secret detail"), 500, None, "internal error while generating"),
+    ],
+)
+def test_a_source_that_cannot_start_gets_a_status(error, status, code, match):
+    response = _post(FailingSource(error), "/v1/completions", COMPLETION)
+    assert response.status_code == status
+    body = _error(response)
+    assert body["code"] == code
+    assert match in body["message"]
+    assert "secret" not in body["message"]
+
+
+def test_an_error_mid_stream_is_an_error_event_then_done():
+    source = FailingSource(SessionLostError("a stage left"), good=b"ok")
+    body = COMPLETION | {"stream": True}
+    response = _post(source, "/v1/completions", body)
+    assert response.status_code == 200  # the first text went out before the error
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["o", "k"]
+    assert "a stage left" in json.loads(events[2])["error"]["message"]
+    assert events[3:] == ["[DONE]"]
+
+
+def test_an_error_after_some_text_of_a_whole_answer_is_a_status():
+    response = _post(
+        FailingSource(SessionLostError("gone"), good=b"ok"), "/v1/completions", COMPLETION
+    )
+    assert response.status_code == 503
+    assert "gone" in _error(response)["message"]
+
+
+def test_bodies_over_the_limit_are_refused_with_413():
+    limits = GatewayLimits(max_body_bytes=100)
+    big = COMPLETION | {"prompt": "x" * 200}
+    response = _post(FailingSource(ConfigError("unused")), "/v1/completions", big, limits)
+    assert (response.status_code, _error(response)["code"]) == (413, "body_too_large")
+    assert "over 100 bytes" in _error(response)["message"]
+
+
+def test_prompts_the_model_cannot_hold_are_refused_before_generating():
+    response = _post(
+        FailingSource(RuntimeError("never")), "/v1/completions", COMPLETION | {"prompt": "x" * 70}
+    )
+    assert response.status_code == 400
+    assert _error(response)["code"] == "context_length_exceeded"
+    assert "exceeds the model's context of 64" in _error(response)["message"]
+
+
+def test_unknown_routes_and_methods_have_the_error_shape():
+    source = FailingSource(RuntimeError("never"))
+    app = gateway_app(source, TextCodec.byte_level())
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://g"
+        ) as c:
+            return await c.get("/v1/engines"), await c.get("/v1/completions")
+
+    missing, wrong_method = anyio.run(main)
+    assert (missing.status_code, _error(missing)["type"]) == (404, "not_found_error")
+    assert wrong_method.status_code == 405
+    assert _error(wrong_method)["type"] == "invalid_request_error"
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_start():
+    with pytest.raises(ConfigError, match=r"tokenizer's vocabulary \(300\) is larger"):
+        gateway_app(FailingSource(RuntimeError()), TextCodec.byte_level(vocab_size=300))
