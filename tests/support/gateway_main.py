@@ -2,7 +2,8 @@
 
 ``python -m tests.support.gateway_main DIR [--max-concurrent N] [--token-delay S]`` serves on a
 free port of 127.0.0.1 and prints one JSON line, ``{"url": ...}``, once it listens. Beside the
-gateway's routes, ``GET /test/sessions`` says how many sessions the source opened and closed.
+gateway's routes, ``GET /test/sessions`` says how many sessions the source opened, and how many
+ids each closed one yielded.
 """
 
 import argparse
@@ -31,7 +32,7 @@ async def _main(args: argparse.Namespace) -> None:
     app = gateway_app(source, TextCodec.from_model_folder(args.model_dir), limits=limits)
 
     async def sessions(request: Request) -> JSONResponse:
-        return JSONResponse({"opened": source.opened, "closed": source.closed})
+        return JSONResponse({"opened": source.opened, "lengths": source.lengths})
 
     app.add_route("/test/sessions", sessions, methods=["GET"])
     sock = listening_socket("127.0.0.1", 0, option="--http")

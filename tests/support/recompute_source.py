@@ -3,7 +3,8 @@
 What the gateway's tests run against until the serving side's own sources are merged: slow
 (no KV cache: a token costs a forward pass over the whole sequence) but plainly correct, and it
 samples with ``api.next_token`` as every source must. ``token_delay_s`` stands for a swarm's
-per-token latency, so that tests can hold requests open; ``opened``/``closed`` count sessions.
+per-token latency, so that tests can hold requests open; ``opened`` counts sessions and
+``lengths`` holds the ids each closed session yielded.
 """
 
 from collections.abc import AsyncIterator, Sequence
@@ -21,7 +22,7 @@ class RecomputeSource:
         self._name = name
         self._delay_s = token_delay_s
         self.opened = 0
-        self.closed = 0
+        self.lengths: list[int] = []
 
     @property
     def model_name(self) -> str:
@@ -40,6 +41,7 @@ class RecomputeSource:
         gen = params.generator()
         ids = list(prompt_ids)
         self.opened += 1
+        yielded = 0
         try:
             for _ in range(params.max_new_tokens):
                 logits = await anyio.to_thread.run_sync(self._last_logits, ids)  # (V,)
@@ -47,11 +49,12 @@ class RecomputeSource:
                     await anyio.sleep(self._delay_s)
                 token = next_token(logits, params, gen, self.vocab_size)
                 ids.append(token)
+                yielded += 1
                 yield token
                 if token in params.stop_ids:
                     return
         finally:
-            self.closed += 1
+            self.lengths.append(yielded)
 
     def _last_logits(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
