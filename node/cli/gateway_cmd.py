@@ -116,17 +116,18 @@ async def _serve(args: argparse.Namespace, limits, tokenizer_dir: str | None, so
 
 
 def codec_for(tokenizer_dir: str | None, vocab_size: int):
-    """The folder's TextCodec, or UTF-8 bytes when no folder is named."""
+    """The folder's TextCodec; with no folder, UTF-8 bytes for a model of exactly 256 ids (our
+    byte presets): a larger vocabulary has a tokenizer, and bytes would make it talk nonsense."""
     from fusionllm.node.serve.text import BYTE_VOCAB, TextCodec
 
     if tokenizer_dir is not None:
         return TextCodec.from_model_folder(Path(tokenizer_dir).expanduser())
-    if vocab_size < BYTE_VOCAB:
+    if vocab_size != BYTE_VOCAB:
         raise ConfigError(
-            f"the model's vocabulary ({vocab_size}) is not byte-level: give --model-dir, the "
-            "folder with its tokenizer.json"
+            f"the model's vocabulary ({vocab_size}) is not byte-level ({BYTE_VOCAB}): give "
+            "--model-dir, the folder with its tokenizer.json"
         )
-    return TextCodec.byte_level(vocab_size=vocab_size)
+    return TextCodec.byte_level()
 
 
 async def _open_source(args: argparse.Namespace):
