@@ -180,11 +180,7 @@ class _Gateway:
             text = self.codec.chat.render(request.messages) if chat else request.prompt_text
             # Tokenizing up to a body's worth of text takes a while: off the event loop.
             prompt_ids = await anyio.to_thread.run_sync(self.codec.encode, text)
-        if len(prompt_ids) > self.limits.max_prompt_tokens:
-            raise too_long(len(prompt_ids), self.limits, param)
-        room = self.source.max_context - len(prompt_ids)
-        default = self.limits.max_tokens if chat else self.limits.default_max_tokens
-        max_tokens = request.max_tokens or max(1, min(default, room))
+        max_tokens = self._max_tokens(prompt_ids, request, param, chat=chat)
         try:
             params = SamplingParams(
                 max_new_tokens=max_tokens,
@@ -194,10 +190,30 @@ class _Gateway:
                 stop_ids=self.codec.eos_ids,
             )
             check_prompt(prompt_ids, params, self.source)
-        except ConfigError as exc:
-            raise RequestError(str(exc), param=param, code="context_length_exceeded") from exc
+        except ConfigError as exc:  # ids outside the model's vocabulary
+            raise RequestError(str(exc), param=param) from exc
         reply = Reply.new(chat=chat, model=self.source.model_name)
         return _Job(request, reply, prompt_ids, params, stops)
+
+    def _max_tokens(
+        self, prompt_ids: list[int], request: GenerationRequest, param: str, *, chat: bool
+    ) -> int:
+        """The request's max_tokens, or the endpoint's default cut to what the context holds;
+        a prompt and max_tokens the context cannot hold are refused, naming which is at fault."""
+        if len(prompt_ids) > self.limits.max_prompt_tokens:
+            raise too_long(len(prompt_ids), self.limits, param)
+        context = self.source.max_context
+        room = context - len(prompt_ids)
+        default = self.limits.max_tokens if chat else self.limits.default_max_tokens
+        max_tokens = request.max_tokens or min(default, room)
+        if max_tokens > room or room < 1:
+            raise RequestError(
+                f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed "
+                f"the model's context of {context}",
+                param="max_tokens" if request.max_tokens and room >= 1 else param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
 
 
 async def _first_piece(pieces: AsyncIterator[Piece]) -> Piece:

@@ -109,13 +109,25 @@ def test_bodies_over_the_limit_are_refused_with_413():
     assert "over 100 bytes" in _error(response)["message"]
 
 
-def test_prompts_the_model_cannot_hold_are_refused_before_generating():
-    response = _post(
-        FailingSource(RuntimeError("never")), "/v1/completions", COMPLETION | {"prompt": "x" * 70}
-    )
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [({"prompt": "x" * 70}, "prompt"), ({"prompt": "x" * 60, "max_tokens": 5}, "max_tokens")],
+)
+def test_what_the_context_cannot_hold_is_refused_before_generating(change, param):
+    source = FailingSource(RuntimeError("never"))
+    response = _post(source, "/v1/completions", COMPLETION | change)
     assert response.status_code == 400
-    assert _error(response)["code"] == "context_length_exceeded"
-    assert "exceeds the model's context of 64" in _error(response)["message"]
+    error = _error(response)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+    assert "exceed the model's context of 64" in error["message"]
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused():
+    source = FailingSource(RuntimeError("never"))
+    response = _post(source, "/v1/completions", COMPLETION | {"prompt": [1, 256]})
+    assert response.status_code == 400
+    assert _error(response)["param"] == "prompt"
+    assert r"prompt ids must be ints in [0, 256)" in _error(response)["message"]
 
 
 def test_unknown_routes_and_methods_have_the_error_shape():
