@@ -74,6 +74,14 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         limits.add_argument(
             flag, type=int, metavar="N", default=default, help=f"{what} (default: {default})"
         )
+    limits.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="S",
+        default=defaults.idle_timeout_s,
+        help="fail a request (504) whose next token takes longer than this "
+        f"(default: {defaults.idle_timeout_s:g} s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=min(GatewayLimits().default_max_tokens, args.max_tokens),
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,
+        idle_timeout_s=args.idle_timeout,
     )
     tokenizer_dir = args.model_dir or args.local_model_dir
     sock = listening_socket(*args.http, option="--http")  # a taken port fails before the swarm

@@ -39,7 +39,7 @@ from fusionllm.node.serve.openai_wire import (
     too_long,
 )
 from fusionllm.node.serve.text import TextCodec
-from fusionllm.node.serve.textgen import Piece, generate_text
+from fusionllm.node.serve.textgen import Piece, generate_text, with_idle_timeout
 
 logger = get_logger(__name__)
 
@@ -146,8 +146,11 @@ class _Gateway:
                     code="rate_limit_exceeded",
                 )
             )
-        pieces = generate_text(
-            self.source, self.codec.stream_decoder(), job.prompt_ids, job.params, job.stops
+        pieces = with_idle_timeout(
+            generate_text(
+                self.source, self.codec.stream_decoder(), job.prompt_ids, job.params, job.stops
+            ),
+            self.limits.idle_timeout_s,
         )
         try:
             first = await _first_piece(pieces)
@@ -231,6 +234,13 @@ async def _first_piece(pieces: AsyncIterator[Piece]) -> Piece:
 
 def _refusal(exc: Exception) -> RequestError:
     """What a client is told when generation fails; unexpected errors are logged, not shown."""
+    if isinstance(exc, TimeoutError):
+        return RequestError(
+            "the model sent no token in time (GatewayLimits.idle_timeout_s)",
+            status=504,
+            kind="server_error",
+            code="timeout",
+        )
     if isinstance(exc, OverloadedError):
         return RequestError(str(exc), status=429, kind="rate_limit_error", code="overloaded")
     if isinstance(exc, ServeError | PeerError):

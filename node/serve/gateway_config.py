@@ -16,6 +16,9 @@ class GatewayLimits:
     max_messages: int = 256  # turns in one chat request
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_stop_chars: int = 256  # characters in one stop string
+    # The longest wait for the next token (a prefill of a long prompt included) before the
+    # request fails with 504 and its session is closed.
+    idle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -31,6 +34,9 @@ class GatewayLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"GatewayLimits.{name} must be an int >= 1, got {value!r}")
+        idle = self.idle_timeout_s
+        if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle < 1e6:
+            raise ConfigError(f"GatewayLimits.idle_timeout_s must be in (0, 1e6) s, got {idle!r}")
         if self.max_tokens > MAX_NEW_TOKENS:
             raise ConfigError(f"GatewayLimits.max_tokens must be <= {MAX_NEW_TOKENS}")
         if self.default_max_tokens > self.max_tokens:

@@ -90,3 +90,19 @@ async def generate_text(
             await stream.aclose()
     text, hit = matcher.push(decoder.finish())
     yield Piece(text + ("" if hit else matcher.finish()), count, "stop" if hit else reason)
+
+
+async def with_idle_timeout(pieces: AsyncIterator[Piece], idle_s: float) -> AsyncIterator[Piece]:
+    """``pieces``, failing with TimeoutError when the next one takes over ``idle_s``: a source
+    that hangs (a swarm that stopped answering) cannot hold a request open for ever."""
+    try:
+        while True:
+            with anyio.fail_after(idle_s):
+                try:
+                    piece = await anext(pieces)
+                except StopAsyncIteration:
+                    return
+            yield piece  # outside the timeout's scope: the consumer's time is not counted
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pieces.aclose()

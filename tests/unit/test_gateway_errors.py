@@ -41,6 +41,22 @@ class FailingSource:
         return None
 
 
+class HangingSource(FailingSource):
+    """Yields ``good`` ids, then waits for ever (a swarm that stopped answering)."""
+
+    def __init__(self, good: bytes) -> None:
+        super().__init__(RuntimeError("unused"), good)
+        self.closed = False
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+        try:
+            for token in self.good:
+                yield token
+            await anyio.sleep_forever()
+        finally:
+            self.closed = True
+
+
 def _post(source, path: str, body: dict | bytes, limits: GatewayLimits | None = None):
     app = gateway_app(source, TextCodec.byte_level(), limits=limits)
 
@@ -99,6 +115,19 @@ def test_an_error_after_some_text_of_a_whole_answer_is_a_status():
     )
     assert response.status_code == 503
     assert "gone" in _error(response)["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_source_that_hangs_is_cut_after_the_idle_timeout_and_closed(stream):
+    source = HangingSource(b"ok")
+    limits = GatewayLimits(idle_timeout_s=0.3)
+    response = _post(source, "/v1/completions", COMPLETION | {"stream": stream}, limits)
+    assert source.closed
+    if stream:
+        assert "sent no token in time" in response.text
+        assert response.text.endswith("data: [DONE]\n\n")
+    else:
+        assert (response.status_code, _error(response)["code"]) == (504, "timeout")
 
 
 def test_bodies_over_the_limit_are_refused_with_413():
