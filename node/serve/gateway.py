@@ -154,12 +154,14 @@ class _Gateway:
         )
         try:
             first = await _first_piece(pieces)
-        except RequestError as exc:
+        except BaseException as exc:  # a cancelled request too must give its slot back
             self.slots.release()
-            return _error(exc)
+            if isinstance(exc, RequestError):
+                return _error(exc)
+            raise
         if job.request.stream:
             # The slot and the session now belong to the response: _Stream frees both.
-            return _Stream(_events(job, first, pieces), release=self.slots.release)
+            return _Stream(_events(job, first, pieces), pieces, release=self.slots.release)
         try:
             return await _whole(job, first, pieces, request)
         finally:
@@ -303,12 +305,20 @@ async def _events(job: _Job, first: Piece, pieces: AsyncIterator[Piece]) -> Asyn
 
 class _Stream(StreamingResponse):
     """A streamed answer that frees its slot and closes its session however it ends: the
-    body's own ``finally`` does not run if the client left before the body was started."""
+    body's own ``finally`` does not run if the client left before the body was started, and
+    then the pieces, already started for their first one, are closed here."""
 
-    def __init__(self, body: AsyncIterator[bytes], *, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        pieces: AsyncIterator[Piece],
+        *,
+        release: Callable[[], None],
+    ) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+        self._pieces = pieces
         self._release = release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -317,6 +327,7 @@ class _Stream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self._pieces.aclose()
             self._release()
 
 

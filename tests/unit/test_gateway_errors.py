@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 
@@ -178,3 +179,43 @@ def test_unknown_routes_and_methods_have_the_error_shape():
 def test_a_tokenizer_larger_than_the_model_is_refused_at_start():
     with pytest.raises(ConfigError, match=r"tokenizer's vocabulary \(300\) is larger"):
         gateway_app(FailingSource(RuntimeError()), TextCodec.byte_level(vocab_size=300))
+
+
+def test_a_client_gone_before_the_stream_starts_frees_its_slot_and_session():
+    source = HangingSource(b"ok")
+    app = gateway_app(source, TextCodec.byte_level())
+    body = json.dumps(COMPLETION | {"stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # uvicorn's
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    sent = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        await anyio.lowlevel.checkpoint()  # where the disconnect cancels the response's task
+
+    async def main() -> dict:
+        await app(scope, receive, send)
+        assert source.closed  # before the loop ends: not left to the garbage collector
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://g"
+        ) as c:
+            return (await c.get("/health")).json()
+
+    assert anyio.run(main)["in_flight"] == 0
+    assert not any(m.get("body") for m in sent if m["type"] == "http.response.body")
