@@ -90,6 +90,10 @@ def gateway_app(
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind=kind), status_code=exc.status_code)
 
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        # starlette logs the traceback; the client gets the shape it parses, not the detail
+        return JSONResponse(error_body("internal error", kind="server_error"), status_code=500)
+
     return Starlette(
         routes=[
             Route("/v1/models", gateway.models, methods=["GET"]),
@@ -97,7 +101,7 @@ def gateway_app(
             Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
             Route("/health", gateway.health, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: on_http_error},
+        exception_handlers={HTTPException: on_http_error, Exception: on_bug},
     )
 
 

@@ -90,7 +90,7 @@ def parse_completion(body: Any, limits: GatewayLimits) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt is empty", param="prompt")
-        return GenerationRequest(prompt_text=prompt, **fields)
+        return GenerationRequest(prompt_text=_unicode(prompt, "prompt"), **fields)
     if isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
         if len(prompt) > limits.max_prompt_tokens:
             raise too_long(len(prompt), limits, "prompt")
@@ -203,7 +203,7 @@ def _stop(value: Any, limits: GatewayLimits) -> tuple[str, ...]:
         raise RequestError(
             f"a stop string may hold {limits.max_stop_chars} characters", param="stop"
         )
-    return tuple(stops)
+    return tuple(_unicode(s, "stop") for s in stops)
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -233,7 +233,8 @@ def _message(item: Any, index: int) -> ChatMessage:
     role = item.get("role")
     if role not in ROLES:
         raise RequestError(f"{param}.role must be one of {list(ROLES)}", param=f"{param}.role")
-    return ChatMessage(role=role, content=_content(item.get("content"), f"{param}.content"))
+    content = _content(item.get("content"), f"{param}.content")
+    return ChatMessage(role=role, content=_unicode(content, f"{param}.content"))
 
 
 def _content(content: Any, param: str) -> str:
@@ -250,6 +251,16 @@ def _content(content: Any, param: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise RequestError(f"{param} must be a string or a list of text parts", param=param)
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode: JSON's escapes can spell a lone surrogate ("\\ud800"),
+    which no UTF-8 encoder or tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{param} is not valid Unicode: {exc.reason}", param=param) from exc
+    return text
 
 
 def too_long(length: int, limits: GatewayLimits, param: str) -> RequestError:

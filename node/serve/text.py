@@ -9,7 +9,6 @@ folder is untrusted: sizes are bounded and malformed files are refused with ``Te
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.models.hf_errors import CheckpointFolderError
 from fusionllm.dag.models.hf_tensors import CONFIG, MAX_CONFIG_BYTES, read_json
-from fusionllm.node.serve.chat import ChatStyle, chat_style_of
+from fusionllm.node.serve.chat import ROLE_TAGS, ChatStyle, chat_style_of
 
 logger = get_logger(__name__)
 
@@ -38,13 +37,6 @@ _REPLACEMENT = "\ufffd"
 
 class TextCodecError(CheckpointFolderError, ConfigError):
     """A model folder's tokenizer files cannot be used; the message names the file and why."""
-
-
-@dataclass(frozen=True)
-class _Decoder:
-    """How ids become text: ``decode(ids)`` never raises on an id it does not know (it skips it)."""
-
-    decode: Callable[[Sequence[int]], str]
 
 
 class TextCodec:
@@ -66,7 +58,7 @@ class TextCodec:
         self._decode = decode
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self.chat = chat or chat_style_of(None, token_id=lambda _: None)
+        self.chat = chat or ROLE_TAGS
         self.name = name
 
     @classmethod

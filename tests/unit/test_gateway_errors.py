@@ -160,6 +160,30 @@ def test_prompt_ids_outside_the_vocabulary_are_refused():
     assert r"prompt ids must be ints in [0, 256)" in _error(response)["message"]
 
 
+def test_a_lone_surrogate_in_the_json_is_a_400_not_a_crash():
+    body = b'{"model": "fake", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    response = _post(FailingSource(RuntimeError("never")), "/v1/chat/completions", body)
+    assert response.status_code == 400
+    assert _error(response)["param"] == "messages[0].content"
+
+
+def test_a_bug_is_a_500_in_the_error_shape_without_its_detail():
+    def broken(text: str) -> list[int]:
+        raise KeyError("secret detail")
+
+    codec = TextCodec(encode=broken, decode=lambda ids: "", vocab_size=256)
+    app = gateway_app(FailingSource(RuntimeError("never")), codec)
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+            return await client.post("/v1/completions", json=COMPLETION)
+
+    response = anyio.run(main)
+    assert response.status_code == 500
+    assert _error(response)["message"] == "internal error"
+
+
 def test_unknown_routes_and_methods_have_the_error_shape():
     source = FailingSource(RuntimeError("never"))
     app = gateway_app(source, TextCodec.byte_level())

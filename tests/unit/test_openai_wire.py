@@ -96,6 +96,8 @@ def test_chat_messages_text_parts_and_max_completion_tokens():
         ({"stop": [1]}, "stop", "non-empty string"),
         ({"stop": "x" * 257}, "stop", "256 characters"),
         ({"stream": "yes"}, "stream", "stream must be true or false"),
+        ({"prompt": "a\ud800"}, "prompt", "prompt is not valid Unicode: surrogates not allowed"),
+        ({"stop": ["\udfff"]}, "stop", "stop is not valid Unicode"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "with stream only"),
         ({"n": 2}, "n", "n=2 is not supported"),
         ({"n": True}, "n", "n=True is not supported"),
