@@ -17,3 +17,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+def train_sentencepiece_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Llama 2's kind: "▁" for spaces (Metaspace), a decoder that strips the first space."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer

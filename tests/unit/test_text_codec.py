@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from fusionllm.node.serve import text as text_module
 from fusionllm.node.serve.chat import ChatMessage
 from fusionllm.node.serve.text import MAX_HELD_IDS, TextCodec, TextCodecError
+from tests.support.bpe import train_sentencepiece_bpe
 from tests.support.text_models import TEXTS, VOCAB, write_tokenizer
 
 SAMPLES = ["plain ascii", "Grüße, naïve café", "日本語 🚀☃", "tabs\tand\nnewlines", TEXTS[1]]
@@ -58,6 +59,28 @@ def test_a_multibyte_character_comes_out_whole_when_its_last_byte_arrives():
 @given(st.lists(st.integers(0, VOCAB - 1), max_size=40))
 def test_any_ids_stream_to_what_decode_gives(bpe, ids):
     assert "".join(_stream(bpe, ids)) == bpe.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    train_sentencepiece_bpe(TEXTS, 200).save(str(folder / "tokenizer.json"))
+    return TextCodec.from_model_folder(folder)
+
+
+def test_a_sentencepiece_stream_keeps_the_spaces_a_token_decoded_alone_loses(sentencepiece):
+    text = "Grüße aus Köln 🚀 x"
+    ids = sentencepiece.encode(text)
+    naive = "".join(sentencepiece.decode([i]) for i in ids)
+    assert naive == text.replace(" ", "")  # each token decoded alone loses its space
+    deltas = _stream(sentencepiece, ids)
+    assert "".join(deltas) == sentencepiece.decode(ids) == text
+    assert any(d.startswith(" ") for d in deltas)
+
+
+@given(st.lists(st.integers(0, 199), max_size=30))
+def test_any_sentencepiece_ids_stream_to_what_decode_gives(sentencepiece, ids):
+    assert "".join(_stream(sentencepiece, ids)) == sentencepiece.decode(ids)
 
 
 @given(st.lists(st.integers(0, 300), max_size=40))
