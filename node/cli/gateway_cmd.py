@@ -142,8 +142,12 @@ def codec_for(tokenizer_dir: str | None, vocab_size: int):
 async def _open_source(args: argparse.Namespace):
     if args.local_model_dir is not None:
         local = serving_module("fusionllm.node.serve.local", "LocalSource")
-        # The serving side's constructor for a folder; the one call the gateway makes of it.
-        return local.LocalSource.from_model_dir(Path(args.local_model_dir).expanduser())
+        # The serving side's constructor for a folder: the one call the gateway makes of it.
+        opener = getattr(local.LocalSource, "from_model_dir", None)
+        if opener is None:
+            raise FusionError("LocalSource has no from_model_dir(path): the gateway and the "
+                              "serving side disagree")  # fmt: skip
+        return opener(Path(args.local_model_dir).expanduser())
     client = serving_module("fusionllm.node.serve.client", "connect_swarm")
     return await client.connect_swarm(
         args.bootstrap, model=args.model, timeout=args.timeout, swarm_key=swarm_key_of(args)
