@@ -21,6 +21,7 @@ from starlette.routing import Route
 from fusionllm.common.errors import ConfigError, PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.serve.api import (
+    MAX_NEW_TOKENS,
     OverloadedError,
     SamplingParams,
     ServeError,
@@ -83,7 +84,10 @@ def gateway_app(
             f"the tokenizer's vocabulary ({codec.vocab_size}) is larger than the model's "
             f"({source.vocab_size}): are they from the same model?"
         )
-    gateway = _Gateway(source, codec, limits or GatewayLimits())
+    limits = limits or GatewayLimits()
+    if limits.max_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"max_tokens limit {limits.max_tokens} is over {MAX_NEW_TOKENS}")
+    gateway = _Gateway(source, codec, limits)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -1,9 +1,13 @@
-"""The gateway's limits, as data: every request is held to them before any work is done."""
+"""The gateway's limits, as data: every request is held to them before any work is done.
+
+Imports no torch (nor api.py, which does): ``fusionllm``'s parser reads the defaults here for
+``gateway --help``, and every command builds that parser. ``gateway_app`` checks max_tokens
+against api.MAX_NEW_TOKENS.
+"""
 
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.serve.api import MAX_NEW_TOKENS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +41,6 @@ class GatewayLimits:
         idle = self.idle_timeout_s
         if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle < 1e6:
             raise ConfigError(f"GatewayLimits.idle_timeout_s must be in (0, 1e6) s, got {idle!r}")
-        if self.max_tokens > MAX_NEW_TOKENS:
-            raise ConfigError(f"GatewayLimits.max_tokens must be <= {MAX_NEW_TOKENS}")
         if self.default_max_tokens > self.max_tokens:
             raise ConfigError(
                 f"GatewayLimits.default_max_tokens ({self.default_max_tokens}) exceeds "

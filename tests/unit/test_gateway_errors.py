@@ -200,6 +200,15 @@ def test_unknown_routes_and_methods_have_the_error_shape():
     assert _error(wrong_method)["type"] == "invalid_request_error"
 
 
+def test_a_max_tokens_limit_over_the_contracts_is_refused_at_start():
+    with pytest.raises(ConfigError, match="max_tokens limit 5000 is over 4096"):
+        gateway_app(
+            FailingSource(RuntimeError()),
+            TextCodec.byte_level(),
+            limits=GatewayLimits(max_tokens=5000),
+        )
+
+
 def test_a_tokenizer_larger_than_the_model_is_refused_at_start():
     with pytest.raises(ConfigError, match=r"tokenizer's vocabulary \(300\) is larger"):
         gateway_app(FailingSource(RuntimeError()), TextCodec.byte_level(vocab_size=300))
