@@ -214,10 +214,9 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_start():
         gateway_app(FailingSource(RuntimeError()), TextCodec.byte_level(vocab_size=300))
 
 
-def test_a_client_gone_before_the_stream_starts_frees_its_slot_and_session():
-    source = HangingSource(b"ok")
-    app = gateway_app(source, TextCodec.byte_level())
-    body = json.dumps(COMPLETION | {"stream": True}).encode()
+def _gone_after_the_body(app, stream: bool) -> list[dict]:
+    """Calls ``app`` as uvicorn would for a client that sends its request, then disconnects."""
+    body = json.dumps(COMPLETION | {"max_tokens": 60, "stream": stream}).encode()
     messages = [{"type": "http.request", "body": body, "more_body": False}]
     scope = {
         "type": "http",
@@ -233,7 +232,7 @@ def test_a_client_gone_before_the_stream_starts_frees_its_slot_and_session():
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 2),
     }
-    sent = []
+    sent: list[dict] = []
 
     async def receive() -> dict:
         return messages.pop(0) if messages else {"type": "http.disconnect"}
@@ -242,13 +241,53 @@ def test_a_client_gone_before_the_stream_starts_frees_its_slot_and_session():
         sent.append(message)
         await anyio.lowlevel.checkpoint()  # where the disconnect cancels the response's task
 
-    async def main() -> dict:
+    async def main() -> None:
         await app(scope, receive, send)
-        assert source.closed  # before the loop ends: not left to the garbage collector
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://g"
-        ) as c:
-            return (await c.get("/health")).json()
 
-    assert anyio.run(main)["in_flight"] == 0
+    anyio.run(main)
+    return sent
+
+
+def _in_flight(app) -> int:
+    async def main() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+            return (await client.get("/health")).json()["in_flight"]
+
+    return anyio.run(main)
+
+
+def test_a_client_gone_before_the_stream_starts_frees_its_slot_and_session():
+    source = HangingSource(b"ok")  # the first piece comes, then nothing: only closing ends it
+    app = gateway_app(source, TextCodec.byte_level())
+    sent = _gone_after_the_body(app, stream=True)
+    assert source.closed  # on the request's loop: not left to the garbage collector
+    assert _in_flight(app) == 0
     assert not any(m.get("body") for m in sent if m["type"] == "http.response.body")
+
+
+class SlowSource(HangingSource):
+    """Yields an id every 10 ms up to max_new_tokens, counting them."""
+
+    def __init__(self) -> None:
+        super().__init__(b"")
+        self.yielded = 0
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
+        try:
+            for _ in range(params.max_new_tokens):
+                await anyio.sleep(0.01)
+                self.yielded += 1
+                yield ord("a")
+        finally:
+            self.closed = True
+
+
+def test_a_client_gone_during_a_whole_answer_stops_its_generation():
+    source = SlowSource()
+    app = gateway_app(source, TextCodec.byte_level())
+    sent = _gone_after_the_body(app, stream=False)
+    assert source.closed
+    assert source.yielded < 60  # stopped when the disconnect was seen, not at max_tokens
+    assert _in_flight(app) == 0
+    assert sent[0]["status"] == 499
