@@ -78,21 +78,22 @@ class _Headers:
         await self.app(scope, receive, with_headers)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """Bound before the DHT starts, so a bad address or a taken port is a clear error."""
+def listening_socket(host: str, port: int, *, option: str = "--serve") -> socket.socket:
+    """Bound before the DHT starts, so a bad address or a taken port is a clear error
+    (naming ``option``, the command's flag that gave the address)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise FusionError(f"--serve {host}:{port}: cannot listen there: {exc}") from exc
+        raise FusionError(f"{option} {host}:{port}: cannot listen there: {exc}") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(64)
     except OSError as exc:
         sock.close()
-        raise FusionError(f"--serve {host}:{port}: cannot listen there: {exc}") from exc
+        raise FusionError(f"{option} {host}:{port}: cannot listen there: {exc}") from exc
     return sock
 
 

@@ -108,11 +108,14 @@ def test_a_good_reply_parses() -> None:
 
 
 def test_planning_imports_no_torch() -> None:
-    # A fresh interpreter: the node's daemon and CLI import the planner, not torch.
+    # A fresh interpreter: the node's daemon and CLI import the planner, not torch; every
+    # command builds the whole parser (gateway's limits included), and `fusionllm health`,
+    # docker's HEALTHCHECK, must stay cheap.
     code = (
         "import sys\n"
         "import fusionllm.node.cli.main, fusionllm.node.swarm_node\n"
         "import fusionllm.node.control.daemon, fusionllm.dag.planner\n"
+        "fusionllm.node.cli.main.build_parser().parse_args(['gateway', '--bootstrap', 'M'])\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
