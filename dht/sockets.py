@@ -24,6 +24,7 @@ logger = get_logger(__name__)
 _FOLDER = "/tmp"  # hivemind's own (P2P._UNIX_SOCKET_PREFIX)
 _PREFIX = re.compile(r"^/tmp/hivemind-fl[0-9a-f]{12}-$")
 _KINDS = ("p2pd", "p2pclient")  # hivemind names both sockets <prefix><kind>-<random>.sock
+_LISTEN = re.compile(r"^-listen=/unix(/tmp/hivemind-fl[0-9a-f]{12}-)p2pd-[A-Za-z0-9_-]+\.sock$")
 
 
 def new_prefix() -> str:
@@ -62,3 +63,16 @@ def remove_sockets(prefix: str) -> list[str]:
                     os.remove(path)
                     removed.append(path)
     return removed
+
+
+def prefixes_in(command_lines: list[list[str]]) -> list[str]:
+    """The socket prefixes of our workers' p2pd among these command lines (p2pd's
+    ``-listen=/unix/<socket>``): for a process killer that has no DhtClient to ask, such as a
+    test harness that SIGKILLs a node with its DHT worker and p2pd."""
+    found = []
+    for argv in command_lines:
+        for arg in argv:
+            match = _LISTEN.match(arg)
+            if match and match.group(1) not in found:
+                found.append(match.group(1))
+    return found

@@ -19,7 +19,9 @@ import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.process import WorkerProcess
+from fusionllm.dht.sockets import prefixes_in
 from fusionllm.dht.wire import read_message, write_message
+from fusionllm.node.children import JsonChild
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -163,6 +165,31 @@ def test_p2pd_sockets_go_with_the_worker_whether_it_stopped_died_or_found_no_pee
     with pytest.raises(DhtError, match=r"did not start|failed to start"):
         failed.start(unreachable.start_timeout_s)
     assert _sockets(failed) == []
+
+
+_HOLDS_A_DHT = """
+import json, sys, time
+from fusionllm.dht.client import DhtClient, DhtConfig
+client = DhtClient(DhtConfig(swarm="held", identity_path=sys.argv[1], validate_records=False,
+                             start_timeout_s=60.0)).start()
+print(json.dumps({"event": "ready"}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_harness_that_sigkills_a_process_holding_a_dht_removes_its_p2pd_sockets(tmp_path):
+    """JsonChild.kill (LocalSwarm.close: every test swarm's end) SIGKILLs a node with its DHT
+    worker and p2pd, so no shutdown path runs: it takes p2pd's socket prefix from p2pd's
+    command line first and removes those sockets once the tree is gone."""
+    child = JsonChild([sys.executable, "-c", _HOLDS_A_DHT, str(tmp_path / "key")], name="held")
+    try:
+        _wait(lambda: child.snapshot(), 90, "the DHT to start")
+        tree = psutil.Process(child.process.pid).children(recursive=True)
+        [prefix] = prefixes_in([p.cmdline() for p in tree])
+        assert glob.glob(glob.escape(prefix) + "p2pd-*.sock")
+    finally:
+        child.kill()
+    assert glob.glob(glob.escape(prefix) + "*") == []
 
 
 def test_narrow_searches_still_find_every_nodes_record():

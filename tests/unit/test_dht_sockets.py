@@ -43,3 +43,16 @@ def test_only_our_sockets_are_removed():
         for p in [*made, plain]:
             if os.path.exists(p):
                 os.remove(p)
+
+
+def test_prefixes_come_from_our_p2pd_command_lines_only():
+    ours = sockets.new_prefix()
+    lines = [
+        ["/x/p2pd", "-b", f"-listen=/unix{ours}p2pd-Ab_9-x.sock", "-id=/k"],
+        ["/x/p2pd", "-listen=/unix/tmp/hivemind-p2pd-Ab9.sock"],  # hivemind's own name: not ours
+        ["/x/p2pd", "-listen=/unix/etc/hivemind-fl0123456789ab-p2pd-x.sock"],  # not in /tmp
+        ["python", "-m", "fusionllm.dht.worker"],
+        [f"-listen=/unix{ours}p2pd-other.sock"],  # the same prefix once
+    ]
+    assert sockets.prefixes_in(lines) == [ours]
+    assert sockets.prefixes_in([]) == []
