@@ -9,6 +9,7 @@ measured links, fences, stages and the backup pool.
 import collections
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fusionllm.common.errors import FusionError
@@ -63,6 +64,37 @@ def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[
     # where a slow call's seconds went: the DHT daemon's start (and its bootstrap), the reads
     status["timing"]["start_s"] = round(started - began, 3)
     return status
+
+
+def watch(
+    bootstrap: list[str],
+    swarm: str,
+    emit: Callable[[dict[str, Any]], None],
+    *,
+    interval_s: float,
+    timeout_s: float = 60.0,
+    stop: Callable[[], bool] = lambda: False,
+) -> None:
+    """Read the swarm every ``interval_s`` with one client, handing each reading to ``emit``,
+    until ``stop()``. For a reading at a moment that matters (mid-run): a status call starts
+    its own DHT daemon first (10-70 s under load on the testbed), and a short run had ended
+    and taken its bootstrap node with it before a one-off call could read anything."""
+    began = time.monotonic()
+    client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    start_s = round(time.monotonic() - began, 3)
+    try:
+        while not stop():
+            read_at = time.monotonic()
+            try:
+                status = read_swarm(client, swarm)
+            except DhtError as exc:  # one failed read; the next may work
+                logger.warning("could not read the swarm: %s", exc)
+            else:
+                status["timing"]["start_s"] = start_s
+                emit(status)
+            time.sleep(max(0.0, interval_s - (time.monotonic() - read_at)))
+    finally:
+        client.close()
 
 
 def status_client(bootstrap: list[str], swarm: str, *, timeout_s: float) -> DhtClient:
