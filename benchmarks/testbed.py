@@ -12,8 +12,9 @@ planner sees the compute the cgroups really give. Measured per run: step time (m
 a warm-up) and tokens/s, the loss after the fixed steps, bytes on each emulated link per step
 (the emulator's counters: everything the hosts sent, control traffic included), the plan
 trained longest with its estimated step time, how many plans ran, and the links the nodes
-measured (``fusionllm status`` once mid-run) beside the configured caps. ``--quick``: topology
-``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the `testbed` test runs it).
+measured (``fusionllm status --watch``, read at the halfway step) beside the configured caps.
+``--quick``: topology ``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the
+`testbed` test runs it).
 """
 
 import argparse
