@@ -18,6 +18,7 @@ from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.quiet import MAX_STRIDE
 from fusionllm.node.control.seating import accusations, excluded
 
 logger = get_logger(__name__)
@@ -117,7 +118,7 @@ def read_swarm(client: DhtClient, swarm: str) -> dict[str, Any]:
     votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
     plan = None
     followed = followed_plan(votes)
-    for epoch in followed[1] if followed else ():
+    for epoch in acting_epochs(followed[1]) if followed else ():
         found = [p for p in directory.proposals(epoch) if p.digest == followed[0]]
         if found:
             plan = plan_from_json(found[0].plan)
@@ -140,6 +141,20 @@ def followed_plan(votes: collections.Counter) -> tuple[str, list[int]] | None:
         return None
     digest = max(by_digest, key=lambda d: (len(by_digest[d]), max(by_digest[d]), d))
     return digest, sorted(set(by_digest[digest]), reverse=True)
+
+
+def acting_epochs(adopted: list[int]) -> list[int]:
+    """Where the proposals of plans adopted at these epochs are stored, newest first: a quiet
+    node keeps following (and stamping) its plan every epoch but stores it again only in the
+    epochs it acts in, the multiples of its stride (quiet.py), so each adopted epoch's last
+    multiple of every stride is looked at too."""
+    found: set[int] = set()
+    for epoch in adopted:
+        stride = 1
+        while stride <= MAX_STRIDE:
+            found.add(epoch - epoch % stride)
+            stride *= 2
+    return sorted(found, reverse=True)
 
 
 def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:
