@@ -24,7 +24,8 @@ def add_parser(commands) -> None:
         help="give up after this many s (default: %(default)s)",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument(
+    how = status.add_mutually_exclusive_group()
+    how.add_argument(
         "--serve",
         metavar="HOST:PORT",
         type=listen_arg,
@@ -33,7 +34,7 @@ def add_parser(commands) -> None:
         "codec, step and loss curve) that refreshes itself; the swarm is read once per "
         "--interval however many browsers watch (port 0: a free one, printed)",
     )
-    status.add_argument(
+    how.add_argument(
         "--watch",
         action="store_true",
         help="instead of printing once, read the swarm every --interval until stopped "
@@ -65,9 +66,9 @@ def _watch(args: argparse.Namespace) -> int:
     import signal
 
     from fusionllm.node.control.status import format_status, watch
+    from fusionllm.node.observe.feed import FeedConfig
 
-    if not args.interval > 0:
-        raise SystemExit("fusionllm status: --interval must be > 0")
+    interval_s = FeedConfig(interval_s=args.interval).interval_s  # the page's bounds
     # SIGTERM (a benchmark or a service manager stopping us) ends it as Ctrl-C does, so the
     # DHT client is closed on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -77,7 +78,7 @@ def _watch(args: argparse.Namespace) -> int:
         print(text, flush=True)
 
     with contextlib.suppress(KeyboardInterrupt):
-        watch(args.bootstrap, args.swarm, emit, interval_s=args.interval, timeout_s=args.timeout)
+        watch(args.bootstrap, args.swarm, emit, interval_s=interval_s, timeout_s=args.timeout)
     return 0
 
 
