@@ -12,8 +12,9 @@ planner sees the compute the cgroups really give. Measured per run: step time (m
 a warm-up) and tokens/s, the loss after the fixed steps, bytes on each emulated link per step
 (the emulator's counters: everything the hosts sent, control traffic included), the plan
 trained longest with its estimated step time, how many plans ran, and the links the nodes
-measured (``fusionllm status`` once mid-run) beside the configured caps. ``--quick``: topology
-``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the `testbed` test runs it).
+measured (``fusionllm status --watch``, read at the halfway step) beside the configured caps.
+``--quick``: topology ``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the
+`testbed` test runs it).
 """
 
 import argparse
@@ -21,7 +22,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.testbed_kill import Killer
 from benchmarks.testbed_report import print_tables, write_plots
-from benchmarks.testbed_swarm import _links, _status
+from benchmarks.testbed_status import StatusWatch
+from benchmarks.testbed_swarm import _links
 from fusionllm.node.control.probe import measure_device
 from fusionllm.node.local_swarm import FAST, LocalSwarm, trained_steps, wait_for
 from fusionllm.testbed.bed import Testbed, unavailable
@@ -87,14 +88,16 @@ def _merged_steps(nodes) -> dict[int, dict]:
 
 class _Watch:
     """What a run samples while it goes: the emulator's counters at the warm-up's end and at
-    the last step, and one ``fusionllm status`` (in a thread: it takes seconds)."""
+    the last step, and the swarm as ``fusionllm status`` reads it at the halfway step (a
+    watcher started with the run: a one-off call took longer than a fast run's second half)."""
 
     def __init__(self, bed: Testbed, nodes, warmup: int, steps: int, killer=None) -> None:
         self.bed, self.nodes, self.warmup, self.steps = bed, nodes, warmup, steps
         self.killer = killer
         self.counters: dict[int, dict] = {}
         self.status: dict = {}
-        self._asked: threading.Thread | None = None
+        # the bootstrap node: never killed
+        self._status = StatusWatch(bed, bed.hosts[0], nodes[0].dht_addr)
 
     def poll(self) -> bool:
         """Sample what is due; True once every node has exited."""
@@ -105,19 +108,11 @@ class _Watch:
                 self.counters[mark] = {"step": last, **self.bed.emulator_stats()["fifos"]}
         if self.killer is not None:
             self.killer.poll(last)
-        if last >= self.steps // 2 and self._asked is None:
-            self._asked = threading.Thread(target=self._ask, daemon=True)
-            self._asked.start()
         return all(not n.alive() for n in self.nodes)
 
-    def _ask(self) -> None:
-        began = time.monotonic()
-        self.status = _status(self.bed, self.nodes[0].dht_addr)  # the bootstrap: never killed
-        self.status["call_s"] = time.monotonic() - began
-
     def join(self) -> None:
-        if self._asked is not None:
-            self._asked.join(timeout=120)
+        self._status.close()
+        self.status = self._status.reading(self.steps // 2)
 
 
 def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
@@ -133,7 +128,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
     extra = {**TIMING, **RUN, **flags, "steps": steps, "min-peers": peers}
     swarm = LocalSwarm(root / method, extra=extra)
     warmup = max(3, steps // 5)
-    launched = time.time()
+    launched, watch = time.time(), None
     try:
         nodes = _start(swarm, bed, devices)
         ready_at = time.time()
@@ -148,8 +143,9 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{method}: {steps} steps not done in time:\n{swarm.logs()}")
             time.sleep(0.5)
-        watch.join()
     finally:
+        if watch is not None:
+            watch.join()
         swarm.close()
     hosts = {n.peer_id: n.name for n in nodes}
     return {
@@ -159,7 +155,8 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         **_stage_seconds(nodes, warmup),
         "wire": _wire(watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
-        "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {})},
+        "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {}),
+                     "readings": watch.status.get("readings"), "step": watch.status.get("step")},
         "status_error": watch.status.get("error"),
         "exit_codes": {n.name: n.process.returncode for n in nodes},
         # every host's steps: one left in backup by a view difference shows as 0

@@ -9,7 +9,9 @@ The worker runs in a process group of its own, which its child, hivemind's Go da
 joins: killing the group kills both, even after the worker died by SIGKILL (which cannot
 take p2pd down itself). The group outlives the worker while p2pd runs, so its id cannot be
 reused meanwhile. Its own group also keeps a terminal's Ctrl-C away from the worker and
-p2pd: the node stops them in order.
+p2pd: the node stops them in order. Once the group is gone, p2pd's unix sockets (named with a
+prefix of this worker's own, dht/sockets.py) are removed: hivemind leaves its daemon's socket
+behind unless it stopped a p2pd still running.
 """
 
 import contextlib
@@ -27,6 +29,7 @@ from typing import Any
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.dht.sockets import new_prefix, remove_sockets
 from fusionllm.dht.wire import (
     MessageError,
     PipeClosedError,
@@ -68,6 +71,7 @@ class WorkerProcess:
         self._group_killed = False
         self.exited = threading.Event()  # the reader has ended: no reply will come any more
         self.pid = 0
+        self.socket_prefix = new_prefix()  # p2pd's unix sockets: ours to remove (sockets.py)
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn, send the config, wait for the hello; DhtError (and the worker gone) if not ok."""
@@ -84,7 +88,8 @@ class WorkerProcess:
                 started.set_exception(exc)
 
         try:
-            write_message(self._process.stdin, self._worker_config)
+            config = {**self._worker_config, "socket_prefix": self.socket_prefix}
+            write_message(self._process.stdin, config)
             threading.Thread(target=handshake, name="dht-hello", daemon=True).start()
             hello = started.result(timeout=timeout_s)
         except (FutureTimeout, PipeClosedError, MessageError, OSError) as exc:
@@ -153,6 +158,8 @@ class WorkerProcess:
             process.wait(timeout=_KILL_WAIT_S)
         if not _wait_group_gone(self.pid, _KILL_WAIT_S):
             logger.warning("the DHT worker's processes (group %d) outlived SIGKILL", self.pid)
+        else:  # nobody listens on its sockets any more
+            remove_sockets(self.socket_prefix)
         for stream in (process.stdin, process.stdout):
             with contextlib.suppress(OSError, ValueError):
                 stream.close()

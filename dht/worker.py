@@ -40,8 +40,11 @@ async def start_node(config: dict[str, Any]) -> Any:
     from hivemind.dht.validation import CompositeValidator
 
     from fusionllm.common.swarm_key import RecordTags
+    from fusionllm.dht.sockets import use_prefix
     from fusionllm.dht.validator import SwarmRecordValidator
 
+    if config.get("socket_prefix"):  # our owner removes them whatever becomes of p2pd
+        use_prefix(config["socket_prefix"])
     validators = []
     tag_key = config.get("record_tag_key") or ""  # a private swarm's (DhtConfig)
     tags = RecordTags.from_hex(tag_key) if tag_key else None

@@ -25,6 +25,7 @@ from typing import IO, Any
 import psutil
 
 from fusionllm.common.logs import get_logger
+from fusionllm.dht.sockets import prefixes_in, remove_sockets
 
 logger = get_logger(__name__)
 
@@ -201,6 +202,7 @@ class JsonChild:
         Closes the pipes and the log file. Returns the exit code.
         """
         descendants = _descendants(self.process.pid)
+        sockets = prefixes_in([_command_line(p) for p in descendants])  # p2pd's, ours
         if self.process.poll() is None:
             with contextlib.suppress(OSError):
                 self.process.send_signal(sig)
@@ -215,6 +217,9 @@ class JsonChild:
                 self.process.kill()
                 self.process.wait(_KILL_WAIT_S)
         _reap(descendants)
+        if not _running(descendants):  # nobody listens on them: hivemind removes a socket
+            for prefix in sockets:  # only when it stops a p2pd still running
+                remove_sockets(prefix)
         self._close_streams()
         return self.process.returncode
 
@@ -228,6 +233,13 @@ class JsonChild:
                 self.process.stdout.close()
         if self._log is not None:
             self._log.close()
+
+
+def _command_line(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -1,6 +1,7 @@
 """``fusionllm status``: what a swarm looks like from its DHT, without joining it."""
 
 import argparse
+import contextlib
 import json
 
 from fusionllm.node.cli.options import add_swarm_address
@@ -23,7 +24,8 @@ def add_parser(commands) -> None:
         help="give up after this many s (default: %(default)s)",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument(
+    how = status.add_mutually_exclusive_group()
+    how.add_argument(
         "--serve",
         metavar="HOST:PORT",
         type=listen_arg,
@@ -32,11 +34,17 @@ def add_parser(commands) -> None:
         "codec, step and loss curve) that refreshes itself; the swarm is read once per "
         "--interval however many browsers watch (port 0: a free one, printed)",
     )
+    how.add_argument(
+        "--watch",
+        action="store_true",
+        help="instead of printing once, read the swarm every --interval until stopped "
+        "(Ctrl-C, SIGTERM), starting the DHT client once; with --json one line per reading",
+    )
     status.add_argument(
         "--interval",
         type=float,
         default=3.0,
-        help="with --serve: seconds between reads of the swarm (default: %(default)s)",
+        help="with --serve or --watch: seconds between reads of the swarm (default: %(default)s)",
     )
     status.set_defaults(handler=run)
 
@@ -46,9 +54,31 @@ def run(args: argparse.Namespace) -> int:
 
     if args.serve is not None:
         return _serve(args)
+    if args.watch:
+        return _watch(args)
 
     status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
     print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import signal
+
+    from fusionllm.node.control.status import format_status, watch
+    from fusionllm.node.observe.feed import FeedConfig
+
+    interval_s = FeedConfig(interval_s=args.interval).interval_s  # the page's bounds
+    # SIGTERM (a benchmark or a service manager stopping us) ends it as Ctrl-C does, so the
+    # DHT client is closed on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def emit(status: dict) -> None:
+        text = json.dumps(status) if args.json else format_status(status) + "\n"
+        print(text, flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        watch(args.bootstrap, args.swarm, emit, interval_s=interval_s, timeout_s=args.timeout)
     return 0
 
 

@@ -333,7 +333,9 @@ class PlanAgreement:
             estimate=estimate,
             plan=plan_bytes,
         )
-        self.directory.propose(proposal, ttl_s=4 * self.settings.epoch_s)
+        self.directory.propose(
+            proposal, ttl_s=self.quiet.cadence.proposal_ttl_s(self.settings.epoch_s)
+        )
 
     def _incumbent(
         self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm

@@ -38,6 +38,8 @@ MAX_STRIDE = 64
 # How many times further apart a quiet node's probe rounds may be (links.py); link figures
 # then live as many times longer (HeldAge), or a quiet swarm's plan would age out of its book.
 MAX_PROBE_STRETCH = 8
+# Under the DHT's max_ttl_s (DhtConfig: 600 s), past which the validators refuse a record.
+MAX_PROPOSAL_TTL_S = 480.0
 
 
 def check_stride(value: object, name: str = "quiet_max_stride") -> int:
@@ -73,6 +75,13 @@ class QuietCadence:
 
     def acts(self, epoch: int) -> bool:
         return epoch % self.stride == 0
+
+    def proposal_ttl_s(self, epoch_s: float) -> float:
+        """How long a plan proposal stored now must live: past our next acting epoch (the
+        stride may double before it), when it is stored again. At 4 epochs whatever the
+        stride, a quiet swarm had no live proposal for most of each stride, and a status
+        call then found the plan every member follows but no proposal to describe it."""
+        return min((2 * self.stride + 3) * epoch_s, MAX_PROPOSAL_TTL_S)
 
     @property
     def beat(self) -> int:

@@ -9,6 +9,7 @@ measured links, fences, stages and the backup pool.
 import collections
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fusionllm.common.errors import FusionError
@@ -17,6 +18,7 @@ from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.quiet import MAX_STRIDE
 from fusionllm.node.control.seating import accusations, excluded
 
 logger = get_logger(__name__)
@@ -65,6 +67,37 @@ def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[
     return status
 
 
+def watch(
+    bootstrap: list[str],
+    swarm: str,
+    emit: Callable[[dict[str, Any]], None],
+    *,
+    interval_s: float,
+    timeout_s: float = 60.0,
+    stop: Callable[[], bool] = lambda: False,
+) -> None:
+    """Read the swarm every ``interval_s`` with one client, handing each reading to ``emit``,
+    until ``stop()``. For a reading at a moment that matters (mid-run): a status call starts
+    its own DHT daemon first (10-70 s under load on the testbed), and a short run had ended
+    and taken its bootstrap node with it before a one-off call could read anything."""
+    began = time.monotonic()
+    client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    start_s = round(time.monotonic() - began, 3)
+    try:
+        while not stop():
+            read_at = time.monotonic()
+            try:
+                status = read_swarm(client, swarm)
+            except DhtError as exc:  # one failed read; the next may work
+                logger.warning("could not read the swarm: %s", exc)
+            else:
+                status["timing"]["start_s"] = start_s
+                emit(status)
+            time.sleep(max(0.0, interval_s - (time.monotonic() - read_at)))
+    finally:
+        client.close()
+
+
 def status_client(bootstrap: list[str], swarm: str, *, timeout_s: float) -> DhtClient:
     """A started client-mode DHT client for ``read_swarm`` (the caller closes it)."""
     config = DhtConfig(
@@ -85,7 +118,7 @@ def read_swarm(client: DhtClient, swarm: str) -> dict[str, Any]:
     votes = collections.Counter(m.adopted for m in members.values() if m.adopted)
     plan = None
     followed = followed_plan(votes)
-    for epoch in followed[1] if followed else ():
+    for epoch in acting_epochs(followed[1]) if followed else ():
         found = [p for p in directory.proposals(epoch) if p.digest == followed[0]]
         if found:
             plan = plan_from_json(found[0].plan)
@@ -108,6 +141,20 @@ def followed_plan(votes: collections.Counter) -> tuple[str, list[int]] | None:
         return None
     digest = max(by_digest, key=lambda d: (len(by_digest[d]), max(by_digest[d]), d))
     return digest, sorted(set(by_digest[digest]), reverse=True)
+
+
+def acting_epochs(adopted: list[int]) -> list[int]:
+    """Where the proposals of plans adopted at these epochs are stored, newest first: a quiet
+    node keeps following (and stamping) its plan every epoch but stores it again only in the
+    epochs it acts in, the multiples of its stride (quiet.py), so each adopted epoch's last
+    multiple of every stride is looked at too."""
+    found: set[int] = set()
+    for epoch in adopted:
+        stride = 1
+        while stride <= MAX_STRIDE:
+            found.add(epoch - epoch % stride)
+            stride *= 2
+    return sorted(found, reverse=True)
 
 
 def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) -> dict[str, Any]:

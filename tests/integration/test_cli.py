@@ -109,6 +109,12 @@ def test_status_serve_and_swarm_metrics_refuse_bad_addresses_before_starting_any
     slow = _fusionllm("status", "--serve", "127.0.0.1:0", "--interval", "0.01", "--bootstrap", dead)
     assert slow.returncode == 1
     assert "interval_s must be in [0.2, 3600] s, got 0.01" in slow.stderr
+    watching = _fusionllm("status", "--watch", "--interval", "0.01", "--bootstrap", dead)
+    assert watching.returncode == 1
+    assert "interval_s must be in [0.2, 3600] s, got 0.01" in watching.stderr
+    both = _fusionllm("status", "--watch", "--serve", "127.0.0.1:0", "--bootstrap", dead)
+    assert both.returncode == 2
+    assert "argument --serve: not allowed with argument --watch" in both.stderr
     ports = _fusionllm("swarm", "--nodes", "3", "--metrics-port", "65534", "--work-dir",
                        str(tmp_path / "w"))  # fmt: skip
     assert ports.returncode == 1

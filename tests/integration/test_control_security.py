@@ -20,6 +20,7 @@ from fusionllm.dht.keys import nodes_key, plans_key
 from fusionllm.dht.records import LinkReport, NodeInfo, PlanProposal, RecordError
 from fusionllm.node.control.agreement import epoch_at
 from fusionllm.node.control.bandwidth import BandwidthReport
+from fusionllm.node.control.status import acting_epochs
 from fusionllm.node.local_swarm import FAST, LocalSwarm, wait_for
 from fusionllm.node.p2p.control_host import ControlConfig, ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
@@ -97,19 +98,19 @@ def test_a_rogue_peer_changes_nothing_and_status_shows_the_swarm(tmp_path) -> No
         #    the rogue, who is not a member of the swarm (plan keys take members only: honest
         #    replicas refuse it; only the rogue's own node keeps it).
         epoch = epoch_at(time.time(), FAST["epoch"])
-        proposal_bytes, fake_epochs = None, []
-        for e in (epoch, epoch + 1, epoch + 2):
-            plan_json = _rogue_plan_json(honest, e - 1, rogue_id)
-            if plan_json is None:
-                continue
+        # A quiet swarm (control-only: nobody trains) stores its plan only in the epochs its
+        # nodes act in, the multiples of their stride: the rogue copies it from there.
+        copies = (_rogue_plan_json(honest, e, rogue_id) for e in acting_epochs([epoch, epoch - 1]))
+        plan_json = next((p for p in copies if p is not None), None)
+        assert plan_json is not None, "could not read a plan to imitate"
+        fake_epochs = [epoch, epoch + 1, epoch + 2]
+        for e in fake_epochs:
             proposal = PlanProposal(swarm=SWARM, epoch=e, proposer=rogue_id, estimate=1e-9,
                                     plan=plan_json)  # fmt: skip
             plan_exp = time.time() + 10
             proposal_bytes = seal(proposal, key=plans_key(SWARM, e), subkey=rogue_id,
                                   expiration=plan_exp, sign=sign)  # fmt: skip
             rogue_dht.store(plans_key(SWARM, e), rogue_id, proposal_bytes, plan_exp)
-            fake_epochs.append(e)
-        assert proposal_bytes is not None, "could not read a plan to imitate"
         for e in fake_epochs:  # what honest readers get: the honest proposals, not the rogue's
             proposers = {open_envelope(v).record.proposer for _, v, _ in
                          honest.get(plans_key(SWARM, e))}  # fmt: skip

@@ -5,17 +5,23 @@ whose stdin closes stops its p2pd; and a p2pd whose worker dies with no client l
 up exits by itself."""
 
 import contextlib
+import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
 
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
+from fusionllm.dht.process import WorkerProcess
+from fusionllm.dht.sockets import prefixes_in
 from fusionllm.dht.wire import read_message, write_message
+from fusionllm.node.children import JsonChild
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -117,6 +123,73 @@ def test_p2pd_exits_by_itself_when_its_worker_is_killed_and_nobody_cleans_up(tmp
             p2pd.kill()  # only if the test failed: never leave it running
         worker.stdin.close()
         worker.stdout.close()
+
+
+def _sockets(worker: WorkerProcess) -> list[str]:
+    return sorted(glob.glob(glob.escape(worker.socket_prefix) + "*.sock"))
+
+
+def test_p2pd_sockets_go_with_the_worker_whether_it_stopped_died_or_found_no_peer(tmp_path):
+    """p2pd's unix sockets carry the worker's own prefix and are removed once its group is
+    gone: after a clean stop, after a worker killed by SIGKILL (a status call whose daemon
+    died: hivemind then removes nothing), and after a start that reached no bootstrap peer
+    (hivemind leaves the daemon's socket when p2pd exits on its own)."""
+    config = DhtConfig(swarm="sockets", identity_path=tmp_path / "key", validate_records=False,
+                       start_timeout_s=60.0)  # fmt: skip
+    stopped = WorkerProcess(config.worker_config(), max_reply_bytes=config.max_reply_bytes)
+    try:
+        stopped.start(config.start_timeout_s)
+        assert any("-p2pd-" in path for path in _sockets(stopped)), _sockets(stopped)
+    finally:
+        stopped.close()
+    assert _sockets(stopped) == []
+
+    killed = WorkerProcess(config.worker_config(), max_reply_bytes=config.max_reply_bytes)
+    try:
+        killed.start(config.start_timeout_s)
+        left = _sockets(killed)
+        assert any("-p2pd-" in path for path in left), left
+        os.kill(killed.pid, signal.SIGKILL)
+        _wait(killed.exited.is_set, 10, "the worker's end noticed")
+        assert _sockets(killed) == left  # nobody removed them: hivemind could not
+    finally:
+        killed.kill()
+    assert _sockets(killed) == []
+
+    with socket.socket() as closed:  # a port nobody listens on: the bootstrap is unreachable
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # well-formed, nobody's
+    unreachable = replace(config, initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}",))
+    failed = WorkerProcess(unreachable.worker_config(), max_reply_bytes=config.max_reply_bytes)
+    with pytest.raises(DhtError, match=r"did not start|failed to start"):
+        failed.start(unreachable.start_timeout_s)
+    assert _sockets(failed) == []
+
+
+_HOLDS_A_DHT = """
+import json, sys, time
+from fusionllm.dht.client import DhtClient, DhtConfig
+client = DhtClient(DhtConfig(swarm="held", identity_path=sys.argv[1], validate_records=False,
+                             start_timeout_s=60.0)).start()
+print(json.dumps({"event": "ready"}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_harness_that_sigkills_a_process_holding_a_dht_removes_its_p2pd_sockets(tmp_path):
+    """JsonChild.kill (LocalSwarm.close: every test swarm's end) SIGKILLs a node with its DHT
+    worker and p2pd, so no shutdown path runs: it takes p2pd's socket prefix from p2pd's
+    command line first and removes those sockets once the tree is gone."""
+    child = JsonChild([sys.executable, "-c", _HOLDS_A_DHT, str(tmp_path / "key")], name="held")
+    try:
+        _wait(lambda: child.snapshot(), 90, "the DHT to start")
+        tree = psutil.Process(child.process.pid).children(recursive=True)
+        [prefix] = prefixes_in([p.cmdline() for p in tree])
+        assert glob.glob(glob.escape(prefix) + "p2pd-*.sock")
+    finally:
+        child.kill()
+    assert glob.glob(glob.escape(prefix) + "*") == []
 
 
 def test_narrow_searches_still_find_every_nodes_record():

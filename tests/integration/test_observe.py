@@ -4,6 +4,7 @@ One module-scoped swarm of two `fusionllm node` processes (two stages, each with
 a free port) trains a run too long to end during the module; both tests watch it train.
 """
 
+import json
 import math
 import re
 import socket
@@ -118,6 +119,37 @@ def test_a_bad_metrics_address_is_refused_clearly(tmp_path):
                               text=True, timeout=60, check=False)  # fmt: skip
     assert busy.returncode == 1
     assert f"--metrics 127.0.0.1:{port}: cannot listen there" in busy.stderr
+
+
+def test_status_watch_reads_the_swarm_every_interval_and_stops_on_sigterm(nodes, tmp_path):
+    """`fusionllm status --watch --json`: one DHT client, one JSON line per reading, the
+    swarm's step advancing between readings, and a clean exit on SIGTERM (a benchmark's way to
+    stop it mid-run: a one-off call took longer than a fast run's remaining steps)."""
+    log = tmp_path / "watch.log"
+    with log.open("w") as err:
+        watcher = subprocess.Popen(
+            [*CLI, "status", "--watch", "--json", "--interval", "1", "--bootstrap",
+             nodes[0].dht_addr],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+        readings: list[dict] = []
+        reader = threading.Thread(
+            target=lambda: readings.extend(json.loads(line) for line in watcher.stdout),
+            daemon=True,
+        )
+        reader.start()
+        try:
+            wait_for(lambda: len(readings) >= 1, 120, f"a first reading: {log.read_text()}")
+            first = readings[0]["step"]
+            wait_for(lambda: (readings[-1]["step"] or 0) > (first or 0), 60, "a later step")
+        finally:
+            watcher.terminate()
+            code = watcher.wait(timeout=30)
+            reader.join(timeout=10)
+    assert code == 0, log.read_text()[-2000:]
+    assert all(len(r["peers"]) == 2 for r in readings), [len(r["peers"]) for r in readings]
+    starts = {r["timing"]["start_s"] for r in readings}
+    assert len(starts) == 1, starts  # one client for every reading
 
 
 class _StatusServer:

@@ -66,6 +66,7 @@ class FakeDirectory:
     def __init__(self) -> None:
         self.records: dict[str, NodeInfo] = {}
         self.plans: dict[int, dict[str, PlanProposal]] = {}
+        self.ttls: dict[int, dict[str, float]] = {}
 
     def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
         return {p: i for p, i in self.records.items()
@@ -76,6 +77,7 @@ class FakeDirectory:
 
     def propose(self, proposal: PlanProposal, *, ttl_s: float) -> bool:
         self.plans.setdefault(proposal.epoch, {})[proposal.proposer] = proposal
+        self.ttls.setdefault(proposal.epoch, {})[proposal.proposer] = ttl_s
         return True
 
 
@@ -701,6 +703,10 @@ def test_in_a_quiet_swarm_only_the_routine_planners_store_the_plan_again():
     assert set(stored) == set(routine_planners(quiet_epoch, list(directory.records), 3))
     assert {n.agreement.adopted.digest for n in nodes} == {plan}
     assert {n.agreement.adopted_epoch for n in nodes} == {quiet_epoch}
+    # What they store lives until they store it again (the stride, doubled at most), so a
+    # status call in any epoch between finds the plan the members stamp their records with.
+    stride = nodes[0].agreement.quiet.cadence.stride
+    assert min(directory.ttls[quiet_epoch].values()) >= (stride + 1) * SETTINGS.epoch_s
 
 
 # ----------------------------------------------------------------------------- link wait

@@ -64,3 +64,15 @@ def test_each_precision_is_measured_and_cached_apart(tmp_path):
     assert [("bfloat16" in k, "float32" in k) for k in keys] == [(True, False), (False, True)]
     assert bf16.flops > 0
     assert fp32.flops > 0
+
+
+def test_the_fastest_repeat_counts_so_a_loaded_machine_does_not_read_slow():
+    """Repeats interrupted by other work (a throttled quota period) only ever take longer: the
+    figure is the undisturbed one, where a median of five took the load's."""
+    from fusionllm.node.control.probe import undisturbed_seconds
+
+    assert undisturbed_seconds([0.010, 0.031, 0.029, 0.011, 0.040]) == 0.010
+    assert undisturbed_seconds([0.02]) == 0.02
+    for bad in ([], [0.01, 0.0], [0.01, -1.0]):
+        with pytest.raises(ValueError, match="positive repeat times"):
+            undisturbed_seconds(bad)

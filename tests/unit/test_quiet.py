@@ -15,6 +15,7 @@ from fusionllm.node.control.agreement import fresh_members
 from fusionllm.node.control.bandwidth import BandwidthReport
 from fusionllm.node.control.quiet import (
     MAX_BEAT,
+    MAX_PROPOSAL_TTL_S,
     ConnectionWatch,
     HeldAge,
     QuietCadence,
@@ -183,3 +184,17 @@ def test_link_figures_live_longer_while_quiet_and_for_a_while_after():
     # ... then the usual age (measured from the last moment we were that quiet).
     assert held.max_age(1, now=160.0) == 60.0
     assert held.max_age(2, now=170.0) == 120.0
+
+
+def test_a_proposal_lives_past_the_next_epoch_its_node_acts_in():
+    """Stored every ``stride`` epochs (the stride may double meanwhile), a proposal that lived
+    4 epochs left a quiet swarm without one for most of each stride: status then found the
+    plan every member follows but nothing to describe it with."""
+    cadence = QuietCadence(16)
+    assert cadence.proposal_ttl_s(2.0) == 10.0  # acting every epoch: 5 epochs, as 4 before
+    for _ in range(4):
+        cadence.observed("same view")
+    assert cadence.stride == 8
+    next_acting_at_most = 2 * cadence.stride  # epochs from now, if the stride doubles
+    assert cadence.proposal_ttl_s(2.0) >= (next_acting_at_most + 1) * 2.0
+    assert cadence.proposal_ttl_s(60.0) == MAX_PROPOSAL_TTL_S  # under the DHT's max TTL

@@ -3,7 +3,7 @@
 import collections
 
 from fusionllm.dht.records import NodeState, Suspicion
-from fusionllm.node.control.status import describe, followed_plan, format_status
+from fusionllm.node.control.status import acting_epochs, describe, followed_plan, format_status
 from tests.unit.test_epochs import T0, record
 
 
@@ -53,3 +53,11 @@ def test_status_shows_the_plan_most_members_follow_whatever_epoch_each_adopted_i
     assert followed_plan(votes) == (aa, [8, 7])
     assert followed_plan(collections.Counter({(3, aa): 1, (4, bb): 1})) == (bb, [4])
     assert followed_plan(collections.Counter()) is None
+
+
+def test_status_looks_for_a_quiet_plan_where_its_nodes_store_it():
+    """Members stamp the plan they follow with every epoch; quiet ones store its proposal only
+    in epochs that are multiples of their stride (a power of two): those are looked at too."""
+    assert acting_epochs([35]) == [35, 34, 32, 0]
+    assert acting_epochs([40, 39]) == [40, 39, 38, 36, 32, 0]
+    assert acting_epochs([]) == []
