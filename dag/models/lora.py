@@ -277,3 +277,15 @@ def merge_adapters(model: nn.Module) -> nn.Module:
                 plain.bias = nn.Parameter(module.bias.detach().clone())
         setattr(model.get_submodule(parent_name), attr, plain)
     return model
+
+
+def with_frozen_a(
+    shapes: Mapping[str, tuple[int, ...]], trained: Mapping[str, torch.Tensor], seed: int
+) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of ``shapes`` (``adapter_shapes``): the trained ones, and each A a
+    LoRA-FA run never trained (so no stage stored it) drawn again from the run's seed."""
+    out = dict(trained)
+    for name, shape in shapes.items():
+        if name not in out and name.endswith(".lora_A"):
+            out[name] = init_a(seed, name, shape)
+    return out
