@@ -105,3 +105,24 @@ def test_finetune_options_make_the_runs_lora_fields(command) -> None:
         run("--lora-rank", "8", "--lora-fa")
     with pytest.raises(ConfigError, match="--task finetune needs --lora-rank"):
         run("--task", "finetune")
+
+
+def test_a_resumed_finetune_stage_reads_its_frozen_base_and_leaves_adapters_to_import() -> None:
+    from fusionllm.node.pipeline.stage import StageWorker
+    from fusionllm.node.pipeline.train_config import weight_source
+
+    config = _config(lora_rank=2)
+    layout = build_layout(config, build_model(config, meta=True))
+    worker = StageWorker(
+        layout, 1, optimizer=config.optimizer, micro_batches=4, weights=weight_source(config),
+        deferred=True,
+    )  # fmt: skip
+    worker.make_real(initialise=False)  # a checkpoint's adapters come next: no init for them
+    start = dict(build_model(config).named_parameters())
+    canonical = layout.graph.canonical_parameter_names()
+    frozen = [(n, p) for n, p in worker.module.named_parameters() if not p.requires_grad]
+    assert frozen
+    for name, p in frozen:  # the base is not in any checkpoint: it was read again
+        assert torch.equal(p.detach(), start[canonical[name]].detach()), name
+    assert worker.parameters
+    assert all(n.endswith((".lora_A", ".lora_B")) for n in worker.parameters)
