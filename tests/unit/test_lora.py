@@ -195,3 +195,19 @@ def test_merged_model_computes_what_the_adapted_one_does() -> None:
         merge_adapters(model)
         assert not any(isinstance(m, LoraLinear) for m in model.modules())
         torch.testing.assert_close(model(idx), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_fa_under_bf16_autocast_gives_fp32_gradients_as_lora_does() -> None:
+    grads = {}
+    for fa in (False, True):
+        layer = _randomised(LoraLinear(Conv1D(16, 48), LoraConfig(rank=4, fa=fa)))
+        layer.lora_A.requires_grad_(False)  # the same trainable set for both
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)  # (B, T, 48)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert x.grad.dtype == layer.lora_B.grad.dtype == torch.float32
+        grads[fa] = (x.grad, layer.lora_B.grad)
+    for ours, reference in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
