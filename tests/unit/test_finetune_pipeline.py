@@ -6,6 +6,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.run_spec import RunSpec
+from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.expectations import TAG_DP, Expectations
@@ -76,6 +77,12 @@ def test_lora_settings_are_part_of_the_run_and_checked() -> None:
     assert lora.lineage() != plain.lineage()
     assert RunSpec(lora_rank=4, lora_fa=True).lineage() != lora.lineage()
     assert RunSpec(lora_rank=4, lora_targets=("c_attn",)).lineage() != lora.lineage()
+    # Nodes with other adapters never agree on the swarm's settings: never planned together.
+    digests = {
+        SwarmSettings(run=run).digest()
+        for run in (plain, lora, RunSpec(lora_rank=8), RunSpec(lora_rank=4, lora_alpha=8.0))
+    }
+    assert len(digests) == 4
     with pytest.raises(ConfigError, match="need lora_rank"):
         RunSpec(lora_fa=True)
     with pytest.raises(ConfigError, match="lora_rank"):
