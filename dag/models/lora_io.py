@@ -24,6 +24,7 @@ from torch import nn
 
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.gpt2 import GPT2
 from fusionllm.dag.models.hf_errors import CheckpointFolderError, MissingFileError, TensorShapeError
 from fusionllm.dag.models.hf_tensors import CONFIG, MAX_CONFIG_BYTES, read_json, write_tensors
 from fusionllm.dag.models.lora import LoraConfig, add_adapters, is_adapter, merge_adapters
@@ -63,7 +64,7 @@ def peft_config(model: nn.Module, lora: LoraConfig, *, base: str | None) -> dict
         "r": lora.rank,
         "lora_alpha": alpha,
         "target_modules": sorted(_targets_of(model, lora)),
-        "fan_in_fan_out": type(model).__name__ == "GPT2",
+        "fan_in_fan_out": isinstance(model, GPT2),  # Conv1D stores its weight (in, out)
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": False,
