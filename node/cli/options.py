@@ -237,4 +237,15 @@ def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> R
         )
         if run.eval_every:
             sampler.eval_batch(0)
+        _check_adapters(run)
     return run
+
+
+def _check_adapters(run: RunSpec) -> None:
+    """LoRA targets the model lacks are one error here, not one from every stage later: the
+    adapted model is built on meta (shapes only, no weights read)."""
+    if not run.lora_rank:
+        return
+    from fusionllm.node.pipeline.train_config import TrainConfig, build_model
+
+    build_model(TrainConfig.for_run(run, cuts=(), replicas=(1,)), meta=True)

@@ -112,6 +112,11 @@ def test_finetune_options_make_the_runs_lora_fields(command) -> None:
         run("--lora-rank", "8", "--lora-fa")
     with pytest.raises(ConfigError, match="--task finetune needs --lora-rank"):
         run("--task", "finetune")
+    # With the data loaded (the command is about to run), a target the model lacks is refused.
+    argv = ["--task", "finetune", "--lora-rank", "2", "--lora-targets", "q_proj"]
+    args = build_parser().parse_args([command, *argv])
+    with pytest.raises(ConfigError, match=r"LoRA targets \['q_proj'\] name no linear layer"):
+        run_spec_from(args, TokenDataset.from_stdlib(max_bytes=64 << 10).corpus)
 
 
 def test_a_resumed_finetune_stage_reads_its_frozen_base_and_leaves_adapters_to_import() -> None:
