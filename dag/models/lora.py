@@ -28,7 +28,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.dag.flops import OpCall, OpCost, leaf_module
 from fusionllm.dag.models.gpt2 import GPT2, Conv1D
 from fusionllm.dag.models.llama import Llama
-from fusionllm.dag.models.materialise import UNSET, WeightSource, parameter_seed
+from fusionllm.dag.models.materialise import WeightSource, parameter_seed
 
 logger = get_logger(__name__)
 
@@ -242,21 +242,6 @@ class AdapterInit:
                 out[name] = init_a(self.seed, name, shape)
             elif name.endswith(".lora_B"):
                 out[name] = torch.zeros(shape)
-        return out
-
-    def resumed(self) -> "AdapterInit":
-        """For a stage whose adapters come from a checkpoint next: the frozen base is still
-        read (no checkpoint holds it); the adapters are left uninitialised."""
-        return _ResumedAdapters(self.base)
-
-
-class _ResumedAdapters(AdapterInit):
-    def __init__(self, base: WeightSource) -> None:
-        super().__init__(base, 0)
-
-    def tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        out = self.base.tensors({n: s for n, s in shapes.items() if not is_adapter(n)})
-        out.update(UNSET.tensors({n: s for n, s in shapes.items() if is_adapter(n)}))
         return out
 
 

@@ -170,10 +170,11 @@ class StageWorker:
         self._real = True
 
     def _source(self, initialise: bool) -> WeightSource | None:
-        if initialise:
+        # A fine-tune's checkpoint holds only what trains: its frozen base is read again and
+        # LoRA-FA's frozen A drawn again (the trained adapters' init is small, then replaced).
+        if initialise or isinstance(self._weights, AdapterInit):
             return self._weights
-        # A fine-tune's checkpoint holds only the adapters: its frozen base is still read.
-        return self._weights.resumed() if isinstance(self._weights, AdapterInit) else UNSET
+        return UNSET
 
     def _named(self) -> dict[str, torch.nn.Parameter]:
         canonical = self.layout.stage_parameter_names(self.stage)

@@ -156,19 +156,6 @@ def test_a_is_seeded_by_name_whatever_else_a_stage_materialises() -> None:
     assert block.mlp.c_fc.lora_A.requires_grad  # plain LoRA trains A
 
 
-def test_resumed_source_reads_the_base_and_leaves_adapters_to_the_checkpoint() -> None:
-    with torch.device("meta"):
-        model = gpt2("tiny")
-    add_adapters(model, LoraConfig(rank=2))
-    base = SeededInit(model.config, seed=1)
-    shapes = {"transformer.wte.weight": (256, 64), "transformer.h.0.attn.c_attn.lora_B": (192, 2)}
-    values = AdapterInit(base, seed=1).resumed().tensors(shapes)
-    assert torch.equal(
-        values["transformer.wte.weight"], base.tensor("transformer.wte.weight", (256, 64))
-    )
-    assert values["transformer.h.0.attn.c_attn.lora_B"].shape == (192, 2)
-
-
 def test_adapted_model_traces_and_costs_lora_fa_lighter() -> None:
     with torch.device("meta"):
         models = {kind: gpt2("tiny") for kind in ("lora", "fa")}
