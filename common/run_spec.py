@@ -53,9 +53,16 @@ class RunSpec:
     model_digest: str = ""
     model_dir: str | None = None  # never in a digest: see shared_fields
     precision: str = "fp32"  # autocast dtype of every stage's compute (PRECISIONS)
+    # Fine-tuning with low-rank adapters (dag/models/lora.py): rank 0 trains every parameter;
+    # else the base is frozen and only the adapters train (LoRA-FA: only their B).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0  # 0: the rank
+    lora_fa: bool = False
+    lora_targets: tuple[str, ...] = ()  # module names; (): every linear layer of a block
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.model not in (*MODELS, FOLDER):
             raise ConfigError(f"model must be one of {MODELS} or {FOLDER!r}, got {self.model!r}")
         digest_ok = isinstance(self.model_digest, str) and _SHA256.match(self.model_digest)
@@ -95,6 +102,20 @@ class RunSpec:
             )
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        rank, alpha = self.lora_rank, self.lora_alpha
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
+            raise ConfigError(f"lora_rank must be an integer in [0, 4096], got {rank!r}")
+        if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha < 0:
+            raise ConfigError(f"lora_alpha must be a finite number >= 0, got {alpha!r}")
+        if not isinstance(self.lora_fa, bool):
+            raise ConfigError(f"lora_fa must be a boolean, got {self.lora_fa!r}")
+        if not all(isinstance(t, str) and t for t in self.lora_targets):
+            raise ConfigError(f"lora_targets must be module names, got {self.lora_targets!r}")
+        if not rank and (alpha or self.lora_fa or self.lora_targets):
+            raise ConfigError("LoRA settings (alpha, fa, targets) need lora_rank >= 1")
 
     @property
     def global_batch(self) -> int:
@@ -115,11 +136,15 @@ class RunSpec:
 
     def shared_fields(self) -> dict:
         """Every field but the node's own (``model_dir``): what digests of the run cover. A
-        preset's run leaves out the empty ``model_digest`` too, so its digests stay as they
-        were before folders existed (checkpoints written then are still found)."""
+        preset's run leaves out the empty ``model_digest`` too, and a run without adapters its
+        LoRA fields, so its digests stay as they were before folders and adapters existed
+        (checkpoints written then are still found)."""
         fields = {k: v for k, v in asdict(self).items() if k != "model_dir"}
         if not self.model_digest:
             del fields["model_digest"]
+        if not self.lora_rank:  # a run that trains every parameter keeps its old digests
+            for name in ("lora_rank", "lora_alpha", "lora_fa", "lora_targets"):
+                del fields[name]
         return fields
 
     def lineage(self) -> str:

@@ -33,7 +33,7 @@ from fusionllm.node.pipeline.train_config import (
     trace_micro_batch,
 )
 from fusionllm.node.swarm_config import SwarmNodeConfig
-from fusionllm.node.training.export import write_model_config
+from fusionllm.node.training.export import lora_record, write_model_config
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 
 logger = get_logger(__name__)
@@ -141,11 +141,11 @@ def build_workload(
 
 
 def parameter_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
-    """Every canonical parameter's shape, from the run's model built on meta (no memory, no
-    weights read)."""
+    """Every trained canonical parameter's shape (a fine-tune's: the adapters), from the run's
+    model built on meta (no memory, no weights read)."""
     with _ONE_BUILD_AT_A_TIME, torch.device("meta"):
-        model = registry.build(model_config(TrainConfig.for_run(run, cuts=(), replicas=(1,))))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+        model = build_model(TrainConfig.for_run(run, cuts=(), replicas=(1,)), meta=True)
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def start_training(
@@ -154,10 +154,13 @@ def start_training(
     """The node's transport (admitting only what the trainer expects) and its started trainer."""
     trainer: SwarmTrainer | None = None
     # What ``fusionllm export`` reads this work dir's parameters and checkpoints back with.
-    run_model = model_config(TrainConfig.for_run(config.run, cuts=(), replicas=(1,)))
+    train_config = TrainConfig.for_run(config.run, cuts=(), replicas=(1,))
     source = config.run.model_dir
     like = read_json(Path(source) / CONFIG, limit=MAX_CONFIG_BYTES) if source else None
-    write_model_config(config.work_dir, run_model, config.run.lineage(), like=like)
+    lora = train_config.lora
+    lora = None if lora is None else lora_record(lora, config.run.seed, source)
+    lineage = config.run.lineage()
+    write_model_config(config.work_dir, model_config(train_config), lineage, like=like, lora=lora)
 
     def expect(header: FrameHeader) -> TensorSpec:
         return trainer.expect(header) if trainer is not None else _NEVER

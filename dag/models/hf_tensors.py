@@ -181,18 +181,20 @@ def _refuse_mismatch(folder: Path, missing: list, unexpected: list, misshapen: l
         raise TensorShapeError(f"{folder} does not match its config.json; " + "; ".join(problems))
 
 
-def write_tensors(folder: Path, tensors: Mapping[str, torch.Tensor]) -> Path:
-    """``folder/model.safetensors`` (contiguous CPU copies), replacing any older one whole."""
+def write_tensors(
+    folder: Path, tensors: Mapping[str, torch.Tensor], *, name: str = WEIGHTS
+) -> Path:
+    """``folder/name`` (contiguous CPU copies), replacing any older one whole."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS}.", suffix=".tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
         plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         save_file(plain, tmp, metadata={"format": "pt"})
         with open(tmp, "rb") as written:  # on disk before the rename, as write_atomic does
             os.fsync(written.fileno())
-        os.replace(tmp, folder / WEIGHTS)
+        os.replace(tmp, folder / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return folder / WEIGHTS
+    return folder / name

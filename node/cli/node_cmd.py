@@ -17,6 +17,7 @@ from fusionllm.node.cli.options import (
     add_device_option,
     add_run_options,
     add_swarm_address,
+    add_task_options,
     load_data,
     run_spec_from,
 )
@@ -45,6 +46,7 @@ def add_parser(commands) -> None:
     add_announce_options(node)
     add_swarm_key_option(node)
     add_run_options(node)
+    add_task_options(node)
     add_data_options(node)
     add_device_option(node)
     _add_plan_options(node)

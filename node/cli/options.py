@@ -72,6 +72,71 @@ def add_run_options(parser: argparse.ArgumentParser, *, steps: int = 200) -> Non
     )
 
 
+def add_task_options(
+    parser: argparse.ArgumentParser, tasks: tuple[str, ...] = ("train", "finetune")
+) -> None:
+    """--task and the adapter options of ``--task finetune`` (part of the run: every node of a
+    swarm needs the same values, and nodes with other adapters are never planned together)."""
+    group = parser.add_argument_group(
+        "fine-tuning", "--task finetune: the model's weights frozen, low-rank adapters trained"
+    )
+    group.add_argument(
+        "--task",
+        choices=tasks,
+        default="train",
+        help="train: every parameter; finetune: LoRA adapters only, saved in PEFT's layout "
+        "(%(default)s)",
+    )
+    group.add_argument("--lora-rank", type=int, metavar="R", help="adapter rank (finetune)")
+    group.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="adapter scale alpha; the update is (alpha / R) B A x (default: R)",
+    )
+    group.add_argument(
+        "--lora-fa",
+        action="store_true",
+        help="LoRA-FA: A frozen at its seeded init, only B trained; keeps R numbers per token "
+        "for backward instead of the layer's input",
+    )
+    group.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated layer names to adapt, e.g. c_attn,c_proj (default: every "
+        "linear layer of a block: c_attn,c_proj,c_fc for GPT-2, q/k/v/o/gate/up/down_proj "
+        "for Llama)",
+    )
+
+
+def lora_fields(args: argparse.Namespace) -> dict:
+    """The run spec's LoRA fields from --task and the --lora-* options, or {} (train)."""
+    task = getattr(args, "task", "train")
+    given = [
+        flag
+        for flag, value in (
+            ("--lora-rank", getattr(args, "lora_rank", None)),
+            ("--lora-alpha", getattr(args, "lora_alpha", None)),
+            ("--lora-fa", getattr(args, "lora_fa", False) or None),
+            ("--lora-targets", getattr(args, "lora_targets", None)),
+        )
+        if value is not None
+    ]
+    if task != "finetune":
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --task finetune")
+        return {}
+    if args.lora_rank is None:
+        raise ConfigError("--task finetune needs --lora-rank R (e.g. 8)")
+    targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
+    return {
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha or 0.0,
+        "lora_fa": bool(args.lora_fa),
+        "lora_targets": targets,
+    }
+
+
 def add_device_option(parser: argparse.ArgumentParser) -> None:
     """--device: where this machine's stages compute (each node's own choice)."""
     parser.add_argument(
@@ -158,6 +223,7 @@ def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> R
         eval_every=args.eval_every,
         **data,
         precision=args.precision,
+        **lora_fields(args),
     )
     if corpus is not None:  # enough data for a step, and for a validation batch
         from fusionllm.data.sampler import Sampler
@@ -171,4 +237,15 @@ def run_spec_from(args: argparse.Namespace, corpus: "Corpus | None" = None) -> R
         )
         if run.eval_every:
             sampler.eval_batch(0)
+        _check_adapters(run)
     return run
+
+
+def _check_adapters(run: RunSpec) -> None:
+    """LoRA targets the model lacks are one error here, not one from every stage later: the
+    adapted model is built on meta (shapes only, no weights read)."""
+    if not run.lora_rank:
+        return
+    from fusionllm.node.pipeline.train_config import TrainConfig, build_model
+
+    build_model(TrainConfig.for_run(run, cuts=(), replicas=(1,)), meta=True)

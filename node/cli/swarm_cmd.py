@@ -20,6 +20,7 @@ from fusionllm.node.cli.options import (
     add_data_options,
     add_device_option,
     add_run_options,
+    add_task_options,
     load_data,
     run_spec_from,
 )
@@ -39,10 +40,12 @@ def add_parser(commands) -> None:
         "DHT, agree on a plan without a coordinator and train a model (default: a byte-level "
         "GPT-2 tiny) on --data (default: the bytes of the Python standard library's source). "
         "Shows progress, then a summary, and writes the trained model to WORK_DIR/export/ "
-        "(config.json + model.safetensors). Ctrl-C stops every process it started.",
+        "(config.json + model.safetensors; with --task finetune, the adapters in PEFT's "
+        "layout). Ctrl-C stops every process it started.",
     )
     swarm.add_argument("--nodes", type=int, default=4, help="node daemons (default: %(default)s)")
     add_run_options(swarm)
+    add_task_options(swarm)
     add_data_options(swarm)
     add_device_option(swarm)
     swarm.add_argument(
@@ -144,12 +147,26 @@ def _options(args: argparse.Namespace) -> dict:
         "data-dtype": args.data_dtype,
         "vocab-size": args.vocab_size,
         "precision": run.precision,
+        **_task_options(run),
         "device": args.device,  # every node of this machine's swarm on the same device
         "min-stages": args.min_stages,
         "max-stages": args.max_stages,
         "threads": 1,  # N processes share this machine's cores
         "pin-cores": True,  # ... each trainer on its own core (node/training/placement.py)
         **CALM,
+    }
+
+
+def _task_options(run) -> dict:
+    """--task finetune and its adapters, as every node gets them."""
+    if not run.lora_rank:
+        return {}
+    return {
+        "task": "finetune",
+        "lora-rank": run.lora_rank,
+        "lora-alpha": run.lora_alpha,
+        "lora-fa": run.lora_fa,
+        "lora-targets": ",".join(run.lora_targets) or None,
     }
 
 
@@ -178,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
         for node in swarm.nodes:  # politely: a node that still runs leaves the swarm
             node.kill(signal.SIGTERM)
     exported = _export(root)
-    say(f"the trained model, as a Hugging Face folder: {exported}")
+    what = (
+        "adapters, in PEFT's layout"
+        if args.task == "finetune"
+        else "model, as a Hugging Face folder"
+    )
+    say(f"the trained {what}: {exported}")
     return _report(progress, args, root, launched, say, exported)
 
 

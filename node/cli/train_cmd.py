@@ -2,11 +2,13 @@
 
 import argparse
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusionllm.node.cli.options import (
     add_device_option,
     add_run_options,
+    add_task_options,
     load_data,
     run_spec_from,
 )
@@ -33,6 +35,13 @@ def add_parser(commands) -> None:
         "--replicas", type=int, nargs="+", help="data-parallel replicas per stage, e.g. 1 2"
     )
     add_run_options(train)
+    add_task_options(train)
+    train.add_argument(
+        "--adapter-out",
+        default="adapter",
+        metavar="DIR",
+        help="--task finetune: where the trained adapters go, in PEFT's layout (%(default)s)",
+    )
     add_device_option(train)
     train.add_argument(
         "--data",
@@ -109,7 +118,27 @@ def run(args: argparse.Namespace) -> int:
             f"done: {config.steps} steps in {result.seconds:.1f}s, "
             f"final loss {result.losses[-1]:.4f}"
         )
+    if config.lora is not None:
+        out = _save_adapters(config, result.parameters, Path(args.adapter_out).expanduser())
+        print(json.dumps({"adapter": str(out)}) if args.json else f"adapters (PEFT): {out}")
     return 0
+
+
+def _save_adapters(config: "TrainConfig", trained: dict, out: Path) -> Path:
+    """The run's adapters in PEFT's layout: what the stages trained, and LoRA-FA's A (never
+    trained, so no stage returns it) drawn again from the run's seed."""
+    import torch
+
+    from fusionllm.dag.models import registry
+    from fusionllm.dag.models.lora import with_frozen_a
+    from fusionllm.dag.models.lora_io import adapter_shapes, save_adapters
+    from fusionllm.node.pipeline.train_config import model_config
+
+    assert config.lora is not None
+    with torch.device("meta"):
+        plain = registry.build(model_config(config))
+    every = with_frozen_a(adapter_shapes(plain, config.lora), trained, config.seed)
+    return save_adapters(plain, config.lora, every, out, base=config.model_dir)
 
 
 def _train_config(args: argparse.Namespace) -> "TrainConfig":
@@ -137,4 +166,8 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
         gradient_codec=run.gradient_codec,
         eval_every=run.eval_every,
         precision=run.precision,
+        lora_rank=run.lora_rank,
+        lora_alpha=run.lora_alpha,
+        lora_fa=run.lora_fa,
+        lora_targets=run.lora_targets,
     )

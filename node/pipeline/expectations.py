@@ -49,8 +49,9 @@ class Expectations:
         self.replicas = config.stage_replicas
         module = layout.stage_module(role.stage)
         canonical = layout.stage_parameter_names(role.stage)
-        self._shapes = {canonical[n]: tuple(p.shape) for n, p in module.named_parameters()}
-        self._num_parameters = sum(p.numel() for _, p in module.named_parameters())
+        trained = [(canonical[n], p) for n, p in module.named_parameters() if n in canonical]
+        self._shapes = {name: tuple(p.shape) for name, p in trained}
+        self._num_parameters = sum(p.numel() for _, p in trained)
 
     def expect(self, header: FrameHeader) -> TensorSpec | None:
         """The transport's ``expect`` hook: dtype and shape by header, before we keep a frame."""

@@ -132,10 +132,12 @@ class PipelineLayout:
         return self.graph.stage_module(self.stages[stage])
 
     def stage_parameter_names(self, stage: int) -> dict[str, str]:
-        """Parameter name in the stage module -> canonical name."""
+        """Trained parameter name in the stage module -> canonical name. A frozen one (the
+        base of a fine-tune) is not listed: it is never stepped, averaged, tied, checkpointed
+        or moved, only read from the run's weights by every holder."""
         canonical = self.graph.canonical_parameter_names()
         module = self.stage_module(stage)
-        return {name: canonical[name] for name, _ in module.named_parameters()}
+        return {name: canonical[name] for name, p in module.named_parameters() if p.requires_grad}
 
     def counted_elsewhere(self, stage: int) -> frozenset[str]:
         """Tied parameters this stage holds but whose gradient norm another stage counts.

@@ -27,7 +27,7 @@ logger = get_logger(__name__)
 @dataclass(frozen=True)
 class LocalRun:
     losses: list[float]  # per step
-    parameters: dict[str, torch.Tensor]  # canonical names (a tied parameter once)
+    parameters: dict[str, torch.Tensor]  # canonical names (a tied parameter once), trained ones
     seconds: float  # wall time of the steps (no setup)
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss before it
 
@@ -45,7 +45,8 @@ def train_local(
     compute = compute if compute is not None else Compute(precision=config.precision)
     model = build_model(config).to(compute.device)
     model.train()
-    optimizer = build_adamw(model.parameters(), config.optimizer, fused=compute.fused_optimizer)
+    trained = [p for p in model.parameters() if p.requires_grad]  # a fine-tune: the adapters
+    optimizer = build_adamw(trained, config.optimizer, fused=compute.fused_optimizer)
     losses: list[float] = []
     scaler = LossScale() if compute.precision == "fp16" else None
     started = time.perf_counter()
@@ -65,10 +66,10 @@ def train_local(
                 loss = language_model_loss(logits, targets)
             (loss.float() / config.micro_batches * scale).backward()
             step_losses.append(loss.detach())
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in trained if p.grad is not None]
         overflow = scaler is not None and unscale_or_zero(grads, scale)
         if not overflow and 0 < config.max_grad_norm < float("inf"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trained, config.max_grad_norm)
         if not overflow:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -79,7 +80,11 @@ def train_local(
             on_step(step, losses[-1])
     compute.synchronize()
     seconds = time.perf_counter() - started
-    parameters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    parameters = {
+        name: p.detach().to("cpu", copy=True)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     return LocalRun(losses, parameters, seconds, eval_losses)
 
 

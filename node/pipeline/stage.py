@@ -22,6 +22,7 @@ import torch
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
+from fusionllm.dag.models.lora import AdapterInit
 from fusionllm.dag.models.materialise import UNSET, WeightSource, materialise
 from fusionllm.dag.models.registry import language_model_loss
 from fusionllm.node.errors import PipelineError
@@ -154,7 +155,7 @@ class StageWorker:
         nor reads a weights folder only to overwrite it."""
         if self._real:
             return
-        _make_real(self.module, self.layout, self.stage, self._weights if initialise else UNSET)
+        _make_real(self.module, self.layout, self.stage, self._source(initialise))
         # float32 master weights on the device, whatever the precision (autocast casts).
         self.module = self.module.to(self.device)
         self.module.train()
@@ -168,10 +169,18 @@ class StageWorker:
         )
         self._real = True
 
+    def _source(self, initialise: bool) -> WeightSource | None:
+        # A fine-tune's checkpoint holds only what trains: its frozen base is read again and
+        # LoRA-FA's frozen A drawn again (the trained adapters' init is small, then replaced).
+        if initialise or isinstance(self._weights, AdapterInit):
+            return self._weights
+        return UNSET
+
     def _named(self) -> dict[str, torch.nn.Parameter]:
         canonical = self.layout.stage_parameter_names(self.stage)
         # named_parameters lists a parameter tied inside the stage once: one entry per tensor.
-        return {canonical[name]: p for name, p in self.module.named_parameters()}
+        # Frozen ones (a fine-tune's base) are not ours to train: not in canonical.
+        return {canonical[n]: p for n, p in self.module.named_parameters() if n in canonical}
 
     # ----- per micro-batch -------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import FOLDER, PRECISIONS, RunSpec
 from fusionllm.dag import OpGraph, trace
 from fusionllm.dag.models import read_config, registry
+from fusionllm.dag.models.lora import AdapterInit, LoraConfig, add_adapters
 from fusionllm.dag.models.materialise import FolderWeights, SeededInit, WeightSource, materialise
 from fusionllm.dag.models.pretrained import check_layers
 from fusionllm.node.pipeline.data import BatchConfig, TokenDataset
@@ -70,11 +71,16 @@ class TrainConfig:
     activation_halves: tuple[bool, ...] = ()
     gradient_halves: tuple[bool, ...] = ()
     precision: str = "fp32"  # every stage's autocast dtype (RunSpec.precision)
+    # Low-rank adapters (RunSpec.lora_*): rank 0 trains every parameter.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_fa: bool = False
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
             "cuts", "replicas", "activation_ratios", "gradient_ratios", "betas",
-            "activation_halves", "gradient_halves",
+            "activation_halves", "gradient_halves", "lora_targets",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
@@ -122,6 +128,18 @@ class TrainConfig:
             )
         if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        _ = self.lora  # validated there
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters this run trains, or None (every parameter trains)."""
+        if not self.lora_rank:
+            if self.lora_alpha or self.lora_fa or self.lora_targets:
+                raise ConfigError("LoRA settings (alpha, fa, targets) need lora_rank >= 1")
+            return None
+        return LoraConfig(
+            rank=self.lora_rank, alpha=self.lora_alpha, fa=self.lora_fa, targets=self.lora_targets
+        )
 
     @property
     def batch(self) -> BatchConfig:
@@ -203,6 +221,10 @@ class TrainConfig:
             gradient_codec=run.gradient_codec,
             eval_every=run.eval_every,
             precision=run.precision,
+            lora_rank=run.lora_rank,
+            lora_alpha=run.lora_alpha,
+            lora_fa=run.lora_fa,
+            lora_targets=run.lora_targets,
         )
 
     def to_json(self) -> str:
@@ -247,16 +269,21 @@ def build_model(config: TrainConfig, *, meta: bool = False) -> torch.nn.Module:
         )
     with torch.device("meta"):
         model = registry.build(architecture)
+    if config.lora is not None:  # the base frozen, adapters on meta too
+        add_adapters(model, config.lora)
     if not meta:
         materialise(model, weight_source(config))
     return model
 
 
 def weight_source(config: TrainConfig) -> WeightSource:
-    """Where the run's parameters come from: seeded per parameter name, or the folder."""
+    """Where the run's parameters come from: seeded per parameter name, or the folder; with
+    adapters, their A seeded by name and their B zeros (lora.AdapterInit)."""
     if config.model == FOLDER:
-        return FolderWeights(config.model_dir, model_config(config))
-    return SeededInit(model_config(config), config.seed)
+        base: WeightSource = FolderWeights(config.model_dir, model_config(config))
+    else:
+        base = SeededInit(model_config(config), config.seed)
+    return base if config.lora is None else AdapterInit(base, config.seed)
 
 
 def build_layout(config: TrainConfig, model: torch.nn.Module) -> PipelineLayout:

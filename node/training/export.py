@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 
 from fusionllm.common.atomic import write_atomic
-from fusionllm.common.errors import FusionError
+from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.models import registry
 from fusionllm.dag.models.hf_config import ModelConfig, config_from_hf, hf_config_of
 from fusionllm.dag.models.hf_tensors import read_json
+from fusionllm.dag.models.lora import LoraConfig, add_adapters, with_frozen_a
+from fusionllm.dag.models.lora_io import adapter_shapes, save_adapters
 from fusionllm.dag.models.pretrained import save_state
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore
 
@@ -47,11 +49,19 @@ class StageParams:
 
 
 def write_model_config(
-    work_dir: Path, config: ModelConfig, lineage: str, *, like: dict | None = None
+    work_dir: Path,
+    config: ModelConfig,
+    lineage: str,
+    *,
+    like: dict | None = None,
+    lora: dict | None = None,
 ) -> Path:
     """What ``export`` needs to read this node's files back (written when training starts);
-    ``like``: the config.json of the folder the run started from (its token ids are kept)."""
+    ``like``: the config.json of the folder the run started from (its token ids are kept);
+    ``lora``: a fine-tune's adapters (``lora_record``), which export writes in PEFT's layout."""
     fields = {"lineage": lineage, "config": hf_config_of(config, like=like)}
+    if lora is not None:
+        fields["lora"] = lora
     text = json.dumps(fields, sort_keys=True)
     return write_atomic(Path(work_dir) / MODEL_FILE, text.encode())
 
@@ -73,8 +83,28 @@ def node_dirs(work_dirs: list[Path]) -> list[Path]:
     return found
 
 
+def lora_record(lora: LoraConfig, seed: int, base: str | None) -> dict:
+    """What export needs of a fine-tune: the adapters, the seed of their A, the base folder."""
+    fields = {"rank": lora.rank, "alpha": lora.alpha, "fa": lora.fa, "targets": list(lora.targets)}
+    return fields | {"seed": seed, "base": base}
+
+
+def _lora_of(record: object) -> tuple[LoraConfig, int, str | None]:
+    if not isinstance(record, dict) or not isinstance(record.get("seed"), int):
+        raise ExportError(f"{MODEL_FILE}'s lora entry is malformed")
+    try:
+        lora = LoraConfig(
+            rank=record.get("rank"), alpha=record.get("alpha"), fa=record.get("fa"),
+            targets=tuple(record.get("targets") or ()),
+        )  # fmt: skip
+    except (ConfigError, TypeError) as exc:
+        raise ExportError(f"{MODEL_FILE}'s lora entry is malformed: {exc}") from exc
+    base = record.get("base")
+    return lora, record["seed"], base if isinstance(base, str) else None
+
+
 def model_of(dirs: list[Path]) -> tuple[ModelConfig, str, dict]:
-    """The model config, lineage and config.json the nodes trained; they must all agree."""
+    """The model config, lineage and the file's fields the nodes trained; all must agree."""
     seen = {}
     for folder in dirs:
         data = read_json(folder / MODEL_FILE, limit=1 << 20)
@@ -84,7 +114,7 @@ def model_of(dirs: list[Path]) -> tuple[ModelConfig, str, dict]:
     data = next(iter(seen.values()))[1]
     if not isinstance(data.get("lineage"), str) or not isinstance(data.get("config"), dict):
         raise ExportError(f"{MODEL_FILE} needs a lineage string and a config object")
-    return config_from_hf(data["config"]), data["lineage"], data["config"]
+    return config_from_hf(data["config"]), data["lineage"], data
 
 
 def read_final_params(folder: Path) -> StageParams | None:
@@ -169,16 +199,27 @@ def _from_checkpoints(dirs: list[Path], lineage: str, shapes: dict) -> list[Stag
 
 
 def export(work_dirs: list[Path], out: Path) -> Path:
-    """Write the run's model as a Hugging Face folder ``out``; returns ``out``."""
+    """Write the run's model as a Hugging Face folder ``out`` (a fine-tune's: its adapters in
+    PEFT's layout); returns ``out``."""
     dirs = node_dirs([Path(d) for d in work_dirs])
-    config, lineage, raw = model_of(dirs)
+    config, lineage, fields = model_of(dirs)
+    raw = fields["config"]
+    lora = _lora_of(fields["lora"]) if "lora" in fields else None
     with torch.device("meta"):
         model = registry.build(config)
-    names = {n for n, _ in model.named_parameters()}  # a tied parameter under its first name
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if lora is not None:
+            add_adapters(model, lora[0])
+    # Trained parameters only (a fine-tune's adapters); a tied one under its first name.
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     finals = [p for p in map(read_final_params, dirs) if p is not None]
     parts = _newest_final(finals) if finals else _from_checkpoints(dirs, lineage, shapes)
-    state = merge(parts, names)
+    state = merge(parts, set(shapes))
+    if lora is not None:
+        adapters, seed, base = lora
+        with torch.device("meta"):
+            plain = registry.build(config)  # what the adapters' names and shapes are of
+        every = with_frozen_a(adapter_shapes(plain, adapters), state, seed)
+        return save_adapters(plain, adapters, every, out, base=base)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[registry.architecture_of(config).embedding]
     logger.info("exporting step %d from %d parts to %s", parts[0].step, len(parts), out)

@@ -131,7 +131,7 @@ class SwarmTrainer:
             return self._built
 
     def params_of(self, start: int, stop: int) -> frozenset[str]:
-        """The canonical parameters graph nodes [start, stop) use."""
+        """The canonical parameters graph nodes [start, stop) train (a fine-tune: adapters)."""
         key = (start, stop)
         if key not in self._ranges:
             graph = self.graph
@@ -139,7 +139,9 @@ class SwarmTrainer:
                 raise CheckpointError(f"node range [{start}, {stop}) is outside the model")
             canonical = graph.canonical_parameter_names()
             module = graph.stage_module(graph.node_ids[start:stop])
-            self._ranges[key] = frozenset(canonical[n] for n, _ in module.named_parameters())
+            self._ranges[key] = frozenset(
+                canonical[n] for n, p in module.named_parameters() if p.requires_grad
+            )
         return self._ranges[key]
 
     def expect(self, header: FrameHeader) -> TensorSpec:

@@ -62,7 +62,8 @@ def test_run_digests_take_the_folder_digest_and_ignore_where_it_lies() -> None:
     assert settings[0] == settings[1] != settings[2]
     assert here.model_key == f"folder-{'ab' * 8}"
     # A preset's run keeps the lineage it had before folders existed (old checkpoints load).
-    new = ("steps", "model_dir", "model_digest")
+    new = ("steps", "model_dir", "model_digest", "lora_rank", "lora_alpha", "lora_fa")
+    new += ("lora_targets",)
     old_fields = {k: v for k, v in asdict(RunSpec()).items() if k not in new}
     text = json.dumps(old_fields, sort_keys=True, separators=(",", ":"))
     assert RunSpec().lineage() == hashlib.sha256(text.encode()).hexdigest()[:16]
