@@ -9,14 +9,10 @@ import pytest
 
 from fusionllm.testbed import paths
 from fusionllm.testbed.bed import Testbed, leftovers
-from fusionllm.testbed.router import unavailable
 from fusionllm.testbed.topology import parse_topology
+from tests.support.routers import needs_routers
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(unavailable() is not None, reason=f"no home routers: {unavailable()}"),
-]
+pytestmark = [pytest.mark.testbed, pytest.mark.timeout(120), needs_routers]
 
 DIAL_IN_TIMEOUT_S = 2.0
 TOPOLOGY = {
