@@ -12,12 +12,12 @@ One member's word never decides: an address counts as reachable once ``confirmat
 distinct members reached it, and ``private`` needs as many members that reached nothing.
 """
 
+import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from fusionllm.dht.records import REACH_VERDICTS as VERDICTS
 from fusionllm.node.p2p.dialback import DialBackAnswer
-
-VERDICTS = ("unknown", "public", "mapped", "private", "announced")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,8 @@ def announced(addrs: Iterable[str]) -> Reachability:
 def judge(
     answers: Iterable[DialBackAnswer], *, listen_ips: Sequence[str], confirmations: int = 2
 ) -> Reachability:
-    """The verdict from ``answers`` (the last one of each member counts)."""
+    """The verdict from ``answers`` (the last one of each member counts). A node listening
+    on every interface (0.0.0.0) takes any address it was reached at as its own."""
     if confirmations < 1:
         raise ValueError(f"confirmations {confirmations} must be >= 1")
     latest = {a.peer: a for a in answers if not a.refused}
@@ -54,7 +55,8 @@ def judge(
     observed = tuple(sorted({a.observed_ip for a in latest.values()}))
     confirmed = tuple(sorted(a for a, peers in reached_by.items() if len(peers) >= confirmations))
     if confirmed:
-        own = all(addr.rsplit(":", 1)[0] in listen_ips for addr in confirmed)
+        anywhere = any(ipaddress.ip_address(ip).is_unspecified for ip in listen_ips)
+        own = anywhere or all(addr.rsplit(":", 1)[0] in listen_ips for addr in confirmed)
         verdict = "public" if own else "mapped"
     elif blind >= confirmations and not reached_by:
         verdict = "private"
@@ -63,3 +65,20 @@ def judge(
     return Reachability(
         verdict=verdict, addrs=confirmed, observed_ips=observed, answers=len(latest)
     )
+
+
+def explain(verdict: str, addrs: Sequence[str] = (), observed: Sequence[str] = ()) -> str:
+    """What a verdict means to the person running the node, and what they may do."""
+    at = ", ".join(addrs) or "?"
+    if verdict in ("public", "announced"):
+        return f"reachability {verdict}: peers can dial this node at {at}"
+    if verdict == "mapped":
+        return f"reachability mapped: peers reach this node at {at}, where its router forwards"
+    if verdict == "private":
+        seen = ", ".join(observed) or "?"
+        return (
+            f"reachability private: members see this node at {seen} but cannot dial it back "
+            "(a NAT or a firewall); it is reached only over connections it opens. To be "
+            "reachable, forward its ports on the router and give --announce-addr"
+        )
+    return "reachability unknown: no member has dialled this node back yet"
