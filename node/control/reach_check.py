@@ -83,10 +83,7 @@ class ReachCheck:
 
     def attach(self) -> None:
         """Serve dial-back requests of members on the host."""
-        dialback = self._config.dialback
-        server = self._host.call_sync(
-            lambda: DialBackServer(self._host.libp2p, dialback, allow=self._is_member)
-        )
+        server = DialBackServer(self._config.dialback, allow=self._is_member)
         self._host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
 
     def loop(self, stop: threading.Event) -> None:

@@ -3,10 +3,14 @@
     client: "FLD1" | u8 n | n x u16 port     server: u8 len | the IP it sees (ASCII) | n x u8
 
 The server dials the client back at the IP the request came from (never one the client
-names: nobody can aim a member at a third party) on each port, over a *new* connection
-authenticated to the client's peer id, and answers, per port, whether it opened (then it is
-closed again). The client learns what its router shows the world (its observed IP) and
-whether that address takes inbound connections: ``reachability.verdict`` makes the verdict.
+names: nobody can aim a member at a third party) on each port with a plain TCP connect, and
+answers, per port, whether it opened (it is closed at once). The client learns what its
+router shows the world (its observed IP) and whether that address takes connections from
+outside: ``reachability.judge`` makes the verdict. A TCP connect proves the port is open
+from outside, not which program answers (a private swarm's listener speaks only its
+pre-shared key's cipher); it opens no libp2p connection on purpose: py-libp2p's gossipsub
+drops a peer from its mesh when *any* of its connections closes (``PubsubNotifee``), so a
+test connection, opened and closed, cut gossip with the member that asked.
 
 Why not py-libp2p 0.8.1's AutoNAT v1 (``libp2p.host.autonat``): its server dials back with
 ``host.connect``, which returns at once when a connection to the peer exists, and the
@@ -21,14 +25,13 @@ at a time, reads under a deadline and dials under one: a bad peer only loses its
 import ipaddress
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from fusionllm.common.errors import ConfigError, PeerError
 from fusionllm.common.logs import get_logger
@@ -148,13 +151,13 @@ class DialBackServer:
 
     def __init__(
         self,
-        host: IHost,
         config: DialBackConfig,
         *,
         allow: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        connect: Callable[[str, int], Awaitable[trio.abc.Stream]] = trio.open_tcp_stream,
     ) -> None:
-        self._host = host
+        self._connect = connect
         self._config = config
         self._allow = allow or (lambda _peer: True)
         self._clock = clock
@@ -200,18 +203,16 @@ class DialBackServer:
         return True
 
     async def _dial(self, peer: ID, ip: str, port: int) -> int:
-        """REACHED if a new connection to ``ip:port`` opens to ``peer`` in time, else FAILED."""
-        family = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
-        maddr = Multiaddr(f"/{family}/{ip}/tcp/{port}")
+        """REACHED if a new TCP connection to ``ip:port`` opens in time, else FAILED."""
         try:
             with trio.move_on_after(self._config.dial_timeout_s):
-                # dial_addr, not host.connect: connect returns the connection the request
-                # came on, which proves nothing about inbound connections
-                conn = await self._host.get_network().dial_addr(maddr, peer)
-                await conn.close()
+                # a new connection: the one the request came on proves nothing about inbound
+                # ones (py-libp2p's AutoNAT v1 answers over it, see the module docstring)
+                stream = await self._connect(ip, port)
+                await stream.aclose()
                 return REACHED
-        except NETWORK_ERRORS:
-            logger.debug("dial-back to %s at %s failed", peer, maddr, exc_info=True)
+        except OSError:
+            logger.debug("dial-back to %s at %s:%d failed", peer, ip, port, exc_info=True)
         return FAILED
 
 

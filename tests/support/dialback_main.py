@@ -35,8 +35,7 @@ def _host(key: str, addr: str) -> tuple[PeerHost, object]:
 
 def serve(key: str, addr: str) -> None:
     host, _ = _host(key, addr)
-    server = host.call_sync(lambda: DialBackServer(host.libp2p, CONFIG))
-    host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
+    host.set_stream_handler(DIALBACK_PROTOCOL, DialBackServer(CONFIG).serve)
     print(json.dumps({"event": "ready", "addr": host.addrs[0]}), flush=True)
     sys.stdin.read()  # until the parent closes it
     host.close()

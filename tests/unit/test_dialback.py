@@ -59,29 +59,29 @@ class FakeStream:
 
 
 class FakeNetwork:
-    """Opens a new connection to the addresses in ``open_at``; records every dial."""
+    """TCP connects that open to the ``IP:PORT`` in ``open_at``; records every dial."""
 
     def __init__(self, open_at: set[str]) -> None:
         self.open_at = open_at
-        self.dials: list[tuple[str, ID]] = []
+        self.dials: list[str] = []
         self.closed: list[str] = []
 
-    async def dial_addr(self, maddr, peer_id):
-        self.dials.append((str(maddr), peer_id))
-        if str(maddr) not in self.open_at:
+    async def connect(self, ip: str, port: int):
+        self.dials.append(f"{ip}:{port}")
+        if f"{ip}:{port}" not in self.open_at:
             raise OSError("connection timed out")
-        return SimpleNamespace(close=lambda: self._close(str(maddr)))
+        return SimpleNamespace(aclose=lambda: self._close(f"{ip}:{port}"))
 
-    async def _close(self, maddr: str) -> None:
-        self.closed.append(maddr)
+    async def _close(self, where: str) -> None:
+        self.closed.append(where)
 
 
 def _server(open_at=(), **kwargs):
     network = FakeNetwork(set(open_at))
-    host = SimpleNamespace(get_network=lambda: network)
     clock = kwargs.pop("clock", lambda: 0.0)
     allow = kwargs.pop("allow", None)
-    return DialBackServer(host, DialBackConfig(**kwargs), allow=allow, clock=clock), network
+    config = DialBackConfig(**kwargs)
+    return DialBackServer(config, allow=allow, clock=clock, connect=network.connect), network
 
 
 def _answer(stream: FakeStream, ports) -> DialBackAnswer:
@@ -89,13 +89,11 @@ def _answer(stream: FakeStream, ports) -> DialBackAnswer:
 
 
 def test_the_server_dials_back_only_the_ip_it_sees_on_new_connections():
-    server, network = _server(open_at={"/ip4/203.0.113.7/tcp/4001"})
+    server, network = _server(open_at={"203.0.113.7:4001"})
     stream = FakeStream(encode_request([4001, 4002]))
     trio.run(server.serve, stream)
-    assert network.dials == [
-        ("/ip4/203.0.113.7/tcp/4001", PEER), ("/ip4/203.0.113.7/tcp/4002", PEER),
-    ]  # fmt: skip
-    assert network.closed == ["/ip4/203.0.113.7/tcp/4001"]  # the test connection only
+    assert network.dials == ["203.0.113.7:4001", "203.0.113.7:4002"]
+    assert network.closed == ["203.0.113.7:4001"]  # closed at once
     answer = _answer(stream, [4001, 4002])
     assert answer.observed_ip == "203.0.113.7"
     assert answer.reached == {4001: True, 4002: False}
@@ -104,13 +102,10 @@ def test_the_server_dials_back_only_the_ip_it_sees_on_new_connections():
 
 
 def test_a_dial_that_hangs_fails_at_the_deadline():
-    class Hanging(FakeNetwork):
-        async def dial_addr(self, maddr, peer_id):
-            await trio.sleep_forever()
+    async def hanging(ip, port):
+        await trio.sleep_forever()
 
-    network = Hanging(set())
-    server = DialBackServer(SimpleNamespace(get_network=lambda: network),
-                            DialBackConfig(dial_timeout_s=0.05))  # fmt: skip
+    server = DialBackServer(DialBackConfig(dial_timeout_s=0.05), connect=hanging)
     stream = FakeStream(encode_request([4001]))
     trio.run(server.serve, stream)
     assert _answer(stream, [4001]).reached == {4001: False}
@@ -126,7 +121,7 @@ def test_a_dial_that_hangs_fails_at_the_deadline():
     ids=["over a relay", "no remote address", "not a member"],
 )
 def test_the_server_refuses_without_dialing(stream_kwargs, server_kwargs):
-    server, network = _server(open_at={"/ip4/203.0.113.7/tcp/4001"}, **server_kwargs)
+    server, network = _server(open_at={"203.0.113.7:4001"}, **server_kwargs)
     stream = FakeStream(encode_request([4001]), **stream_kwargs)
     trio.run(server.serve, stream)
     assert network.dials == []
