@@ -2,8 +2,8 @@
 
 ``ReachCheck`` serves dial-back (node/p2p/dialback.py) to members, never to strangers, on the
 node's host; and asks up to ``ask`` members that others can reach to dial it back: at
-first soon after it joined, then every ``interval_s`` (every ``retry_s`` while the verdict
-is unknown). The verdict (``current``, node/p2p/reachability.py) goes into the node's record
+first soon after it joined, then every ``interval_s`` (every ``retry_s`` while it found no
+member to ask). The verdict (``current``, node/p2p/reachability.py) goes into the node's record
 and ``fusionllm status``. A node given ``--announce-addr`` asks nothing: it is "announced".
 """
 
@@ -32,7 +32,7 @@ _UNJUDGED = ("unknown", "")
 class ReachConfig:
     first_after_s: float = 5.0  # after start: the first members' records are in by then
     interval_s: float = 300.0
-    retry_s: float = 10.0  # while the verdict is unknown (no member known yet, say)
+    retry_s: float = 10.0  # while there was no member to ask
     ask: int = 3  # members asked per check
     confirmations: int = 2  # agreeing members for a verdict (fewer if fewer were asked)
     connect_timeout_s: float = 10.0
@@ -77,6 +77,7 @@ class ReachCheck:
         self._listen_ips = tuple(listen_ips)
         self._emit = emit
         self._announced = tuple(announced_addrs)
+        self._asked = False  # whether the last check found members to ask
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
         )  # fmt: skip
@@ -93,11 +94,11 @@ class ReachCheck:
         wait = self._config.first_after_s
         while not stop.wait(wait):
             self.check_once()
-            unknown = self.current.verdict == "unknown"
-            wait = self._config.retry_s if unknown else self._config.interval_s
+            wait = self._config.interval_s if self._asked else self._config.retry_s
 
     def check_once(self) -> Reachability:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
+        self._asked = bool(askers)
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
         answers = []
         for member in askers:

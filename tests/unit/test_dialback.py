@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -32,11 +33,9 @@ class FakeStream:
     """A request already sent, from ``remote``; what the server writes is kept."""
 
     def __init__(self, request: bytes, peer: ID = PEER, remote=("203.0.113.7", 40000),
-                 transport_addrs=("/ip4/203.0.113.7/tcp/40000",)) -> None:  # fmt: skip
+                 kind=lambda: ConnectionType.DIRECT) -> None:  # fmt: skip
         self._data = request
-        self.muxed_conn = SimpleNamespace(
-            peer_id=peer, get_transport_addresses=lambda: list(transport_addrs)
-        )
+        self.muxed_conn = SimpleNamespace(peer_id=peer, get_connection_type=kind)
         self._remote = remote
         self.written = b""
         self.closed = self.was_reset = False
@@ -111,14 +110,19 @@ def test_a_dial_that_hangs_fails_at_the_deadline():
     assert _answer(stream, [4001]).reached == {4001: False}
 
 
+def _untyped():
+    raise AttributeError("'PskConn' object has no attribute '_connection_type'")
+
+
 @pytest.mark.parametrize(
     ("stream_kwargs", "server_kwargs"),
     [
-        ({"transport_addrs": ("/ip4/198.51.100.1/tcp/4001/p2p/x/p2p-circuit",)}, {}),
+        ({"kind": lambda: ConnectionType.RELAYED}, {}),
+        ({"kind": _untyped}, {}),
         ({"remote": None}, {}),
         ({}, {"allow": lambda peer: peer != PEER.to_base58()}),
     ],
-    ids=["over a relay", "no remote address", "not a member"],
+    ids=["over a relay", "untyped (a private swarm's)", "no remote address", "not a member"],
 )
 def test_the_server_refuses_without_dialing(stream_kwargs, server_kwargs):
     server, network = _server(open_at={"203.0.113.7:4001"}, **server_kwargs)
