@@ -335,7 +335,7 @@ class NodeDaemon:
             suspects=self.suspicions.current(),
             pace=self.pace.published,
             witnessed=self.witness.current(),
-            reach=self.reach.current.verdict if self.reach is not None else "",
+            reach=self.reach.published if self.reach is not None else "",
         )
 
     def _uplink(self, report: BandwidthReport) -> float:

@@ -82,6 +82,12 @@ class ReachCheck:
             verdict="unknown"
         )  # fmt: skip
 
+    @property
+    def published(self) -> str:
+        """The verdict for our record: none while unknown (older readers refuse the field,
+        so only nodes with something to say write it)."""
+        return "" if self.current.verdict == "unknown" else self.current.verdict
+
     def attach(self) -> None:
         """Serve dial-back requests of members on the host."""
         server = DialBackServer(self._config.dialback, allow=self._is_member)

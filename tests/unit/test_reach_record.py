@@ -124,7 +124,8 @@ def test_a_check_asks_members_and_says_so_when_the_verdict_changes():
                                            reached={4001: False}) for p in (a, b)}  # fmt: skip
     host = FakeHost(blind, connected=[a.to_base58()])
     check, events = _check(host, members)
-    assert check.check_once().verdict == "private"
+    assert check.published == ""  # nothing said before a verdict: older readers see no field
+    assert check.check_once().verdict == check.published == "private"
     assert host.dialled == [members[b.to_base58()].addrs[0]]  # a was connected already
     assert events == [("reachability", {"verdict": "private", "addrs": [], "answers": 2,
                                         "observed": ["198.51.100.9"]})]  # fmt: skip
@@ -141,6 +142,6 @@ def test_an_announced_node_asks_nobody():
     check = ReachCheck(host=FakeHost({}), config=ReachConfig(), members=no_members,
                        is_member=lambda p: True, listen_ips=["0.0.0.0"],
                        announced_addrs=["/ip4/203.0.113.5/tcp/4001/p2p/me"])  # fmt: skip
-    assert check.current.verdict == "announced"
+    assert check.current.verdict == check.published == "announced"
     check.loop(threading.Event())  # returns at once
     assert check.current.addrs == ("/ip4/203.0.113.5/tcp/4001/p2p/me",)
