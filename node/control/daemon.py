@@ -254,7 +254,7 @@ class NodeDaemon:
             is_member=self._is_member,
             listen_ips=[self.config.listen_host],
             announced_addrs=self.host.addrs if self.config.announce else (),
-            emit=self._emit,
+            emit=self._emit_reach,
         )
         check.attach()
         return check
@@ -469,6 +469,10 @@ class NodeDaemon:
 
     def _emit_epoch(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields, counters=self.health())
+
+    def _emit_reach(self, event: str, **fields: Any) -> None:
+        self._emit(event, **fields)
+        self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})
