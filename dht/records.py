@@ -16,6 +16,8 @@ from typing import Any
 from fusionllm.common.errors import ConfigError, PeerError, peer_repr
 
 NODE_INFO_VERSION = 1
+# Whether peers can dial a node, as it judged from members' dial-backs (node/p2p/reachability.py)
+REACH_VERDICTS = ("unknown", "public", "mapped", "private", "announced")
 PLAN_PROPOSAL_VERSION = 1
 
 MAX_ADDRS = 8
@@ -320,6 +322,9 @@ class NodeInfo:
     # Paces of the other members of its plan, measured from their step summaries (pace.py):
     # planners believe those over a member's own ``pace``. Old records lack it: none.
     witnessed: tuple[Witnessed, ...] = ()
+    # Whether peers can dial it (node/p2p/reachability.py): one of REACH_VERDICTS. Old
+    # records and nodes that have not judged yet lack it: "".
+    reach: str = ""
 
     def __post_init__(self) -> None:
         try:
@@ -350,13 +355,14 @@ class NodeInfo:
             **({"sus": [x.to_wire() for x in self.suspects]} if self.suspects else {}),
             **({"pace": self.pace} if self.pace != 1.0 else {}),
             **({"wit": [x.to_wire() for x in self.witnessed]} if self.witnessed else {}),
+            **({"reach": self.reach} if self.reach else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         _version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit"})
+        optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit", "reach"})
         w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
@@ -401,10 +407,17 @@ class NodeInfo:
             "witnessed": tuple(
                 Witnessed.from_wire(x) for x in _list(w.get("wit", []), "witnessed", MAX_WITNESSED)
             ),
+            "reach": _reach(w.get("reach", "")),
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)
         return obj
+
+
+def _reach(value: Any) -> str:
+    if value != "" and value not in REACH_VERDICTS:
+        raise RecordError(f"reach {peer_repr(value)} is not one of {list(REACH_VERDICTS)}")
+    return value
 
 
 def _observer(value: Any) -> bool:

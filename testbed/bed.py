@@ -6,7 +6,10 @@
 
 Every kernel object it makes carries its tag, ``fltb-<pid>-<n>``: a namespace per host
 (``<tag>-<host>``, a TUN device renamed ``wan0`` inside, address ``<subnet>.<i+1>/24``), a CPU
-cgroup per host (``/sys/fs/cgroup/cpu/<tag>/<host>``). ``close`` (leaving the ``with`` block,
+cgroup per host (``/sys/fs/cgroup/cpu/<tag>/<host>``). A host behind NAT (``nat`` in the
+topology) is two namespaces: its router ``<tag>-<host>.nat`` holds the TUN and the public
+address, and ``<tag>-<host>``, where its processes run, sits behind it on a veth LAN
+(``<lan_prefix>.<i+1>.2/24``; see ``nat`` and ``router``). ``close`` (leaving the ``with`` block,
 also on an exception or Ctrl-C) kills every process started in a host (by pid, then whatever
 is left in its namespace or cgroup), stops the emulator, deletes the namespaces and cgroups,
 and raises TestbedError if any of that failed. ``sweep_stale`` removes what a testbed whose
@@ -29,9 +32,10 @@ from pathlib import Path
 import psutil
 
 from fusionllm.common.logs import get_logger
-from fusionllm.testbed import cgroups, netns
+from fusionllm.testbed import cgroups, netns, router
 from fusionllm.testbed.emulator import EmulatorConfig, HostWire, LinkWire
 from fusionllm.testbed.errors import TestbedError
+from fusionllm.testbed.nat import home_lan
 from fusionllm.testbed.topology import Topology, queue_bytes
 from fusionllm.testbed.tun import open_tun
 
@@ -60,6 +64,7 @@ class TestbedConfig:
     __test__ = False
 
     subnet: str = "10.250.0"  # hosts get .1, .2, ... inside their own namespaces only
+    lan_prefix: str = "192.168"  # the i-th host, if behind NAT, is <prefix>.<i+1>.2 at home
     tcp_mem_max: int = 64 << 20  # tcp_wmem/tcp_rmem maximum per namespace (long fat links)
     realtime: bool = True  # the emulator at SCHED_FIFO where allowed
     seed: int = 0  # the emulator's random loss
@@ -69,6 +74,7 @@ class TestbedConfig:
         parts = self.subnet.split(".")
         if len(parts) != 3 or not all(p.isdigit() and int(p) < 256 for p in parts):
             raise ValueError(f"subnet {self.subnet!r}: want three octets, e.g. '10.250.0'")
+        home_lan(self.lan_prefix, 0)  # ValueError if it cannot be
         if self.tcp_mem_max < 1 << 20:
             raise ValueError(f"tcp_mem_max {self.tcp_mem_max} below 1 MiB")
         if self.ready_timeout_s <= 0:
@@ -123,10 +129,27 @@ class Testbed:
     # ----- naming -----------------------------------------------------------------------------
 
     def address(self, host: str) -> str:
+        """The address ``host``'s processes bind: its LAN address if it sits behind NAT."""
+        if self.nat(host):
+            return home_lan(self.config.lan_prefix, self._index[host]).node
+        return self.wan_address(host)
+
+    def wan_address(self, host: str) -> str:
+        """The address others reach ``host`` at: its router's if it sits behind NAT."""
         return f"{self.config.subnet}.{self._index[host] + 1}"
+
+    def nat(self, host: str) -> str | None:
+        """The kind of NAT ``host`` sits behind (None: a public host)."""
+        return self.topology.host(host).nat
 
     def netns(self, host: str) -> str:
         return f"{self.tag}-{host}"
+
+    def router_netns(self, host: str) -> str:
+        """The namespace of ``host``'s home router ('.' is in no host name: no clash)."""
+        if not self.nat(host):
+            raise TestbedError(f"host {host} is not behind NAT")
+        return f"{self.tag}-{host}.nat"
 
     def cgroup(self, host: str) -> Path:
         return cgroups.CPU_ROOT / self.tag / host
@@ -153,12 +176,18 @@ class Testbed:
 
     def up(self) -> None:
         reason = unavailable()
+        if reason is None and any(h.nat for h in self.topology.hosts):
+            reason = router.unavailable()
         if reason:
             raise TestbedError(reason)
         fds: dict[str, int] = {}
         try:
             for i, host in enumerate(self.topology.hosts):
                 fds[host.name] = self._host_up(i, host.name, host.cpu)
+                if host.nat:
+                    lan = home_lan(self.config.lan_prefix, i)
+                    router.connect_home(self.router_netns(host.name), self.netns(host.name),
+                                        host.nat, lan)  # fmt: skip
             self._start_emulator(emulator_config(self.topology, fds, self.config))
         finally:
             for fd in fds.values():  # the emulator holds its own copies
@@ -167,30 +196,36 @@ class Testbed:
             f"{h}={self.address(h)}" for h in self.hosts))  # fmt: skip
 
     def _host_up(self, i: int, host: str, cores: float | None) -> int:
-        """The host's namespace, address and cgroup; returns its TUN fd."""
-        ns = self.netns(host)
-        netns.ip("netns", "add", ns)
-        self._namespaces.append(ns)
+        """The host's namespace(s), address and cgroup; returns its TUN fd (in its router's
+        namespace if it sits behind NAT, which ``up`` then connects)."""
+        ns = self._add_netns(self.netns(host))
+        wan_ns = self._add_netns(self.router_netns(host)) if self.nat(host) else ns
         if not self._cgroups:
             self._cgroups.append(cgroups.CPU_ROOT / self.tag)
         self._cgroups.append(cgroups.create(f"{self.tag}/{host}", cores))
         device = f"ft{os.getpid():x}{self._counter_hex()}{i:02x}"
         fd = open_tun(device)
         try:
-            netns.ip("link", "set", "dev", device, "netns", ns)
-            netns.ip("-n", ns, "link", "set", "dev", device, "name", "wan0")
-            netns.ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "wan0")
-            netns.ip("-n", ns, "link", "set", "dev", "wan0", "mtu", "1500", "up")
-            netns.ip("-n", ns, "link", "set", "dev", "lo", "up")
+            netns.ip("link", "set", "dev", device, "netns", wan_ns)
+            netns.ip("-n", wan_ns, "link", "set", "dev", device, "name", "wan0")
+            netns.ip("-n", wan_ns, "addr", "add", f"{self.wan_address(host)}/24", "dev", "wan0")
+            netns.ip("-n", wan_ns, "link", "set", "dev", "wan0", "mtu", "1500", "up")
             mem = f"4096 131072 {self.config.tcp_mem_max}"
-            netns.in_netns(
-                ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_wmem={mem}",
-                f"net.ipv4.tcp_rmem={mem}", "net.ipv6.conf.all.disable_ipv6=1",
-            )  # fmt: skip
+            for space in {ns, wan_ns}:
+                netns.ip("-n", space, "link", "set", "dev", "lo", "up")
+                netns.in_netns(
+                    space, "sysctl", "-q", "-w", f"net.ipv4.tcp_wmem={mem}",
+                    f"net.ipv4.tcp_rmem={mem}", "net.ipv6.conf.all.disable_ipv6=1",
+                )  # fmt: skip
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def _add_netns(self, ns: str) -> str:
+        netns.ip("netns", "add", ns)
+        self._namespaces.append(ns)
+        return ns
 
     def _counter_hex(self) -> str:
         return f"{int(self.tag.rsplit('-', 1)[1]) % 256:02x}"

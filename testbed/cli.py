@@ -30,6 +30,7 @@ def _show(args: argparse.Namespace) -> int:
         print(
             f"  host {host.name:8} site {host.site or '-':6} cpu {host.cpu or 'all'!s:5} "
             f"up {host.uplink_mbps or '-'!s:>6} Mbit/s  down {host.downlink_mbps or '-'!s:>6}"
+            + (f"  behind a {host.nat} NAT" if host.nat else "")
         )
     for (src, dst), link in sorted(topo.links.items()):
         print(
@@ -53,7 +54,7 @@ def _up(args: argparse.Namespace) -> int:
                 for h in bed.hosts
                 if command
             ]
-            hosts = " ".join(f"{h}={bed.address(h)}" for h in bed.hosts)
+            hosts = " ".join(_where(bed, h) for h in bed.hosts)
             print(f"testbed {bed.tag} up: {hosts}", flush=True)
             print(f"  a shell in a host: ip netns exec {bed.netns(bed.hosts[0])} bash", flush=True)
             print("  Ctrl-C tears it all down", flush=True)
@@ -62,6 +63,12 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _where(bed, host: str) -> str:
+    if not bed.nat(host):
+        return f"{host}={bed.address(host)}"
+    return f"{host}={bed.address(host)}(behind a {bed.nat(host)} NAT at {bed.wan_address(host)})"
 
 
 def _clean(_args: argparse.Namespace) -> int:
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "up",
         help="set a topology up, run a command in every host, tear down on Ctrl-C",
         description="Sets the topology up and prints each host's address. With a COMMAND, "
-        "runs it in every host ({host} and {addr} in it become the host's name and address) "
+        "runs it in every host ({host} and {addr} in it become the host's name and address; "
+        "a host behind NAT binds its LAN address) "
         "and tears down when all have exited; without, waits for Ctrl-C or SIGTERM.",
     )
     for sub in (show, up):

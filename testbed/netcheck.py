@@ -4,6 +4,16 @@
     python -m fusionllm.testbed.netcheck rtt --to ADDR --port P --count N # round trips
     python -m fusionllm.testbed.netcheck sink --bind ADDR --port P        # counts one stream
     python -m fusionllm.testbed.netcheck source --to ADDR --port P --seconds S
+    python -m fusionllm.testbed.netcheck whoami --bind ADDR --port P     # says who called
+    python -m fusionllm.testbed.netcheck mapping --to ADDR:P --to ADDR:P [--local-port L]
+    python -m fusionllm.testbed.netcheck dial --to ADDR --port P --timeout S
+    python -m fusionllm.testbed.netcheck punch --local-port L --to ADDR --port P --timeout S
+
+``mapping`` dials every ``--to`` (each a ``whoami``) from one local port, as a hole puncher
+does (SO_REUSEPORT), and prints the address and port each one saw: what a NAT made of it.
+``dial`` prints whether a connection opened (it never fails: refusals are results).
+``punch`` is one side of a TCP hole punch: it dials from port L while the other side dials
+it back (a simultaneous open through both NATs), and prints whether a connection opened.
 
 Each prints JSON lines: servers ``{"event": "listening"}`` once bound, clients and the sink
 one result line. The sink samples its byte count every 50 ms so a result can leave TCP's
@@ -15,6 +25,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 _CHUNK = 1 << 16
 _SAMPLE_S = 0.05
@@ -106,17 +117,90 @@ def source(args: argparse.Namespace) -> None:
     _say({"event": "source", "bytes": sent})
 
 
+def whoami(args: argparse.Namespace) -> None:
+    server = _listen(args.bind, args.port)
+    while True:
+        conn, (addr, port) = server.accept()
+        with conn:
+            conn.sendall(json.dumps({"addr": addr, "port": port}).encode() + b"\n")
+
+
+def _reusing(local_port: int) -> socket.socket:
+    """A TCP socket bound to ``local_port`` that other sockets may bind too (a hole puncher's;
+    also past a last connection's socket lingering in TIME_WAIT)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("0.0.0.0", local_port))
+    return sock
+
+
+def _ask(local_port: int, target: str, timeout: float) -> dict:
+    host, _, port = target.rpartition(":")
+    with _reusing(local_port) as sock:
+        sock.settimeout(timeout)
+        sock.connect((host, int(port)))
+        answer = b""
+        while not answer.endswith(b"\n"):
+            part = sock.recv(256)
+            if not part:
+                break
+            answer += part
+        return {"to": target, **json.loads(answer)}
+
+
+def mapping(args: argparse.Namespace) -> None:
+    local_port = args.local_port or _free_port()
+    seen = [_ask(local_port, target, args.timeout) for target in args.to]
+    _say({"event": "mapping", "local_port": local_port, "seen": seen})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
+
+
+def _outcome(event: str, connect: Callable[[], object]) -> None:
+    """Say whether ``connect`` opened a connection (and why not, and how long it took)."""
+    start = time.monotonic()
+    error = None
+    try:
+        connect()
+    except OSError as exc:
+        error = type(exc).__name__ if exc.strerror is None else exc.strerror
+    _say({
+        "event": event, "connected": error is None, "error": error,
+        "seconds": time.monotonic() - start,
+    })  # fmt: skip
+
+
+def dial(args: argparse.Namespace) -> None:
+    def connect() -> None:
+        socket.create_connection((args.to, args.port), timeout=args.timeout).close()
+
+    _outcome("dial", connect)
+
+
+def punch(args: argparse.Namespace) -> None:
+    with _reusing(args.local_port) as sock:
+        # one connect: the kernel resends the SYN (1 s, 2 s, ...) until the other side's SYN
+        # has opened its own router for ours
+        sock.settimeout(args.timeout)
+        _outcome("punch", lambda: sock.connect((args.to, args.port)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusionllm.testbed.netcheck")
     tools = parser.add_subparsers(dest="tool", required=True)
-    for name, run in (("echo", echo), ("sink", sink)):
+    for name, run in (("echo", echo), ("sink", sink), ("whoami", whoami)):
         tool = tools.add_parser(name)
         tool.add_argument("--bind", required=True)
         tool.add_argument("--port", type=int, default=0)
         tool.set_defaults(run=run)
         if name == "sink":
             tool.add_argument("--warmup", type=float, default=1.0, help="s left out of steady")
-    for name, run in (("rtt", rtt), ("source", source)):
+    for name, run in (("rtt", rtt), ("source", source), ("dial", dial)):
         tool = tools.add_parser(name)
         tool.add_argument("--to", required=True)
         tool.add_argument("--port", type=int, required=True)
@@ -127,6 +211,17 @@ def main(argv: list[str] | None = None) -> int:
             tool.add_argument("--gap", type=float, default=0.01, help="s between round trips")
         else:
             tool.add_argument("--seconds", type=float, default=5.0)
+    tool = tools.add_parser("punch")
+    tool.add_argument("--local-port", type=int, required=True)
+    tool.add_argument("--to", required=True)
+    tool.add_argument("--port", type=int, required=True)
+    tool.add_argument("--timeout", type=float, default=10.0, help="s to keep trying")
+    tool.set_defaults(run=punch)
+    tool = tools.add_parser("mapping")
+    tool.add_argument("--to", action="append", required=True, help="ADDR:PORT of a whoami")
+    tool.add_argument("--local-port", type=int, default=0, help="(default: a free one)")
+    tool.add_argument("--timeout", type=float, default=10.0, help="connect timeout, s")
+    tool.set_defaults(run=mapping)
     args = parser.parse_args(argv)
     args.run(args)
     return 0

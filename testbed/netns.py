@@ -14,12 +14,13 @@ _IP_TIMEOUT_S = 20.0
 NETNS_DIR = "/run/netns"
 
 
-def ip(*args: str) -> str:
-    """Run ``ip ARGS``; its stdout, or TestbedError with its stderr."""
+def ip(*args: str, stdin: str | None = None) -> str:
+    """Run ``ip ARGS`` (``stdin`` its input); its stdout, or TestbedError with its stderr."""
     try:
         done = subprocess.run(
-            ["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
-        )
+            ["ip", *args], input=stdin, capture_output=True, text=True,
+            timeout=_IP_TIMEOUT_S, check=False,
+        )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise TestbedError(f"ip {' '.join(args)}: {exc}") from exc
     if done.returncode != 0:
@@ -27,9 +28,9 @@ def ip(*args: str) -> str:
     return done.stdout
 
 
-def in_netns(ns: str, *argv: str) -> str:
+def in_netns(ns: str, *argv: str, stdin: str | None = None) -> str:
     """Run a command inside namespace ``ns``; its stdout."""
-    return ip("netns", "exec", ns, *argv)
+    return ip("netns", "exec", ns, *argv, stdin=stdin)
 
 
 def names() -> list[str]:

@@ -70,3 +70,47 @@ def stream(bed: Testbed, src: str, dst: str, *, seconds: float, warmup: float = 
     finally:
         sink.kill()
         sink.wait()
+
+
+def mappings(bed: Testbed, src: str, dsts: list[str], *, local_port: int = 0) -> dict:
+    """Dial every host of ``dsts`` (at its public address) from one local port of ``src``:
+    ``{"local_port": L, "seen": [{"to", "addr", "port"}, ...]}``, what each one saw."""
+    servers = [_server(bed, dst, "whoami", []) for dst in dsts]
+    try:
+        argv = [*_NETCHECK, "mapping", "--local-port", str(local_port)]
+        for dst, (_, port) in zip(dsts, servers, strict=True):
+            argv += ["--to", f"{bed.wan_address(dst)}:{port}"]
+        done = bed.run(src, argv, timeout=_START_S + 10 * len(dsts))
+        if done.returncode != 0:
+            raise TestbedError(f"mapping from {src} failed: {done.stderr[-1000:]}")
+        return json.loads(done.stdout.splitlines()[-1])
+    finally:
+        for server, _ in servers:
+            server.kill()
+            server.wait()
+
+
+def dial(bed: Testbed, src: str, addr: str, port: int, *, timeout: float) -> dict:
+    """Whether a TCP connection from ``src`` to ``addr:port`` opens within ``timeout``:
+    ``{"connected": bool, "error": why not, "seconds": how long it took}``."""
+    argv = [*_NETCHECK, "dial", "--to", addr, "--port", str(port), "--timeout", str(timeout)]
+    done = bed.run(src, argv, timeout=_START_S + timeout)
+    if done.returncode != 0:
+        raise TestbedError(f"dial from {src} failed: {done.stderr[-1000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def listen(bed: Testbed, host: str) -> tuple[subprocess.Popen, int]:
+    """An echo server on ``host``'s own address (killed by the caller or the bed); its port."""
+    return _server(bed, host, "echo", [])
+
+
+def punch(bed: Testbed, a: str, b: str, *, ports: tuple[int, int], timeout: float) -> list[dict]:
+    """A TCP hole punch between ``a`` and ``b`` (each dials the other's public address at the
+    other's local port, at the same time, as DCUtR does): each side's ``punch`` result."""
+    processes = []
+    for src, mine, dst, theirs in [(a, ports[0], b, ports[1]), (b, ports[1], a, ports[0])]:
+        argv = [*_NETCHECK, "punch", "--local-port", str(mine), "--to", bed.wan_address(dst),
+                "--port", str(theirs), "--timeout", str(timeout)]  # fmt: skip
+        processes.append(bed.popen(src, argv, stdout=subprocess.PIPE, text=True))
+    return [_json_line(p, _START_S + timeout) for p in processes]

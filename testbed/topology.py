@@ -17,6 +17,8 @@ A topology file is TOML (or JSON of the same shape)::
     cpu = 0.5             # cores (a cgroup v1 CPU quota); omit for no limit
     uplink_mbps = 1000    # omit for no cap
     downlink_mbps = 1000
+    nat = "cone"          # optional: the host is a home behind a router ("cone" or
+                          # "symmetric", see testbed/nat.py); the links above are the router's
 
     [[links]]             # later entries override earlier ones; both directions
     sites = ["east", "west"]   # every pair across these sites (or: hosts = ["a1", "b1"])
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionllm.testbed.errors import TopologyError
+from fusionllm.testbed.nat import NAT_KINDS
 
 MAX_HOSTS = 64
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
@@ -78,6 +81,7 @@ class HostSpec:
     cpu: float | None = None  # cores
     uplink_mbps: float | None = None
     downlink_mbps: float | None = None
+    nat: str | None = None  # a home behind a router of this kind (NAT_KINDS)
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > _MAX_NAME or not set(self.name) <= _NAME_CHARS:
@@ -88,6 +92,8 @@ class HostSpec:
             raise TopologyError(f"host {self.name}: cpu {self.cpu} cores not in [0.01, 1024]")
         _check_rate(f"host {self.name} uplink", self.uplink_mbps)
         _check_rate(f"host {self.name} downlink", self.downlink_mbps)
+        if self.nat is not None and self.nat not in NAT_KINDS:
+            raise TopologyError(f"host {self.name}: nat {self.nat!r} not one of {NAT_KINDS}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +145,7 @@ def queue_bytes(rate_mbps: float | None, queue_ms: float) -> int:
 
 
 _LINK_KEYS = {"delay_ms", "rate_mbps", "loss", "queue_ms"}
-_HOST_KEYS = {"name", "site", "cpu", "uplink_mbps", "downlink_mbps"}
+_HOST_KEYS = {"name", "site", "cpu", "uplink_mbps", "downlink_mbps", "nat"}
 
 
 def _table(value: Any, what: str, allowed: set[str]) -> dict:
@@ -228,11 +234,11 @@ def parse_topology(data: Any, *, source: str = "topology") -> Topology:
     )
 
 
-SHIPPED = ("A", "B", "C", "mini")
+SHIPPED = ("A", "B", "C", "mini", "homes")
 
 
 def load_topology(name_or_path: str | Path) -> Topology:
-    """A shipped topology by name (``A``, ``B``, ``C``, ``mini``) or a .toml/.json file."""
+    """A shipped topology by name (``SHIPPED``) or a .toml/.json file."""
     if str(name_or_path) in SHIPPED:
         ref = resources.files("fusionllm.testbed").joinpath(f"topologies/{name_or_path}.toml")
         text, source = ref.read_text(), f"topology {name_or_path}"

@@ -347,6 +347,10 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
         return f"plan {event['digest'][:12]} ended ({event['outcome']}): {event['detail']}"
     if kind == "metrics":
         return f"metrics at {event['url']}"
+    if kind == "reachability":
+        from fusionllm.node.p2p.reachability import explain  # py-libp2p: only when needed
+
+        return explain(event["verdict"], event["addrs"], event["observed"])
     if kind in ("saved", "finished"):
         return f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}"
     return None

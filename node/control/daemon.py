@@ -53,6 +53,7 @@ from fusionllm.node.control.pace import (
     predicted_compute_s,
 )
 from fusionllm.node.control.quiet import MAX_BEAT
+from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
@@ -81,6 +82,7 @@ class NodeDaemon:
         self._state = NodeState.JOINING
         self.progress: TrainingProgress | None = None  # what our trainer last reported
         self.links: LinkMonitor | None = None
+        self.reach: ReachCheck | None = None  # may peers dial us? (reach_check.py)
         self.host: PeerHost | None = None  # the node's one py-libp2p host, from start()
         self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
         self.suspicions = SuspicionBook()  # members our trainer waited for in vain
@@ -150,6 +152,7 @@ class NodeDaemon:
         )
         self.agreement = self._plan_agreement(costs, node_ids)
         self.links = self._link_monitor()
+        self.reach = self._reach_check()
         self._heartbeat()
         self._start_loops()
         self._emit(
@@ -181,6 +184,7 @@ class NodeDaemon:
             ("heartbeat", self._heartbeat_loop),
             ("probes", self.links.probe_loop),
             ("gossip", self.links.gossip_loop),
+            ("reachability", lambda: self.reach.loop(self._stop)),
         )
         for name, target in loops:
             thread = threading.Thread(
@@ -240,6 +244,20 @@ class NodeDaemon:
             suspect=lambda peer, since: self.agreement.quiet.suspect(peer, since),
             quiet=lambda: self.agreement.quiet.cadence.stride,
         )
+
+    def _reach_check(self) -> ReachCheck:
+        """Dial-backs for members, and ours; none asked behind --announce-addr."""
+        check = ReachCheck(
+            host=self.host,
+            config=ReachConfig(),
+            members=self._members_now,
+            is_member=self._is_member,
+            listen_ips=[self.config.listen_host],
+            announced_addrs=self.host.addrs if self.config.announce else (),
+            emit=self._emit_reach,
+        )
+        check.attach()
+        return check
 
     def run(self, *, duration_s: float | None = None) -> None:
         """Heartbeats and epochs until ``stop()`` (or ``duration_s``)."""
@@ -317,6 +335,7 @@ class NodeDaemon:
             suspects=self.suspicions.current(),
             pace=self.pace.published,
             witnessed=self.witness.current(),
+            reach=self.reach.published if self.reach is not None else "",
         )
 
     def _uplink(self, report: BandwidthReport) -> float:
@@ -450,6 +469,10 @@ class NodeDaemon:
 
     def _emit_epoch(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields, counters=self.health())
+
+    def _emit_reach(self, event: str, **fields: Any) -> None:
+        self._emit(event, **fields)
+        self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})

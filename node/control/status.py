@@ -181,6 +181,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "software": m.software,
                 "observer": m.observer,
                 "pace": m.pace,  # measured compute / what its device predicts (pace.py)
+                "reach": m.reach or "unknown",  # may peers dial it? (p2p/reachability.py)
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
             }
@@ -285,6 +286,31 @@ def _short(peer: str) -> str:
     return f"{peer[:6]}..{peer[-6:]}" if len(peer) > 14 else peer
 
 
+def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
+    """The members' table, then what is worth saying of some of them (pace, reach)."""
+    lines = [
+        f"  {'peer':<15} {'state':<8} {'stage':>5} {'device':<22} {'GFLOP/s':>8} "
+        f"{'mem GiB':>8} {'up MB/s':>8} {'down MB/s':>9} {'age s':>6} {'reach':<9}"
+    ]
+    for p in peers:
+        stage = "" if p["stage"] is None else str(p["stage"])
+        state = "observer" if p.get("observer") else p["state"]
+        lines.append(
+            f"  {_short(p['peer_id']):<15} {state:<8} {stage:>5} {p['device'][:22]:<22} "
+            f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
+            f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f} {p.get('reach', 'unknown'):<9}"
+        )
+    for p in peers:
+        if p.get("pace", 1.0) != 1.0:
+            lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
+                         "device: planned so")  # fmt: skip
+    for p in peers:
+        if p.get("reach") == "private":
+            lines.append(f"  {_short(p['peer_id'])}: no peer can dial it (NAT or firewall); it "
+                         "is reached only over connections it opens")  # fmt: skip
+    return lines
+
+
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"swarm {status['swarm']}: {len(status['peers'])} peers"]
     if status.get("step") is not None:
@@ -294,22 +320,7 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("eval") is not None:
         step, loss = status["eval"]
         lines.append(f"validation: loss {loss:.4f} at step {step} (held-out split)")
-    lines.append(
-        f"  {'peer':<15} {'state':<8} {'stage':>5} {'device':<22} {'GFLOP/s':>8} "
-        f"{'mem GiB':>8} {'up MB/s':>8} {'down MB/s':>9} {'age s':>6}"
-    )
-    for p in status["peers"]:
-        stage = "" if p["stage"] is None else str(p["stage"])
-        state = "observer" if p.get("observer") else p["state"]
-        lines.append(
-            f"  {_short(p['peer_id']):<15} {state:<8} {stage:>5} {p['device'][:22]:<22} "
-            f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
-            f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f}"
-        )
-    for p in status["peers"]:
-        if p.get("pace", 1.0) != 1.0:
-            lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
-                         "device: planned so")  # fmt: skip
+    lines.extend(_peer_lines(status["peers"]))
     lines.extend(_suspect_lines(status.get("suspected", [])))
     lines.append(f"measured links ({len(status['links'])}):")
     for link in status["links"]:

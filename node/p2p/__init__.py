@@ -19,6 +19,11 @@
                     the gossip ``Inbox``, ``TokenBuckets``
 - probes.py:        the bandwidth/RTT probe protocol: ``ProbeServer``, ``run_probe``,
                     ``ProbeResult``, ``PROBE_PROTOCOL``
+- dialback.py:      the dial-back protocol (may peers dial us?): ``DialBackServer``, ``ask``,
+                    ``DialBackAnswer``, ``DialBackConfig``, ``DIALBACK_PROTOCOL``
+- reachability.py:  ``judge``: the verdict (public, mapped, private, announced) from answers
+- member_relay.py:  ``MemberRelay``: py-libp2p's circuit relay v2 hop for members only,
+                    ``MemberRelayConfig`` (limits sized for training traffic)
 
 ``ControlHost`` and ``Transport`` attach to a ``PeerHost`` they are given (a node daemon's
 ``host``) or, given none, make and own one.

@@ -146,15 +146,21 @@ class _Handler:
         self.removed = False
 
     async def serve(self, stream: INetStream) -> None:
+        failed = False
         with trio.CancelScope() as scope:
             if self.removed:
                 scope.cancel()  # negotiated just before the handler went away
             self.scopes.add(scope)
             try:
                 await self.handler(stream)
+            except Exception:
+                # An error out of a handler would end the host's trio thread, every peer's
+                # streams with it (a dial-back handler once did): only this stream ends.
+                logger.error("stream handler %s failed", self.handler, exc_info=True)
+                failed = True
             finally:
                 self.scopes.discard(scope)
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or failed:
             await reset_quietly(stream)
 
     def remove(self) -> None:

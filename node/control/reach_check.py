@@ -1,0 +1,128 @@
+"""The node's reachability, judged now and then from its members' dial-backs.
+
+``ReachCheck`` serves dial-back (node/p2p/dialback.py) to members, never to strangers, on the
+node's host; and asks up to ``ask`` members that others can reach to dial it back: at
+first soon after it joined, then every ``interval_s`` (every ``retry_s`` while it found no
+member to ask). The verdict (``current``, node/p2p/reachability.py) goes into the node's record
+and ``fusionllm status``. A node given ``--announce-addr`` asks nothing: it is "announced".
+"""
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from libp2p.peer.id import ID
+
+from fusionllm.common.errors import ConfigError, FusionError
+from fusionllm.common.logs import get_logger
+from fusionllm.dht.records import NodeInfo
+from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
+from fusionllm.node.p2p.peer_host import PeerHost
+from fusionllm.node.p2p.reachability import Reachability, announced, judge
+
+logger = get_logger(__name__)
+
+# Members whose own verdict says others reach them; then members that have not judged yet
+# ("unknown", or "" from older software): worth asking too. Never a "private" one.
+_REACHABLE = ("public", "mapped", "announced")
+_UNJUDGED = ("unknown", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachConfig:
+    first_after_s: float = 5.0  # after start: the first members' records are in by then
+    interval_s: float = 300.0
+    retry_s: float = 10.0  # while there was no member to ask
+    ask: int = 3  # members asked per check
+    confirmations: int = 2  # agreeing members for a verdict (fewer if fewer were asked)
+    connect_timeout_s: float = 10.0
+    dialback: DialBackConfig = field(default_factory=DialBackConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("first_after_s", "interval_s", "retry_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value <= 86400):
+                raise ConfigError(f"{name} must be in (0, 86400] s, got {value!r}")
+        for name in ("ask", "confirmations"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and 1 <= value <= 16):
+                raise ConfigError(f"{name} must be in [1, 16], got {value!r}")
+
+
+def pick_askers(members: Mapping[str, NodeInfo], me: str, count: int) -> list[NodeInfo]:
+    """Up to ``count`` members to ask, reachable ones first, then by peer id. Pure."""
+    others = [m for m in members.values() if m.peer_id != me and m.addrs]
+    ranked = sorted(others, key=lambda m: (m.reach not in _REACHABLE, m.peer_id))
+    return [m for m in ranked if m.reach in (*_REACHABLE, *_UNJUDGED)][:count]
+
+
+class ReachCheck:
+    """Serves and asks dial-backs on ``host``; ``current`` is the latest verdict."""
+
+    def __init__(
+        self,
+        *,
+        host: PeerHost,
+        config: ReachConfig,
+        members: Callable[[], Mapping[str, NodeInfo]],
+        is_member: Callable[[str], bool],
+        listen_ips: Sequence[str],
+        announced_addrs: Sequence[str] = (),
+        emit: Callable[..., None] = lambda *a, **k: None,
+    ) -> None:
+        self._host = host
+        self._config = config
+        self._members = members
+        self._is_member = is_member
+        self._listen_ips = tuple(listen_ips)
+        self._emit = emit
+        self._announced = tuple(announced_addrs)
+        self._asked = False  # whether the last check found members to ask
+        self.current = announced(self._announced) if self._announced else Reachability(
+            verdict="unknown"
+        )  # fmt: skip
+
+    @property
+    def published(self) -> str:
+        """The verdict for our record: none while unknown (older readers refuse the field,
+        so only nodes with something to say write it)."""
+        return "" if self.current.verdict == "unknown" else self.current.verdict
+
+    def attach(self) -> None:
+        """Serve dial-back requests of members on the host."""
+        server = DialBackServer(self._config.dialback, allow=self._is_member)
+        self._host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
+
+    def loop(self, stop: threading.Event) -> None:
+        """Check now and then until ``stop``; nothing to check behind --announce-addr."""
+        if self._announced:
+            return
+        wait = self._config.first_after_s
+        while not stop.wait(wait):
+            self.check_once()
+            wait = self._config.interval_s if self._asked else self._config.retry_s
+
+    def check_once(self) -> Reachability:
+        askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
+        self._asked = bool(askers)
+        ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
+        answers = []
+        for member in askers:
+            try:
+                answers.append(self._ask(member, ports))
+            except FusionError as exc:
+                logger.debug("dial-back by %s failed: %s", member.peer_id, exc)
+        confirmations = min(self._config.confirmations, max(1, len(askers)))
+        verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
+        if verdict != self.current:
+            logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
+            self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),
+                       observed=list(verdict.observed_ips), answers=verdict.answers)  # fmt: skip
+        self.current = verdict
+        return verdict
+
+    def _ask(self, member: NodeInfo, ports: list[int]):
+        if member.peer_id not in self._host.connected_peers():
+            self._host.connect(member.addrs[0], timeout=self._config.connect_timeout_s)
+        peer = ID.from_base58(member.peer_id)
+        return self._host.call(ask, self._host.libp2p, peer, ports, self._config.dialback)
