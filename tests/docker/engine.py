@@ -55,9 +55,12 @@ def engine_problem() -> str | None:
     return None
 
 
-def build_context(repo: Path, into: Path, *, ca_bundle: Path | None, wheels: list[Path]) -> Path:
+def build_context(
+    repo: Path, into: Path, *, ca_bundle: Path | None, wheels: list[Path], complete: bool = False
+) -> Path:
     """A build context with what the image needs, and the build-only extras of this machine
-    (its CA bundle, the CPU torch wheel) in docker/extras/, never in the checkout."""
+    (its CA bundle, the CPU torch wheel) in docker/extras/, never in the checkout.
+    ``complete``: ``wheels`` are all the image needs, so the build installs offline."""
     for name in CONTEXT:
         source = repo / name
         if source.is_dir():
@@ -73,6 +76,8 @@ def build_context(repo: Path, into: Path, *, ca_bundle: Path | None, wheels: lis
             (extras / wheel.name).hardlink_to(wheel)  # ~190 MB: no copy where one filesystem
         except OSError:
             shutil.copy2(wheel, extras / wheel.name)
+    if complete:
+        (extras / "wheels.complete").write_text("docker/Dockerfile: pip installs offline\n")
     return into
 
 
@@ -125,15 +130,17 @@ class Engine:
     def run_docker(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return docker(*args, timeout=timeout)
 
-    def build(self, context: Path, *, base: str = BASE_IMAGE) -> str:
-        """Build the image; the build stage's image (untagged) is removed with it later."""
+    def build(self, context: Path, *, base: str = BASE_IMAGE, args: dict | None = None) -> str:
+        """Build the image (``args``: more build arguments); the build stage's image
+        (untagged) is removed with it later."""
         image = f"fusionllm-test:{self.tag}"
         self.images.append(image)
         before = set(_dangling_images())
         started = time.monotonic()
+        values = {"BASE_IMAGE": base, **(args or {})}
+        build_args = [f"--build-arg={k}={v}" for k, v in values.items()]
         docker("build", "-q", "-f", str(context / "docker" / "Dockerfile"), "-t", image,
-               "--build-arg", f"BASE_IMAGE={base}", str(context),
-               timeout=BUILD_TIMEOUT_S)  # fmt: skip
+               *build_args, str(context), timeout=BUILD_TIMEOUT_S)  # fmt: skip
         logger.info("built %s in %.0f s", image, time.monotonic() - started)
         self.images += [i for i in _dangling_images() if i not in before]
         return image

@@ -17,7 +17,9 @@ from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
+# In-process references and checks on one intra-op thread, as the nodes (--threads 1) train.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420),
+              pytest.mark.usefixtures("one_torch_thread")]  # fmt: skip
 
 STEPS = 600  # long enough that two status reads happen while it trains (~0.06 s a step here)
 RUN = {
