@@ -4,6 +4,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.options import (
     add_device_option,
     add_run_options,
@@ -66,6 +67,7 @@ def add_parser(commands) -> None:
         "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
     )
     train.add_argument("--json", action="store_true", help="one JSON line per step")
+    add_config_option(train)  # last: it names every option above
     train.set_defaults(handler=run)
 
 
