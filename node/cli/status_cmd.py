@@ -3,6 +3,7 @@
 import argparse
 import json
 
+from fusionllm.node.cli.keygen_cmd import add_swarm_key_option, swarm_key_of
 from fusionllm.node.cli.options import add_swarm_address
 from fusionllm.node.observe.listen import listen_arg, url_of
 
@@ -16,6 +17,11 @@ def add_parser(commands) -> None:
         "follow.",
     )
     add_swarm_address(status, joining=False)
+    add_swarm_key_option(
+        status,
+        text="watch a private swarm: its records are sealed with this key (the nodes' "
+        "--swarm-key file; it must be private, chmod 600). Nothing is written to the swarm",
+    )
     status.add_argument(
         "--timeout",
         type=float,
@@ -47,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.serve is not None:
         return _serve(args)
 
-    status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
+    swarm_key = swarm_key_of(args)
+    status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout, swarm_key=swarm_key)
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 
@@ -58,10 +65,13 @@ def _serve(args: argparse.Namespace) -> int:
     from fusionllm.node.observe.page import listening_socket, serve, status_app
 
     config = FeedConfig(interval_s=args.interval)
+    swarm_key = swarm_key_of(args)  # a bad key file fails here, before the port is taken
     sock = listening_socket(*args.serve)  # a taken port fails here, before the DHT starts
     try:
-        client = status_client(args.bootstrap, args.swarm, timeout_s=args.timeout)
-        feed = StatusFeed(lambda: read_swarm(client, args.swarm), config)
+        client = status_client(
+            args.bootstrap, args.swarm, timeout_s=args.timeout, swarm_key=swarm_key
+        )
+        feed = StatusFeed(lambda: read_swarm(client, args.swarm, swarm_key=swarm_key), config)
         feed.start()
         try:
             host, port = sock.getsockname()[:2]

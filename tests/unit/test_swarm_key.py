@@ -247,6 +247,30 @@ def test_the_keygen_command_writes_once_and_node_refuses_a_readable_key(tmp_path
     assert "group or others may access it (mode 640)" in capsys.readouterr().err
 
 
+def test_status_reads_with_the_swarm_key_and_refuses_a_readable_one(tmp_path, capsys, monkeypatch):
+    import fusionllm.node.control.status as status_module
+    from fusionllm.node.cli.main import main
+
+    path = tmp_path / "ours.swarm"
+    written = write_swarm_key(path)
+    given = []
+
+    def gather(bootstrap, swarm, *, timeout_s, swarm_key):  # the DHT read, faked
+        given.append(swarm_key)
+        return {"swarm": swarm, "peers": []}
+
+    monkeypatch.setattr(status_module, "gather", gather)
+    boot = ["--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x"]
+    assert main(["status", *boot, "--swarm-key", str(path), "--json"]) == 0
+    assert [k.digest for k in given] == [written.digest]
+    capsys.readouterr()
+    path.chmod(0o640)
+    for extra in ([], ["--serve", "127.0.0.1:0"]):  # --serve: before it listens or reads
+        assert main(["status", *boot, "--swarm-key", str(path), *extra]) == 1
+        assert "group or others may access it (mode 640)" in capsys.readouterr().err
+    assert len(given) == 1
+
+
 # ----------------------------------------------------------------------------- the DHT worker
 
 
