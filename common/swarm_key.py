@@ -18,6 +18,9 @@ hex) tells nothing of the others:
   from a node without the secret is refused by the DHT worker's validator (``RecordTags``
   alone goes to the worker) and again on read, and a tag replayed under another key, subkey
   or expiry fails;
+- ``records.cipher_key``: AES-256-GCM over every DHT value a member stores (dht/cipher.py),
+  derived from the records key with its own label (so the DHT worker, given the records key
+  only, opens what it validates): a stranger who reads the DHT learns only that values exist;
 - ``digest``: names the swarm in the settings digest, so keyed and open swarms never mix.
 """
 
@@ -52,6 +55,7 @@ class RecordTags:
         if not isinstance(key, bytes) or len(key) != 32:
             raise SwarmKeyError("a record tag key must be 32 bytes")
         self._key = key
+        self._cipher_key = _derive(key, b"fusionllm/swarm-key/records/cipher/v1")
 
     @classmethod
     def from_hex(cls, text: str) -> "RecordTags":
@@ -67,6 +71,11 @@ class RecordTags:
     def key_hex(self) -> str:
         """For the DHT worker's config, which travels over its stdin pipe only."""
         return self._key.hex()
+
+    @property
+    def cipher_key(self) -> bytes:
+        """The key that seals DHT values (dht/cipher.py): derived, never the tag key itself."""
+        return self._cipher_key
 
     def tag(self, data: bytes) -> bytes:
         return hmac.new(self._key, data, hashlib.sha256).digest()

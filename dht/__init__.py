@@ -8,6 +8,8 @@ nothing a node imports pulls it in, except validator.py and worker.py (worker-si
                 ``RecordError``: strict, versioned wire schemas
 - envelope.py:  ``seal`` / ``open_envelope``: Ed25519 signatures checked against the peer id
                 itself (a peer can write only its own subkey)
+- cipher.py:    ``RecordCipher``: a private swarm's DHT values sealed (AES-256-GCM), so a
+                stranger reads nothing of them
 - keys.py:      ``nodes_key``, ``plans_key``, ``check_swarm_name``
 - client.py:    ``DhtClient``, ``DhtConfig``, ``DhtError``: the node's handle on its worker
                 (bounded replies, restarts a dead worker)

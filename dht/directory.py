@@ -3,7 +3,8 @@
 Writes are sealed with the node's key (dht/envelope.py); reads re-verify every entry in this
 process (the DHT worker's validator already did, but a reader trusts only itself), skip and
 count what fails, and never raise for a peer's bad entry. In a private swarm (``auth``: the
-swarm key) writes carry its tag and reads refuse entries without a valid one.
+swarm key) writes carry its tag and are sealed (cipher.py), and reads refuse entries that are
+not sealed under it or lack a valid tag.
 """
 
 import threading
@@ -11,6 +12,7 @@ import time
 
 from fusionllm.common.logs import get_logger
 from fusionllm.common.swarm_key import SwarmKey
+from fusionllm.dht.cipher import RecordCipher
 from fusionllm.dht.client import DhtClient
 from fusionllm.dht.envelope import OpenedRecord, Signer, open_envelope, seal
 from fusionllm.dht.keys import nodes_key, plans_key
@@ -32,6 +34,7 @@ class SwarmDirectory:
         self.client, self.swarm, self.peer_id, self._sign = client, swarm, peer_id, sign
         self._auth = auth
         self._tag = auth.tag if auth is not None else None
+        self._cipher = RecordCipher(auth.records) if auth is not None else None
         self._last_expiration = 0.0
         self._announce_lock = threading.Lock()
         self.skipped = 0  # entries from peers that failed verification on read
@@ -45,7 +48,7 @@ class SwarmDirectory:
             key = nodes_key(self.swarm)
             value = seal(info, key=key, subkey=self.peer_id, expiration=expiration,
                          sign=self._sign, tag=self._tag)  # fmt: skip
-            return self.client.store(key, self.peer_id, value, expiration)
+            return self.client.store(key, self.peer_id, self._sealed(value), expiration)
 
     def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
         """Every node with a valid, unexpired record (by peer id)."""
@@ -74,7 +77,7 @@ class SwarmDirectory:
         expiration = time.time() + ttl_s
         value = seal(proposal, key=key, subkey=self.peer_id, expiration=expiration,
                      sign=self._sign, tag=self._tag)  # fmt: skip
-        return self.client.store(key, self.peer_id, value, expiration)
+        return self.client.store(key, self.peer_id, self._sealed(value), expiration)
 
     def proposals(self, epoch: int) -> list[PlanProposal]:
         key = plans_key(self.swarm, epoch)
@@ -91,7 +94,12 @@ class SwarmDirectory:
             found.append(opened.record)
         return found
 
+    def _sealed(self, envelope: bytes) -> bytes:
+        return envelope if self._cipher is None else self._cipher.seal(envelope)
+
     def _open(self, value: object) -> OpenedRecord:
+        if self._cipher is not None:
+            value = self._cipher.open(value)  # UnsealedRecordError (a RecordError)
         opened = open_envelope(value)
         if self._auth is not None and not self._auth.verify(opened.signed, opened.mac):
             raise RecordError(

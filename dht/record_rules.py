@@ -17,7 +17,8 @@ get (every replica answers a get for the latest value) and once more as it arriv
 stored. Opening an envelope (parse, Ed25519 check) is a pure function of its bytes, so the
 rules remember the envelopes they opened by a digest of those bytes (``OpenedEnvelopes``)
 and open each only once; every other check (expiry, key, swarm, skew, membership) runs
-again each time, against the clock of that moment.
+again each time, against the clock of that moment. In a private swarm opening starts with the
+swarm's seal (cipher.py), so a value that is not sealed under its key is refused first.
 
 Pure and hivemind-free so unit tests can run it (hivemind and py-libp2p cannot share a
 process): the caller decodes the DHT's subkey and value and says how a key name maps to the
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.swarm_key import RecordTags
+from fusionllm.dht.cipher import RecordCipher
 from fusionllm.dht.envelope import OpenedRecord, open_envelope
 from fusionllm.dht.keys import check_swarm_name, nodes_key, plans_key
 from fusionllm.dht.records import MAX_CLOCK_SKEW_S, NodeInfo, RecordError
@@ -51,22 +53,25 @@ class OpenedEnvelopes:
     entry only if they are the same bytes.
     """
 
-    def __init__(self, limit: int = MAX_OPENED_ENVELOPES) -> None:
+    def __init__(
+        self, limit: int = MAX_OPENED_ENVELOPES, *, cipher: RecordCipher | None = None
+    ) -> None:
         if limit < 1:
             raise ConfigError(f"limit must be >= 1, got {limit}")
         self.limit = limit
+        self._cipher = cipher  # a private swarm's: values are sealed envelopes
         self.opened = 0  # envelopes verified and parsed (cache misses that opened)
         self._by_digest: OrderedDict[bytes, OpenedRecord] = OrderedDict()
 
     def open(self, data: object) -> OpenedRecord:
         if not isinstance(data, bytes):
-            return open_envelope(data)  # refuses it, or a type we do not remember
+            return self._open(data)  # refuses it, or a type we do not remember
         digest = hashlib.sha256(data).digest()
         found = self._by_digest.get(digest)
         if found is not None:
             self._by_digest.move_to_end(digest)
             return found
-        opened = open_envelope(data)
+        opened = self._open(data)
         self.opened += 1
         self._by_digest[digest] = opened
         if len(self._by_digest) > self.limit:
@@ -75,6 +80,9 @@ class OpenedEnvelopes:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+    def _open(self, data: object) -> OpenedRecord:
+        return open_envelope(data if self._cipher is None else self._cipher.open(data))
 
 
 @dataclass
@@ -125,7 +133,7 @@ class RecordRules:
         self._nodes_key = nodes_key(swarm)
         self._nodes_key_id = key_id(self._nodes_key)
         self.members = KnownMembers()
-        self.envelopes = OpenedEnvelopes()
+        self.envelopes = OpenedEnvelopes(cipher=RecordCipher(tags) if tags is not None else None)
 
     def check(
         self, key_id: bytes, subkey: object, value: object, expiration: float

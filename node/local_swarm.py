@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fusionllm.node.children import JsonChild
+from fusionllm.node.cli.config import ENV_PREFIX
 
 # Fast timing for tests: a record lives 5 s after its last 1 s heartbeat; epochs of 2 s.
 FAST = {
@@ -50,7 +51,10 @@ class NodeProcess:
     ) -> None:
         self.name = name
         self.log_path = log_path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Only the options given here: a FUSIONLLM_* variable or file meant for the command
+        # that started this swarm (``fusionllm swarm --config``) is not the node's.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env["PYTHONUNBUFFERED"] = "1"
         argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
         self._child = JsonChild([*prefix, *argv, *args], name=name, env=env, stderr=log_path)
         self.process = self._child.process

@@ -7,6 +7,11 @@ environment variable ``FUSIONLLM_`` + the same name upper-cased with ``_`` for `
 from the file and the environment are checked like flags (type, choices) and then become the
 parser's defaults, so a flag still wins and argparse keeps its own rules (required, append).
 The environment is read when the command runs (``apply``), never at import.
+
+Every command that calls ``add_config_option`` (node, swarm, train) gets the same mechanism.
+A file names one command's options, so a key the command lacks is refused. The environment is
+shared by every command a shell runs, so a variable that names another configurable command's
+option is left to that command; one no command knows (a typo) is refused.
 """
 
 import argparse
@@ -68,8 +73,8 @@ def add_config_option(parser: argparse.ArgumentParser) -> None:
         f"Every option can also come from a {ENV_PREFIX}NAME environment variable or a TOML "
         "--config file (key: the option's long name without the dashes; true/false for "
         "switches, a list of strings for options that take several values). Flags win over "
-        "the environment, which wins over the file. At start the node logs each effective "
-        "value and where it came from."
+        "the environment, which wins over the file. At start the command logs each effective "
+        "value and where it came from (a secret is named by its file's path only)."
     )
 
 
@@ -105,6 +110,7 @@ def apply(
     "default"). Raises ConfigError naming the file or variable and the key.
     """
     options = options_of(command)
+    others = _other_commands_variables(parser, command)
     given = _given_on_command_line(parser, command, options, argv)
     args = parser.parse_args(argv)
     path = args.config or environ.get(CONFIG_ENV) or None
@@ -112,7 +118,7 @@ def apply(
     if path:
         for dest, value in read_file(Path(path), options).items():
             layered[dest] = (value, f"file {path}")
-    for dest, (value, name) in read_environment(environ, options).items():
+    for dest, (value, name) in read_environment(environ, options, others).items():
         layered[dest] = (value, f"env {name}")
     sources = {option.dest: "flag" if option.dest in given else "default" for option in options}
     for dest, (_, source) in layered.items():
@@ -137,6 +143,19 @@ def command_parser(
         if isinstance(action, argparse._SubParsersAction):
             return action.choices.get(name)
     return None
+
+
+def _other_commands_variables(
+    parser: argparse.ArgumentParser, command: argparse.ArgumentParser
+) -> frozenset[str]:
+    """The variables of the other configurable commands' options (not also ``command``'s)."""
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for other in set(action.choices.values()) - {command}:
+                if is_configurable(other):
+                    names.update(option.env for option in options_of(other))
+    return frozenset(names - {option.env for option in options_of(command)})
 
 
 def _given_on_command_line(parser, command, options, argv) -> set[str]:
@@ -182,13 +201,17 @@ def read_file(path: Path, options: Sequence[Option]) -> dict[str, object]:
 
 
 def read_environment(
-    environ: Mapping[str, str], options: Sequence[Option]
+    environ: Mapping[str, str], options: Sequence[Option], others: frozenset[str] = frozenset()
 ) -> dict[str, tuple[object, str]]:
-    """The options ``FUSIONLLM_*`` variables set, by dest: (value, variable name)."""
+    """The options ``FUSIONLLM_*`` variables set, by dest: (value, variable name); ``others``:
+    variables of other commands, skipped."""
     by_env = {option.env: option for option in options}
     values = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        if name in others:
+            logger.debug("%s is another command's option; not this one's", name)
             continue
         option = by_env.get(name)
         if option is None:

@@ -28,14 +28,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--swarm-key",
-        metavar="FILE",
-        help="join a private swarm: only nodes with this key (`fusionllm keygen --swarm-key "
-        "FILE`) may connect, publish records or propose plans; the file must be private "
-        "(chmod 600). Default: an open swarm",
-    )
+_JOIN_HELP = (
+    "join a private swarm: only nodes with this key (`fusionllm keygen --swarm-key FILE`) may "
+    "connect, publish records or propose plans; the file must be private (chmod 600). "
+    "Default: an open swarm"
+)
+
+
+def add_swarm_key_option(parser: argparse.ArgumentParser, *, text: str = _JOIN_HELP) -> None:
+    parser.add_argument("--swarm-key", metavar="FILE", help=text)
 
 
 def swarm_key_of(args: argparse.Namespace) -> SwarmKey | None:

@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import json
 
+from fusionllm.node.cli.keygen_cmd import add_swarm_key_option, swarm_key_of
 from fusionllm.node.cli.options import add_swarm_address
 from fusionllm.node.observe.listen import listen_arg, url_of
 
@@ -17,6 +18,11 @@ def add_parser(commands) -> None:
         "follow.",
     )
     add_swarm_address(status, joining=False)
+    add_swarm_key_option(
+        status,
+        text="watch a private swarm: its records are sealed with this key (the nodes' "
+        "--swarm-key file; it must be private, chmod 600). Nothing is written to the swarm",
+    )
     status.add_argument(
         "--timeout",
         type=float,
@@ -57,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.watch:
         return _watch(args)
 
-    status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout)
+    swarm_key = swarm_key_of(args)
+    status = gather(args.bootstrap, args.swarm, timeout_s=args.timeout, swarm_key=swarm_key)
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 
@@ -69,6 +76,7 @@ def _watch(args: argparse.Namespace) -> int:
     from fusionllm.node.observe.feed import FeedConfig
 
     interval_s = FeedConfig(interval_s=args.interval).interval_s  # the page's bounds
+    swarm_key = swarm_key_of(args)
     # SIGTERM (a benchmark or a service manager stopping us) ends it as Ctrl-C does, so the
     # DHT client is closed on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -78,7 +86,14 @@ def _watch(args: argparse.Namespace) -> int:
         print(text, flush=True)
 
     with contextlib.suppress(KeyboardInterrupt):
-        watch(args.bootstrap, args.swarm, emit, interval_s=interval_s, timeout_s=args.timeout)
+        watch(
+            args.bootstrap,
+            args.swarm,
+            emit,
+            interval_s=interval_s,
+            timeout_s=args.timeout,
+            swarm_key=swarm_key,
+        )
     return 0
 
 
@@ -88,10 +103,13 @@ def _serve(args: argparse.Namespace) -> int:
     from fusionllm.node.observe.page import listening_socket, serve, status_app
 
     config = FeedConfig(interval_s=args.interval)
+    swarm_key = swarm_key_of(args)  # a bad key file fails here, before the port is taken
     sock = listening_socket(*args.serve)  # a taken port fails here, before the DHT starts
     try:
-        client = status_client(args.bootstrap, args.swarm, timeout_s=args.timeout)
-        feed = StatusFeed(lambda: read_swarm(client, args.swarm), config)
+        client = status_client(
+            args.bootstrap, args.swarm, timeout_s=args.timeout, swarm_key=swarm_key
+        )
+        feed = StatusFeed(lambda: read_swarm(client, args.swarm, swarm_key=swarm_key), config)
         feed.start()
         try:
             host, port = sock.getsockname()[:2]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.common.errors import FusionError
+from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.options import (
     add_data_options,
     add_device_option,
@@ -71,6 +72,7 @@ def add_parser(commands) -> None:
         help="serve each node's Prometheus metrics on 127.0.0.1: node i at port BASE + i "
         "(default: off)",
     )
+    add_config_option(swarm)  # last: it names every option above
     swarm.set_defaults(handler=run)
 
 

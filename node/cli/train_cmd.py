@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.options import (
     add_device_option,
     add_run_options,
@@ -75,6 +76,7 @@ def add_parser(commands) -> None:
         "--every", type=int, default=10, help="print every N steps (default: %(default)s)"
     )
     train.add_argument("--json", action="store_true", help="one JSON line per step")
+    add_config_option(train)  # last: it names every option above
     train.set_defaults(handler=run)
 
 

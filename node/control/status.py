@@ -14,6 +14,7 @@ from typing import Any
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.dag.plan_wire import plan_from_json
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError
 from fusionllm.dht.directory import SwarmDirectory
@@ -33,13 +34,20 @@ _RETRY_PAUSE_S = 2.0  # a busy bootstrap node answers a moment later
 _RETRIED = re.compile(r"connect to bootstrap peers|none of the initial_peers responded")
 
 
-def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Read the swarm; a DHT that cannot reach a bootstrap peer (a busy node) is retried."""
+def gather(
+    bootstrap: list[str],
+    swarm: str,
+    *,
+    timeout_s: float = 60.0,
+    swarm_key: SwarmKey | None = None,
+) -> dict[str, Any]:
+    """Read the swarm (a private one with its ``swarm_key``); a DHT that cannot reach a
+    bootstrap peer (a busy node) is retried."""
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, _ATTEMPTS + 1):
         left = deadline - time.monotonic()
         try:
-            status = _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0))
+            status = _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0), swarm_key=swarm_key)
             status["timing"]["attempts"] = attempt
             return status
         except DhtError as exc:
@@ -54,12 +62,14 @@ def gather(bootstrap: list[str], swarm: str, *, timeout_s: float = 60.0) -> dict
     raise AssertionError("unreachable")
 
 
-def _gather_once(bootstrap: list[str], swarm: str, *, timeout_s: float) -> dict[str, Any]:
+def _gather_once(
+    bootstrap: list[str], swarm: str, *, timeout_s: float, swarm_key: SwarmKey | None
+) -> dict[str, Any]:
     began = time.monotonic()
-    client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    client = status_client(bootstrap, swarm, timeout_s=timeout_s, swarm_key=swarm_key)
     started = time.monotonic()
     try:
-        status = read_swarm(client, swarm)
+        status = read_swarm(client, swarm, swarm_key=swarm_key)
     finally:
         client.close()
     # where a slow call's seconds went: the DHT daemon's start (and its bootstrap), the reads
@@ -75,19 +85,20 @@ def watch(
     interval_s: float,
     timeout_s: float = 60.0,
     stop: Callable[[], bool] = lambda: False,
+    swarm_key: SwarmKey | None = None,
 ) -> None:
     """Read the swarm every ``interval_s`` with one client, handing each reading to ``emit``,
     until ``stop()``. For a reading at a moment that matters (mid-run): a status call starts
     its own DHT daemon first (10-70 s under load on the testbed), and a short run had ended
     and taken its bootstrap node with it before a one-off call could read anything."""
     began = time.monotonic()
-    client = status_client(bootstrap, swarm, timeout_s=timeout_s)
+    client = status_client(bootstrap, swarm, timeout_s=timeout_s, swarm_key=swarm_key)
     start_s = round(time.monotonic() - began, 3)
     try:
         while not stop():
             read_at = time.monotonic()
             try:
-                status = read_swarm(client, swarm)
+                status = read_swarm(client, swarm, swarm_key=swarm_key)
             except DhtError as exc:  # one failed read; the next may work
                 logger.warning("could not read the swarm: %s", exc)
             else:
@@ -98,21 +109,29 @@ def watch(
         client.close()
 
 
-def status_client(bootstrap: list[str], swarm: str, *, timeout_s: float) -> DhtClient:
-    """A started client-mode DHT client for ``read_swarm`` (the caller closes it)."""
+def status_client(
+    bootstrap: list[str], swarm: str, *, timeout_s: float, swarm_key: SwarmKey | None = None
+) -> DhtClient:
+    """A started client-mode DHT client for ``read_swarm`` (the caller closes it). A private
+    swarm's records are sealed: without its key the client's own validator refuses them."""
     config = DhtConfig(
         swarm=swarm,
         initial_peers=tuple(bootstrap),
         client_mode=True,
         start_timeout_s=timeout_s,
+        record_tag_key=swarm_key.records.key_hex if swarm_key is not None else "",
     )
     return DhtClient(config).start()
 
 
-def read_swarm(client: DhtClient, swarm: str) -> dict[str, Any]:
+def read_swarm(
+    client: DhtClient, swarm: str, *, swarm_key: SwarmKey | None = None
+) -> dict[str, Any]:
     """One read of the swarm's records and its most followed plan, described."""
     started = time.monotonic()
-    directory = SwarmDirectory(client, swarm=swarm, peer_id="status", sign=_no_signing)
+    directory = SwarmDirectory(
+        client, swarm=swarm, peer_id="status", sign=_no_signing, auth=swarm_key
+    )
     members = directory.members(include_leaving=True)
     now = time.time()
     votes = collections.Counter(m.adopted for m in members.values() if m.adopted)

@@ -1,5 +1,6 @@
 """--announce-addr on 127.0.0.1: peers dial the announced port forward, not the listen port,
-for the host (its addrs) and lanes (their offers), and frames still go over a lane."""
+for the host (its addrs) and lanes (their offers), and frames still go over a lane; and a lane
+to a peer that dialled us goes where it listens, not to the connection's source address."""
 
 import pytest
 import torch
@@ -38,3 +39,18 @@ def test_peers_reach_the_host_and_its_lanes_through_announced_forwards(tmp_path)
         assert control_fwd.connections == 1
         assert lane_fwd.connections == 1
         assert lane_fwd.bytes_in > tensor.numel() * 4  # the frame went through the forward
+
+
+def test_a_lane_to_a_peer_that_dialled_us_goes_where_it_listens(tmp_path):
+    # The receiver listens on 127.0.0.2 and dials the sender: the connection comes from
+    # 127.0.0.1, where no lane port listens (as a container's gateway address would).
+    receiver_config = TransportConfig(key_path=tmp_path / "r.key", listen_host="127.0.0.2")
+    with (
+        Transport(receiver_config) as receiver,
+        Transport(TransportConfig(key_path=tmp_path / "s.key")) as sender,
+    ):
+        receiver.connect(sender.addrs[0], timeout=_WAIT_S)
+        tensor = torch.randn(1 << 16)
+        sender.send_tensor(receiver.peer_id, HEADER, tensor, timeout=_WAIT_S)
+        assert torch.equal(receiver.recv(timeout=_WAIT_S).tensor, tensor)
+        assert sender.outbound_lanes() == [receiver.peer_id]  # a lane, not the stream

@@ -5,21 +5,31 @@ record or plan proposal counted, no seat.
 Outsiders, all at once while the two train:
 - ``stranger``: a node started without the key, on the same run settings;
 - ``wrong``: a node started with another key;
-- a forger on the DHT that copies a member's record (the keyed settings digest included),
-  makes it its own and signs it with its own key, every second: only the tag is missing (the
-  members' DHT nodes refuse to keep it, their directories to count it);
+- a forger on the DHT that reads raw values with validation off (members' values are sealed:
+  nothing in them is readable), then copies a member's record as if it had leaked (the keyed
+  settings digest included), makes it its own and signs it with its own key, every second:
+  only the seal and tag are missing (the members' DHT nodes refuse to keep it, their
+  directories to count it);
 - transports without the key, or with the wrong one, dialling a member's host.
+
+A member's ``fusionllm status --swarm-key`` (and its ``--serve`` page) sees the two members.
 """
 
 import dataclasses
+import json
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
 
-from fusionllm.common.swarm_key import write_swarm_key
+from fusionllm.common.swarm_key import SwarmKey, write_swarm_key
+from fusionllm.dht.cipher import MAGIC, RecordCipher
 from fusionllm.dht.client import DhtClient, DhtConfig
 from fusionllm.dht.envelope import open_envelope, seal
 from fusionllm.dht.keys import nodes_key
+from fusionllm.dht.records import RecordError
 from fusionllm.node.errors import TransportError
 from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
@@ -62,16 +72,27 @@ def _outsiders_seen(nodes, outsiders: set[str], since: float) -> list[dict]:
     ]
 
 
-def _forge(client: DhtClient, forger: Identity) -> bool:
-    """Store a copy of a member's record as the forger's own, signed by it, without a tag;
-    False while it has no member's record to copy."""
+def _unreadable(value: bytes) -> bool:
+    """Whether a raw DHT value tells a stranger nothing: sealed, no envelope, no address."""
+    try:
+        open_envelope(value)
+    except RecordError:
+        return value.startswith(MAGIC) and b"/ip4/" not in value and b"default" not in value
+    return False
+
+
+def _forge(client: DhtClient, forger: Identity, members: set[str], leaked: SwarmKey) -> bool:
+    """Store a copy of a member's record as the forger's own, signed by it, neither sealed
+    nor tagged; False while it has no member's record to copy. What it reads must be sealed:
+    the copy is opened with ``leaked``, the key the forger does not have (a leaked record)."""
     key = nodes_key("default")
     entries = {subkey: value for subkey, value, _ in client.get(key)}
-    member = next((v for s, v in entries.items() if s != forger.peer_id), None)
-    if member is None:
+    sealed = [v for s, v in entries.items() if s in members]
+    if not sealed:
         return False
+    assert all(_unreadable(v) for v in sealed), "a stranger read a member's record"
     info = dataclasses.replace(
-        open_envelope(member).record,
+        open_envelope(RecordCipher(leaked.records).open(sealed[0])).record,
         peer_id=forger.peer_id,
         addrs=(f"/ip4/127.0.0.1/tcp/9/p2p/{forger.peer_id}",),
         time=time.time(),
@@ -124,15 +145,19 @@ def test_nodes_without_the_key_get_nothing_into_a_private_swarm_that_trains(tmp_
         assert _dial_refused(tmp_path, "plain", addr)
         assert _dial_refused(tmp_path, "other", addr, wrong_key)
         assert not _dial_refused(tmp_path, "keyed", addr, swarm_key)  # the check can pass
-        config = DhtConfig(swarm="default", initial_peers=(boot,), client_mode=True)
+        # validate_records off: the forger sees every raw value, as the rawest stranger would.
+        config = DhtConfig(swarm="default", initial_peers=(boot,), client_mode=True,
+                           validate_records=False)  # fmt: skip
+        members = {n.peer_id for n in nodes}
         with DhtClient(config) as client:
             # Stored again every second, from its first copy of a member's record on.
-            forged = lambda: _forge(client, forger) or time.sleep(1.0)  # noqa: E731
+            forged = lambda: _forge(client, forger, members, swarm_key) or time.sleep(1.0)  # noqa: E731
             wait_for(forged, 90, "a member's record to copy", poll=0.0)
             shown = time.time()
             while time.time() < shown + WATCH_S:
-                _forge(client, forger)
+                _forge(client, forger, members, swarm_key)
                 time.sleep(1.0)
+        _check_status(tmp_path, boot, key_path, members)
         assert all(n.alive() for n in [*nodes, *outsiders]), swarm.logs()
         assert _outsiders_seen(nodes, ids, since=0.0) == [], swarm.logs()
         # The outsiders never trained a step, never saw the members' plan.
@@ -148,3 +173,32 @@ def test_nodes_without_the_key_get_nothing_into_a_private_swarm_that_trains(tmp_
         )
     finally:
         swarm.close()
+
+
+def _check_status(tmp_path, boot: str, key_path, members: set[str]) -> None:
+    """A member's `fusionllm status --swarm-key` reads the sealed records: both members, no
+    outsider; its --serve page too (one read of each)."""
+    cli = [sys.executable, "-m", "fusionllm.node.cli.main", "status", "--bootstrap", boot,
+           "--swarm-key", str(key_path)]  # fmt: skip
+    once = subprocess.run([*cli, "--json", "--timeout", "60"], capture_output=True, text=True,
+                          timeout=90, check=False)  # fmt: skip
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert {p["peer_id"] for p in json.loads(once.stdout)["peers"]} == members
+    log = (tmp_path / "status-serve.log").open("w")
+    page = subprocess.Popen([*cli, "--serve", "127.0.0.1:0", "--interval", "1"],
+                            stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+    try:
+        line = page.stdout.readline()  # "status page at URL (...", once its DHT client runs
+        assert line.startswith("status page at "), (tmp_path / "status-serve.log").read_text()
+        url = line.split()[3]
+        wait_for(lambda: _served_peers(url) == members, 90, "the page to show both members")
+    finally:
+        page.terminate()
+        page.wait(timeout=30)
+        log.close()
+
+
+def _served_peers(url: str) -> set[str]:
+    with urllib.request.urlopen(url + "api/status", timeout=5) as reply:
+        status = json.load(reply)["status"] or {}  # None until the first read
+    return {p["peer_id"] for p in status.get("peers", ())}

@@ -5,6 +5,7 @@ data plane and train to --steps; `fusionllm status` shows the step advancing mea
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -162,12 +163,15 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
 
 def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     plot = tmp_path / "loss.png"
+    # Half the options from a file and the environment, as a user may give them: the swarm's
+    # own FUSIONLLM_* variables must not reach its nodes (they would refuse "nodes").
+    config = tmp_path / "swarm.toml"
+    config.write_text("nodes = 2\nsteps = 6\nseq-len = 16\njson = true\n")
+    env = {**os.environ, "FUSIONLLM_CONFIG": str(config), "FUSIONLLM_EVAL_EVERY": "3"}
     result = subprocess.run(
         [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "swarm",
-         "--nodes", "2", "--steps", "6", "--seq-len", "16", "--work-dir", str(tmp_path / "w"),
-         "--eval-every", "3",
-         "--json", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=300, check=False,
+         "--work-dir", str(tmp_path / "w"), "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,6 +1,7 @@
 """``fusionllm train``: a local swarm of stage processes, run as a user would."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_train_prints_progress_and_leaves_no_process(precision) -> None:
+def test_train_prints_progress_and_leaves_no_process(precision, tmp_path) -> None:
+    config = tmp_path / "train.toml"  # some options from a file and the environment
+    config.write_text("stages = 2\nsteps = 3\nmicro-batches = 2\n")
+    env = {**os.environ, "FUSIONLLM_MICRO_BATCH_SIZE": "2", "FUSIONLLM_JSON": "true"}
     result = subprocess.run(
         [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "train",
-         "--stages", "2", "--steps", "3", "--micro-batches", "2", "--micro-batch-size", "2",
-         "--seq-len", "16", "--precision", precision, "--device", "cpu", "--json"],
-        capture_output=True, text=True, timeout=100, check=False,
+         "--config", str(config), "--seq-len", "16", "--precision", precision,
+         "--device", "cpu"],
+        capture_output=True, text=True, timeout=100, check=False, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     steps = [json.loads(line) for line in result.stdout.splitlines()]

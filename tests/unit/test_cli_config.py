@@ -149,3 +149,55 @@ def test_the_readmes_example_file_is_a_valid_config(tmp_path):
     assert args.config_sources["announce_addr"] == f"file {path}"
     assert (args.lane_port, args.swarm_key, args.min_stages) == (4003, "~/.fusionllm/ours.swarm", 2)
     assert [a.host for a in args.announce_addr] == ["198.51.100.20"]
+
+
+# ----- the same mechanism for `fusionllm swarm` and `fusionllm train` ---------------------
+
+
+def test_swarm_and_train_read_files_and_variables_with_the_nodes_precedence(tmp_path):
+    path = _write(tmp_path, "nodes = 3\nsteps = 40\nmin-stages = 3\n", name="swarm.toml")
+    args = _apply(["swarm", "--config", str(path), "--steps", "7"], {"FUSIONLLM_NODES": "5"})
+    assert (args.nodes, args.steps, args.min_stages) == (5, 7, 3)
+    assert args.config_sources["nodes"] == "env FUSIONLLM_NODES"
+    assert args.config_sources["min_stages"] == f"file {path}"
+    path = _write(tmp_path, "stages = 3\nreplicas = [1, 2, 1]\ntopk-activations = true\n")
+    args = _apply(["train"], {"FUSIONLLM_CONFIG": str(path), "FUSIONLLM_TOPK_RATIO": "0.1"})
+    assert (args.stages, args.replicas, args.topk_activations) == (3, [1, 2, 1], True)
+    assert args.topk_ratio == 0.1
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "match"),
+    [
+        ("swarm", "lane-port = 4003\n", r"swarm\.toml: unknown key 'lane-port'"),
+        ("swarm", "node = 3\n", r"swarm\.toml: unknown key 'node' \(did you mean 'nodes'\?\)"),
+        ("swarm", 'nodes = "2"\n', r"swarm\.toml: key 'nodes': expected an integer"),
+        ("train", "stages = 2\nbootstrap = []\n", r"swarm\.toml: unknown key 'bootstrap'"),
+        ("train", "replicas = 2\n", r"swarm\.toml: key 'replicas': expected a non-empty list"),
+    ],
+)
+def test_swarm_and_train_refuse_what_they_lack_naming_the_file_and_key(
+    tmp_path, command, text, match
+):
+    path = _write(tmp_path, text, name="swarm.toml")
+    with pytest.raises(ConfigError, match=match):
+        _apply([command, "--config", str(path)])
+
+
+def test_a_variable_of_another_command_is_left_to_it_and_a_typo_is_refused():
+    # One shell runs node, swarm and train: FUSIONLLM_LANE_PORT is the node's, not an error.
+    assert _apply(["swarm"], {"FUSIONLLM_LANE_PORT": "4003"}).nodes == 4
+    assert not hasattr(_apply(["train"], {"FUSIONLLM_NODES": "2"}), "nodes")
+    assert _apply(["node"], {"FUSIONLLM_NODES": "2", "FUSIONLLM_STAGES": "3"}).port == 0
+    with pytest.raises(ConfigError, match=r"FUSIONLLM_NODE: no such option \(did you mean "):
+        _apply(["swarm"], {"FUSIONLLM_NODE": "2"})
+    with pytest.raises(ConfigError, match=r"FUSIONLLM_NODES='x': expected an integer"):
+        _apply(["swarm"], {"FUSIONLLM_NODES": "x"})  # its own variable is still checked
+
+
+@pytest.mark.parametrize("command", ["swarm", "train"])
+def test_swarm_and_train_help_documents_the_file_and_the_variables(command):
+    text = config.command_parser(build_parser(), command).format_help()
+    assert "--config FILE" in text
+    assert "[$FUSIONLLM_STEPS]" in text
+    assert "Flags win over the environment, which wins over the file" in text.replace("\n", " ")

@@ -339,3 +339,30 @@ def test_a_refused_offer_is_asked_again_soon_and_backs_off_from_there():
     assert retry.failed("p", 2.0, refused=True) == 2 * REFUSED_RETRY_S
     assert retry.failed("p", 6.0) == 240.0  # an unreachable port after two refusals: 3rd failure
     assert RetryAfter(1.0).failed("q", 0.0, refused=True) == 1.0  # never above retry_s
+
+
+# ----- where a lane is dialled (dial.lane_ips) ----------------------------------------------
+
+
+def test_a_connection_we_dialled_takes_its_lane_where_we_reached_the_peer():
+    from fusionllm.node.p2p.lane.dial import lane_ips
+
+    assert lane_ips("203.0.113.5", dialled=True, listen_ips=["198.51.100.1"]) == ["203.0.113.5"]
+
+
+def test_a_connection_the_peer_dialled_tries_its_listen_ips_first_then_the_source():
+    from fusionllm.node.p2p.lane.dial import MAX_LISTEN_IPS, lane_ips
+
+    # The peer dialled from 127.0.0.1 but listens on 127.0.0.2 (a second interface, a gateway).
+    assert lane_ips("127.0.0.1", dialled=False, listen_ips=["127.0.0.2"]) == [
+        "127.0.0.2",
+        "127.0.0.1",
+    ]
+    assert lane_ips("127.0.0.1", dialled=False, listen_ips=[]) == ["127.0.0.1"]
+    # Only IPs of the connection's family, no 0.0.0.0, no junk, no repeats, the source last.
+    named = ["::1", "0.0.0.0", "not-an-ip", "10.0.0.7", "10.0.0.7", "127.0.0.1"]
+    assert lane_ips("127.0.0.1", dialled=False, listen_ips=named) == ["10.0.0.7", "127.0.0.1"]
+    # A peer naming many addresses gets a few tried, not all.
+    many = [f"10.0.0.{i}" for i in range(1, 50)]
+    tried = lane_ips("192.0.2.1", dialled=False, listen_ips=many)
+    assert tried == [*many[:MAX_LISTEN_IPS], "192.0.2.1"]

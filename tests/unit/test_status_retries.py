@@ -10,7 +10,7 @@ from fusionllm.dht.client import DhtError
 def _failing(monkeypatch, message: str) -> list[int]:
     calls: list[int] = []
 
-    def gather_once(bootstrap, swarm, *, timeout_s):
+    def gather_once(bootstrap, swarm, *, timeout_s, swarm_key):
         calls.append(1)
         raise DhtError(message)
 

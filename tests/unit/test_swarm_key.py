@@ -16,6 +16,7 @@ from fusionllm.common.swarm_key import (
     load_swarm_key,
     write_swarm_key,
 )
+from fusionllm.dht.cipher import RecordCipher, UnsealedRecordError
 from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.envelope import open_envelope, seal
 from fusionllm.dht.keys import nodes_key, plans_key
@@ -162,9 +163,11 @@ def test_a_keyed_directory_sees_only_records_and_proposals_tagged_with_its_key(t
     assert list(mine.members()) == [member.peer_id]
     assert [p.proposer for p in mine.proposals(5)] == [member.peer_id]
     assert mine.skipped == 4
-    # An open directory (no key) reads them all, tags or not: it checks signatures only.
+    # An open directory (no key) reads only the open record: the keyed ones are sealed.
     open_directory = _directory(dht, stranger, None)
-    assert len(open_directory.members()) == 3
+    assert list(open_directory.members()) == [stranger.peer_id]
+    assert [p.proposer for p in open_directory.proposals(5)] == [stranger.peer_id]
+    assert open_directory.skipped == 4
 
 
 def test_a_members_tag_replayed_on_another_record_is_refused(three):
@@ -173,8 +176,10 @@ def test_a_members_tag_replayed_on_another_record_is_refused(three):
     key = SwarmKey(SECRET)
     mine = _directory(dht, member, key)
     mine.announce(node_info(member.peer_id), ttl_s=30)
-    mac = msgpack.unpackb(dht.get(nodes_key("demo"))[0][1])["mac"]
-    # The stranger signs its own record and attaches the member's tag.
+    # The member's tag, as if leaked (a stranger cannot read it: the value is sealed).
+    mac = msgpack.unpackb(RecordCipher(key.records).open(dht.get(nodes_key("demo"))[0][1]))["mac"]
+    # The stranger signs its own record, attaches the member's tag and seals it, as if the
+    # seal's key had leaked too: the tag still binds the member's signed bytes.
     forged = msgpack.unpackb(
         seal(
             node_info(stranger.peer_id),
@@ -185,7 +190,8 @@ def test_a_members_tag_replayed_on_another_record_is_refused(three):
         )
     )
     forged["mac"] = mac
-    dht.store(nodes_key("demo"), stranger.peer_id, msgpack.packb(forged), 2e9)
+    forged_value = RecordCipher(key.records).seal(msgpack.packb(forged))
+    dht.store(nodes_key("demo"), stranger.peer_id, forged_value, 2e9)
     # ... and replays the member's own proposal envelope under another epoch's key.
     mine.propose(plan_proposal(member.peer_id), ttl_s=30)
     value, expiration = dht.entries[plans_key("demo", 5)][member.peer_id]
@@ -241,6 +247,30 @@ def test_the_keygen_command_writes_once_and_node_refuses_a_readable_key(tmp_path
     assert "group or others may access it (mode 640)" in capsys.readouterr().err
 
 
+def test_status_reads_with_the_swarm_key_and_refuses_a_readable_one(tmp_path, capsys, monkeypatch):
+    import fusionllm.node.control.status as status_module
+    from fusionllm.node.cli.main import main
+
+    path = tmp_path / "ours.swarm"
+    written = write_swarm_key(path)
+    given = []
+
+    def gather(bootstrap, swarm, *, timeout_s, swarm_key):  # the DHT read, faked
+        given.append(swarm_key)
+        return {"swarm": swarm, "peers": []}
+
+    monkeypatch.setattr(status_module, "gather", gather)
+    boot = ["--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x"]
+    assert main(["status", *boot, "--swarm-key", str(path), "--json"]) == 0
+    assert [k.digest for k in given] == [written.digest]
+    capsys.readouterr()
+    path.chmod(0o640)
+    for extra in ([], ["--serve", "127.0.0.1:0"]):  # --serve: before it listens or reads
+        assert main(["status", *boot, "--swarm-key", str(path), *extra]) == 1
+        assert "group or others may access it (mode 640)" in capsys.readouterr().err
+    assert len(given) == 1
+
+
 # ----------------------------------------------------------------------------- the DHT worker
 
 
@@ -252,18 +282,27 @@ def test_the_worker_refuses_to_keep_records_without_the_swarms_tag(three):
     rules = RecordRules("demo", max_ttl_s=60, key_id=key_id, clock=Clock(),
                         tags=SwarmKey(SECRET).records)  # fmt: skip
 
-    def store(who, record, key, tag):
+    def store(who, record, key, swarm_key, *, tag=True):
         value = seal(record, key=key, subkey=who.peer_id, expiration=NOW + 10, sign=who.sign,
-                     tag=tag)  # fmt: skip
+                     tag=swarm_key.tag if swarm_key and tag else None)  # fmt: skip
+        if swarm_key is not None:
+            value = RecordCipher(swarm_key.records).seal(value)
         return rules.check(key_id(key), who.peer_id, value, NOW + 10)
 
-    assert store(member, info(member.peer_id), nodes_key("demo"), SwarmKey(SECRET).tag)
-    assert store(member, proposal(member.peer_id), plans_key("demo", 7), SwarmKey(SECRET).tag)
-    for who, tag in ((stranger, None), (wrong, SwarmKey(OTHER).tag)):
-        with pytest.raises(RecordError, match=r"node record without this swarm's key"):
-            store(who, info(who.peer_id), nodes_key("demo"), tag)
-        with pytest.raises(RecordError, match=r"plan record without this swarm's key"):
-            store(who, proposal(who.peer_id), plans_key("demo", 7), tag)
+    ours = SwarmKey(SECRET)
+    assert store(member, info(member.peer_id), nodes_key("demo"), ours)
+    assert store(member, proposal(member.peer_id), plans_key("demo", 7), ours)
+    for who, swarm_key, match in (
+        (stranger, None, r"record is not sealed"),
+        (wrong, SwarmKey(OTHER), r"does not open under this swarm's key"),
+    ):
+        with pytest.raises(UnsealedRecordError, match=match):
+            store(who, info(who.peer_id), nodes_key("demo"), swarm_key)
+        with pytest.raises(UnsealedRecordError, match=match):
+            store(who, proposal(who.peer_id), plans_key("demo", 7), swarm_key)
+    # Sealed under the swarm's key but untagged (a leaked seal key alone): still refused.
+    with pytest.raises(RecordError, match=r"node record without this swarm's key"):
+        store(stranger, info(stranger.peer_id), nodes_key("demo"), ours, tag=False)
 
 
 def test_the_workers_tag_key_is_derived_checked_and_never_shown():

@@ -1,6 +1,16 @@
-"""The sending side of a lane: ask the peer for an offer over libp2p, then connect and redeem."""
+"""The sending side of a lane: ask the peer for an offer over libp2p, then connect and redeem.
 
+Where the lane goes: the offer names a port only, never an address (an offer cannot point this
+node's connect at somebody else). The IP is the connection's: on a connection this node dialled,
+where it reached the peer. On one the peer dialled, the connection's IP is the peer's source
+address, which need not be where it listens (a second interface, a container network's
+gateway): there the peer's listen addresses, as its identify told us, come first
+(``lane_ips``), at most ``MAX_LISTEN_IPS`` of them, of the connection's address family.
+"""
+
+import ipaddress
 import socket
+from collections.abc import Iterable
 
 import trio
 from libp2p.abc import IHost
@@ -16,6 +26,8 @@ from fusionllm.node.p2p.lane.offer import ACCEPTED, LANE_PROTOCOL, OFFER_BYTES, 
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
 from fusionllm.node.p2p.stream_reader import StreamReader
+
+MAX_LISTEN_IPS = 3  # a peer that names many addresses cannot make us dial many hosts
 
 
 class LaneRefusedError(TransportError):
@@ -34,31 +46,74 @@ async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
     try:
         with trio.fail_after(timeout_s):
             try:
-                offer, remote_ip = await _ask_offer(host, peer, timeout_s)
+                offer, ips = await _ask_offer(host, peer, timeout_s)
             except _REFUSALS as exc:
                 raise LaneRefusedError(f"{peer} refused a lane: {type(exc).__name__}") from exc
-            return await _redeem(offer, remote_ip)
+            return await _redeem_at_one_of(offer, ips)
     except trio.TooSlowError as exc:
         raise DeadlineError(f"a lane to {peer} took over {timeout_s}s to set up") from exc
 
 
-async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, str]:
-    stream = await host.new_stream(ID.from_base58(peer), [LANE_PROTOCOL])
+def lane_ips(remote_ip: str, *, dialled: bool, listen_ips: Iterable[str]) -> list[str]:
+    """The IPs to try a peer's lane port at, in order (see the module docstring)."""
+    if dialled:
+        return [remote_ip]
+    family = ipaddress.ip_address(remote_ip).version
+    chosen: list[str] = []
+    for text in listen_ips:
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            continue
+        if ip.version == family and not ip.is_unspecified and str(ip) not in chosen:
+            chosen.append(str(ip))
+        if len(chosen) == MAX_LISTEN_IPS:
+            break
+    return [*chosen, remote_ip] if remote_ip not in chosen else chosen
+
+
+def _listen_ips(host: IHost, peer: ID) -> list[str]:
+    """The IPs of the peer's listen addresses in our peerstore (from identify), if any."""
+    try:
+        addrs = host.get_peerstore().addrs(peer)
+    except Exception:  # an unknown or expired peer: no addresses
+        return []
+    found = []
+    for addr in addrs:
+        parts = str(addr).split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            found.append(parts[2])
+    return found
+
+
+async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, list[str]]:
+    peer_id = ID.from_base58(peer)
+    stream = await host.new_stream(peer_id, [LANE_PROTOCOL])
     try:
         data = await read_exactly(
             StreamReader(stream), OFFER_BYTES, stall_timeout_s=timeout_s, what="lane offer"
         )
         offer = Offer.from_wire(data)
-        # The lane goes where the authenticated connection goes, never to an address the
-        # peer names: an offer cannot point this node's connect at somebody else.
         remote = stream.get_remote_address()
+        dialled = bool(getattr(stream.muxed_conn, "is_initiator", True))
     except BaseException:
         await reset_quietly(stream)
         raise
     await close_quietly(stream)
     if remote is None:
         raise TransportError(f"the connection to {peer} has no IP address for a lane")
-    return offer, remote[0]
+    listen = () if dialled else _listen_ips(host, peer_id)
+    return offer, lane_ips(remote[0], dialled=dialled, listen_ips=listen)
+
+
+async def _redeem_at_one_of(offer: Offer, ips: list[str]) -> LaneWriter:
+    """The lane at the first IP whose port answers; the last one's error if none does."""
+    for ip in ips[:-1]:
+        try:
+            return await _redeem(offer, ip)
+        except OSError:  # refused or unreachable there: the next address
+            continue
+    return await _redeem(offer, ips[-1])
 
 
 async def _redeem(offer: Offer, remote_ip: str) -> LaneWriter:
