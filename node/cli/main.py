@@ -9,6 +9,7 @@
 - health_cmd.py: ``fusionllm health`` (does the node on this machine answer? docker's check)
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
+- generate_cmd.py: ``fusionllm generate`` (a prompt continued by a serving swarm)
 - keygen_cmd.py: ``fusionllm keygen --swarm-key FILE`` (a private swarm's key), --swarm-key
 - options.py:    the run options every training command shares
 - config.py:     options from FUSIONLLM_* variables and a TOML --config file
@@ -27,6 +28,7 @@ from fusionllm.node.cli import (
     config,
     demo_cmd,
     export_cmd,
+    generate_cmd,
     health_cmd,
     keygen_cmd,
     node_cmd,
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         node_cmd,
         swarm_cmd,
         status_cmd,
+        generate_cmd,
         prepare_cmd,
         export_cmd,
         health_cmd,

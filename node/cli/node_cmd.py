@@ -53,6 +53,7 @@ def add_parser(commands) -> None:
     _add_probe_options(node)
     _add_compute_options(node)
     _add_role_options(node)
+    _add_serve_options(node)
     add_config_option(node)  # last: it names every option above
     node.set_defaults(handler=run)
 
@@ -214,6 +215,44 @@ def _add_role_options(node: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serve_options(node: argparse.ArgumentParser) -> None:
+    group = node.add_argument_group("serving (--task serve)")
+    group.add_argument(
+        "--task",
+        choices=("train", "serve"),
+        default="train",
+        help="train the model, or serve generation of a --model-dir checkpoint to clients "
+        "(fusionllm generate): the nodes agree on a plan as for training and each holds "
+        "only its stage's blocks (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-sessions", type=int, default=16, help="open sessions at most (%(default)s)"
+    )
+    group.add_argument(
+        "--max-cache-mib",
+        type=int,
+        default=1024,
+        help="KV-cache memory of all sessions together, MiB; a session over it is refused "
+        "as overloaded (default: %(default)s)",
+    )
+    group.add_argument(
+        "--session-idle",
+        type=float,
+        default=60.0,
+        help="end a session whose client is silent this many s (default: %(default)s)",
+    )
+
+
+def _serve_limits(args: argparse.Namespace):
+    from fusionllm.node.serve.sessions import ServeLimits
+
+    return ServeLimits(
+        max_sessions=args.max_sessions,
+        max_cache_bytes=args.max_cache_mib << 20,
+        idle_s=args.session_idle,
+    )
+
+
 def _add_compute_options(node: argparse.ArgumentParser) -> None:
     node.add_argument(
         "--threads", type=int, help="torch threads for compute (default: torch's choice)"
@@ -268,6 +307,7 @@ def _node_config(args: argparse.Namespace):
         epoch_s=args.epoch,
         checkpoint_every=args.checkpoint_every,
         quiet_max_stride=args.quiet_stride,
+        task=args.task,
     )
     device = None
     if args.device_json:
@@ -382,6 +422,8 @@ def run(args: argparse.Namespace) -> int:
         data_dtype=args.data_dtype,
         device=args.device,
         metrics=args.metrics,
+        task=args.task,
+        serve_limits=_serve_limits(args) if args.task == "serve" else None,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
