@@ -66,7 +66,7 @@ class Chain:
     def open(self, plan: SwarmPlan) -> None:
         """A session on one live peer of every stage (replicas tried in random order, so
         several clients spread over them); HopLostError if a stage has none left."""
-        for stage in serving_route(plan.stage_peers, self.layers):
+        for stage in serving_route(plan.stage_peers, self.layers, plan.backup):
             peers = [p for p in stage.peers if p not in self.dead and plan.addrs.get(p)]
             random.shuffle(peers)
             if not peers:
@@ -177,6 +177,7 @@ def dial(host: PeerHost, addrs: tuple[str, ...], timeout: float) -> None:
 def model_info(host: PeerHost, plan: SwarmPlan, config: ChainConfig) -> dict:
     """What the swarm serves, asked of the plan's peers in turn until one answers."""
     peers = [p for stage in plan.stage_peers for p in stage if plan.addrs.get(p)]
+    peers += [p for p in plan.backup if plan.addrs.get(p)]
     for peer in peers:
         try:
             dial(host, plan.addrs[peer], config.timeout_s)

@@ -45,6 +45,7 @@ class SwarmSource:
         self._config = config
         self._info = info
         self.recoveries = 0  # chains rebuilt after a lost hop, over this source's life
+        self.peers_in_use: list[str] = []  # the last chain opened: one peer per stage
 
     @property
     def model_name(self) -> str:
@@ -85,6 +86,7 @@ class SwarmSource:
                 if not chain.hops:
                     plan = await self._plan(deadline)
                     await asyncio.to_thread(chain.open, plan)
+                    self.peers_in_use = [hop.peer for hop in chain.hops]
                     fed = 0
                 return await asyncio.to_thread(chain.forward, tokens[fed:], fed)
             except HopLostError as lost:

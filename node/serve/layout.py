@@ -38,13 +38,20 @@ def serving_spans(layers: int, stages: int) -> list[tuple[int, int]]:
     return spans
 
 
-def serving_route(stage_peers: list[tuple[str, ...]], layers: int) -> list[RouteStage]:
-    """The route of a plan whose stages have these peers; a plan with more stages than blocks
-    merges the surplus stages' peers into the last span's replicas."""
+def serving_route(
+    stage_peers: list[tuple[str, ...]], layers: int, backup: tuple[str, ...] = ()
+) -> list[RouteStage]:
+    """The route of a plan whose stages have these peers. The training plan's backup pool
+    serves too: each backup peer (sorted) joins the stage with the fewest replicas (the first
+    such), as serving gains capacity and survives a loss from every extra replica. A plan
+    with more stages than blocks merges the surplus stages' peers into the last span."""
     spans = serving_spans(layers, len(stage_peers))
     peers = [list(p) for p in stage_peers[: len(spans)]]
     for surplus in stage_peers[len(spans) :]:
         peers[-1].extend(surplus)
+    seated = {p for group in peers for p in group}
+    for spare in sorted(set(backup) - seated):
+        min(peers, key=len).append(spare)
     return [
         RouteStage(index=i, start=a, stop=b, peers=tuple(p))
         for i, ((a, b), p) in enumerate(zip(spans, peers, strict=True))

@@ -55,7 +55,8 @@ class ServingNode:
             adopted = self.daemon.adopted
             if adopted is None or adopted.digest == self._digest:
                 continue
-            route = serving_route([s.peers for s in adopted.plan.stages], self.layers)
+            plan = adopted.plan
+            route = serving_route([s.peers for s in plan.stages], self.layers, plan.backup)
             stage = span_of(route, self.daemon.peer_id)
             try:
                 self.server.follow(stage)

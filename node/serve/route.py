@@ -29,6 +29,7 @@ def _no_signing(data: bytes) -> bytes:
 class SwarmPlan:
     digest: str
     stage_peers: list[tuple[str, ...]]
+    backup: tuple[str, ...]  # the plan's backup pool: serving replicas too (layout.py)
     addrs: dict[str, tuple[str, ...]]  # peer id -> data-plane multiaddrs (alive members only)
 
 
@@ -51,6 +52,7 @@ def read_plan(client: DhtClient, swarm: str) -> SwarmPlan | None:
             return SwarmPlan(
                 digest=digest,
                 stage_peers=[s.peers for s in plan.stages],
+                backup=plan.backup,
                 addrs={p: m.addrs for p, m in members.items() if not m.observer},
             )
     logger.debug("plan %s is followed but its proposal is gone", digest[:12])
