@@ -6,6 +6,7 @@ settings. Its own module so that ``swarm_node`` (which builds the node) and ``sw
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusionllm.common.errors import ConfigError
 from fusionllm.common.run_spec import RunSpec
 from fusionllm.node.control.node_config import NodeConfig
 
@@ -26,6 +27,15 @@ class SwarmNodeConfig:
     data_dtype: str | None = None  # a token file's element type (default uint16)
     device: str = "cpu"  # where the stages this node serves compute (--device)
     metrics: tuple[str, int] | None = None  # (host, port) of Prometheus metrics (--metrics)
+    # "serve": a StageServer (node/serve/) instead of a trainer; needs a model folder.
+    task: str = "train"
+    serve_limits: object | None = None  # node.serve.sessions.ServeLimits; None: its defaults
+
+    def __post_init__(self) -> None:
+        if self.task not in ("train", "serve"):
+            raise ConfigError(f"task must be train or serve, got {self.task!r}")
+        if self.task == "serve" and not self.run.model_dir:
+            raise ConfigError("--task serve needs --model-dir (a Hugging Face folder)")
 
     @property
     def run(self) -> RunSpec:

@@ -57,9 +57,12 @@ def _run(
     trainer: SwarmTrainer | None = None
     transport: Transport | None = None
     finished = threading.Event()
+    serving = None
     try:
         daemon.start()
-        if config.train:
+        if config.train and config.task == "serve":
+            serving = _start_serving(config, daemon, on_event)
+        elif config.train:
             from fusionllm.node.swarm_training import start_training  # torch: trainers only
 
             transport, trainer = start_training(config, daemon, on_event)
@@ -75,10 +78,23 @@ def _run(
     finally:
         if trainer is not None:
             trainer.close()
+        if serving is not None:
+            serving.close()
         daemon.leave()
         if transport is not None:
             transport.close()
         daemon.close()
+
+
+def _start_serving(config: SwarmNodeConfig, daemon: NodeDaemon, on_event):
+    from pathlib import Path
+
+    from fusionllm.node.serve.node_serving import ServingNode  # torch: servers only
+    from fusionllm.node.serve.sessions import ServeLimits
+
+    limits = config.serve_limits if config.serve_limits is not None else ServeLimits()
+    folder = Path(config.run.model_dir)
+    return ServingNode(daemon, folder, limits=limits, on_event=on_event).start()
 
 
 def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop):

@@ -131,7 +131,11 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)  # (T,)
+        return self.at(x, 0)
+
+    def at(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x rotated by positions start..start+T-1 (decoding with a KV cache starts past 0)."""
+        positions = torch.arange(start, start + x.shape[-2], device=x.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.to(x.device, torch.float32)  # (T, hd/2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)

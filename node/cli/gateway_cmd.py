@@ -8,11 +8,9 @@ command's help and its errors work without them.
 
 import argparse
 import asyncio
-import importlib
 from pathlib import Path
-from types import ModuleType
 
-from fusionllm.common.errors import ConfigError, FusionError
+from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.cli.keygen_cmd import add_swarm_key_option, swarm_key_of
 from fusionllm.node.observe.listen import listen_arg, url_of
@@ -141,30 +139,11 @@ def codec_for(tokenizer_dir: str | None, vocab_size: int):
 
 async def _open_source(args: argparse.Namespace):
     if args.local_model_dir is not None:
-        local = serving_module("fusionllm.node.serve.local", "LocalSource")
-        # The serving side's constructor for a folder: the one call the gateway makes of it.
-        opener = getattr(local.LocalSource, "from_model_dir", None)
-        if opener is None:
-            raise FusionError("LocalSource has no from_model_dir(path): the gateway and the "
-                              "serving side disagree")  # fmt: skip
-        return opener(Path(args.local_model_dir).expanduser())
-    client = serving_module("fusionllm.node.serve.client", "connect_swarm")
-    return await client.connect_swarm(
+        from fusionllm.node.serve.local import LocalSource
+
+        return LocalSource.from_folder(Path(args.local_model_dir).expanduser())
+    from fusionllm.node.serve.client import connect_swarm
+
+    return await connect_swarm(
         args.bootstrap, model=args.model, timeout=args.timeout, swarm_key=swarm_key_of(args)
     )
-
-
-def serving_module(name: str, needed: str) -> ModuleType:
-    """The serving side's module, or a clear error where this install does not have it yet."""
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise  # the module is there, something it imports is not: the real error
-        raise FusionError(
-            f"this install has no {name} ({needed}): serving from a swarm or a local model "
-            "needs the serving side of fusionllm (issue 29)"
-        ) from exc
-    if not hasattr(module, needed):
-        raise FusionError(f"{name} has no {needed}: the gateway and the serving side disagree")
-    return module

@@ -10,6 +10,7 @@
 - prepare_cmd.py: ``fusionllm prepare`` (text into token shards for ``--data``)
 - export_cmd.py: ``fusionllm export`` (nodes' work dirs -> a Hugging Face folder)
 - gateway_cmd.py: ``fusionllm gateway`` (an OpenAI-compatible HTTP API over a swarm)
+- generate_cmd.py: ``fusionllm generate`` (a prompt continued by a serving swarm)
 - keygen_cmd.py: ``fusionllm keygen --swarm-key FILE`` (a private swarm's key), --swarm-key
 - options.py:    the run options every training command shares
 - config.py:     options from FUSIONLLM_* variables and a TOML --config file
@@ -29,6 +30,7 @@ from fusionllm.node.cli import (
     demo_cmd,
     export_cmd,
     gateway_cmd,
+    generate_cmd,
     health_cmd,
     keygen_cmd,
     node_cmd,
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         node_cmd,
         swarm_cmd,
         status_cmd,
+        generate_cmd,
         prepare_cmd,
         export_cmd,
         gateway_cmd,

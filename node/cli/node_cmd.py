@@ -46,7 +46,7 @@ def add_parser(commands) -> None:
     add_announce_options(node)
     add_swarm_key_option(node)
     add_run_options(node)
-    add_task_options(node)
+    add_task_options(node, tasks=("train", "finetune", "serve"))
     add_data_options(node)
     add_device_option(node)
     _add_plan_options(node)
@@ -55,6 +55,7 @@ def add_parser(commands) -> None:
     _add_probe_options(node)
     _add_compute_options(node)
     _add_role_options(node)
+    _add_serve_options(node)
     add_config_option(node)  # last: it names every option above
     node.set_defaults(handler=run)
 
@@ -216,6 +217,41 @@ def _add_role_options(node: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serve_options(node: argparse.ArgumentParser) -> None:
+    group = node.add_argument_group("serving (--task serve)")
+    group.add_argument(
+        "--max-sessions", type=int, default=16, help="open sessions at most (%(default)s)"
+    )
+    group.add_argument(
+        "--max-cache-mib",
+        type=int,
+        default=1024,
+        help="KV-cache memory of all sessions together, MiB; a session over it is refused "
+        "as overloaded (default: %(default)s)",
+    )
+    group.add_argument(
+        "--session-idle",
+        type=float,
+        default=60.0,
+        help="end a session whose client is silent this many s (default: %(default)s)",
+    )
+
+
+def _kind_of(args: argparse.Namespace) -> str:
+    """What the swarm does: fine-tuning is training (its adapters are in the run's settings)."""
+    return "serve" if args.task == "serve" else "train"
+
+
+def _serve_limits(args: argparse.Namespace):
+    from fusionllm.node.serve.sessions import ServeLimits
+
+    return ServeLimits(
+        max_sessions=args.max_sessions,
+        max_cache_bytes=args.max_cache_mib << 20,
+        idle_s=args.session_idle,
+    )
+
+
 def _add_compute_options(node: argparse.ArgumentParser) -> None:
     node.add_argument(
         "--threads", type=int, help="torch threads for compute (default: torch's choice)"
@@ -270,6 +306,7 @@ def _node_config(args: argparse.Namespace):
         epoch_s=args.epoch,
         checkpoint_every=args.checkpoint_every,
         quiet_max_stride=args.quiet_stride,
+        task=_kind_of(args),
     )
     device = None
     if args.device_json:
@@ -388,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
         data_dtype=args.data_dtype,
         device=args.device,
         metrics=args.metrics,
+        task=_kind_of(args),
+        serve_limits=_serve_limits(args) if args.task == "serve" else None,
     )
     stop = threading.Event()
     # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.

@@ -78,14 +78,17 @@ def add_task_options(
     """--task and the adapter options of ``--task finetune`` (part of the run: every node of a
     swarm needs the same values, and nodes with other adapters are never planned together)."""
     group = parser.add_argument_group(
-        "fine-tuning", "--task finetune: the model's weights frozen, low-rank adapters trained"
+        "task",
+        "what the run does; the --lora-* options are for --task finetune (the model's "
+        "weights frozen, low-rank adapters trained)",
     )
     group.add_argument(
         "--task",
         choices=tasks,
         default="train",
-        help="train: every parameter; finetune: LoRA adapters only, saved in PEFT's layout "
-        "(%(default)s)",
+        help="train: every parameter; finetune: LoRA adapters only, saved in PEFT's layout; "
+        "serve (node only): generation of a --model-dir checkpoint for clients (fusionllm "
+        "generate, gateway), each node holding only its stage's blocks (default: %(default)s)",
     )
     group.add_argument("--lora-rank", type=int, metavar="R", help="adapter rank (finetune)")
     group.add_argument(

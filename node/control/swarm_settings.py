@@ -46,9 +46,14 @@ class SwarmSettings:
     # A private swarm's key digest (common/swarm_key.py; never the key): keyed and open swarms,
     # or two keys, never plan together. "": an open swarm (its digest as before keys existed).
     key_digest: str = ""
+    # What the members do with the plan: "train", or "serve" generation (node/serve/); a
+    # serving node never plans with trainers. Out of the digest when "train" (as before).
+    task: str = "train"
 
     def __post_init__(self) -> None:
         check_swarm_name(self.swarm)
+        if self.task not in ("train", "serve"):
+            raise ConfigError(f"task must be train or serve, got {self.task!r}")
         if not isinstance(self.key_digest, str) or not re.fullmatch(
             r"(|[0-9a-f]{16})", self.key_digest
         ):
@@ -94,6 +99,8 @@ class SwarmSettings:
         fields = asdict(self) | {"run": self.run.shared_fields()}  # not where a folder lies
         if not self.key_digest:
             del fields["key_digest"]
+        if self.task == "train":
+            del fields["task"]
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

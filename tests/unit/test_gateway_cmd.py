@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from fusionllm.common.errors import ConfigError, FusionError
-from fusionllm.node.cli.gateway_cmd import codec_for, serving_module
+from fusionllm.common.errors import ConfigError
+from fusionllm.node.cli.gateway_cmd import codec_for
 from fusionllm.node.cli.main import build_parser, main
 
 
@@ -47,14 +47,6 @@ def test_a_taken_port_is_an_error_before_the_swarm_is_asked(capsys):
 def test_limits_out_of_range_are_an_error(capsys):
     assert main(["gateway", "--bootstrap", "/ip4/127.0.0.1/tcp/9", "--max-concurrent", "0"]) == 1
     assert "max_concurrent must be an int >= 1" in capsys.readouterr().err
-
-
-def test_a_missing_serving_module_is_a_clear_error():
-    with pytest.raises(FusionError, match=r"no fusionllm\.node\.serve\.absent \(Thing\)"):
-        serving_module("fusionllm.node.serve.absent", "Thing")
-    with pytest.raises(FusionError, match=r"fusionllm\.node\.serve\.api has no Thing"):
-        serving_module("fusionllm.node.serve.api", "Thing")
-    assert serving_module("fusionllm.node.serve.api", "TokenSource").__name__.endswith("api")
 
 
 def test_text_is_bytes_only_for_byte_level_models(tmp_path):

@@ -115,6 +115,7 @@ _OTHER_VALUES = {
     "switch_margin": 0.2,
     "quiet_max_stride": 4,
     "key_digest": "0123456789abcdef",  # a private swarm's (common/swarm_key.py)
+    "task": "serve",  # serving nodes never plan with trainers
 }
 
 
