@@ -24,9 +24,17 @@ def add_parser(commands) -> None:
     add_swarm_key_option(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
-        "--prompt", help="text: UTF-8 bytes for a byte-level model (vocabulary 256)"
+        "--prompt",
+        help="text, tokenized with --model-dir's tokenizer.json (UTF-8 bytes for a byte-level "
+        "model of 256 ids)",
     )
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated: 1,2,3")
+    gen.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="a folder with the model's tokenizer.json: --prompt is tokenized and the output "
+        "decoded with it (the weights are not read)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=32, help="(default: %(default)s)")
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
@@ -51,13 +59,16 @@ def add_parser(commands) -> None:
     gen.set_defaults(handler=run)
 
 
-def prompt_ids(args: argparse.Namespace) -> list[int]:
+def prompt_ids(args: argparse.Namespace, codec) -> list[int]:
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise ConfigError(f"--prompt-ids must be ints: {args.prompt_ids!r}") from None
-    return list(args.prompt.encode())
+    if codec is None:
+        raise ConfigError("--prompt needs the model's tokenizer: give --model-dir DIR (the "
+                          "folder with its tokenizer.json), or --prompt-ids")  # fmt: skip
+    return codec.encode(args.prompt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    result = asyncio.run(_generate(args, prompt_ids(args), params))
+    result = asyncio.run(_generate(args, params))
     if args.json:
         print(json.dumps(result))
     else:
@@ -82,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _generate(args, ids: list[int], params) -> dict:
+async def _generate(args, params) -> dict:
+    from fusionllm.node.cli.gateway_cmd import codec_for
     from fusionllm.node.serve.client import connect_swarm
 
     source = await connect_swarm(
@@ -94,11 +106,10 @@ async def _generate(args, ids: list[int], params) -> dict:
         fp16=args.fp16_activations,
     )
     try:
-        if args.prompt is not None and source.vocab_size != 256:
-            raise ConfigError(
-                f"--prompt is for byte-level models (vocabulary 256); this one has "
-                f"{source.vocab_size}: give --prompt-ids"
-            )
+        codec = None
+        if args.model_dir is not None or source.vocab_size == 256:
+            codec = codec_for(args.model_dir, source.vocab_size)
+        ids = prompt_ids(args, codec)
         began, first, out = time.monotonic(), None, []
         stream = source.stream(ids, params)
         try:
@@ -110,7 +121,7 @@ async def _generate(args, ids: list[int], params) -> dict:
         took = time.monotonic() - began
     finally:
         await source.aclose()
-    text = bytes(out).decode("utf-8", "replace") if source.vocab_size == 256 else None
+    text = codec.decode(out) if codec is not None else None
     return {
         "output_ids": out,
         "text": text,

@@ -125,6 +125,10 @@ def _word_tokenizer(folder) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
+def _word(token: int) -> str:
+    return f"w{token}" if token < VOCAB - 1 else "[UNK]"
+
+
 def _sse_text(response) -> str:
     pieces = []
     for line in response.iter_lines():
@@ -147,10 +151,8 @@ def test_the_gateway_answers_and_streams_a_chat_from_the_swarm(swarm, tmp_path):
         with httpx.Client(base_url=url, timeout=120) as client:
             body = {"model": "gpt2", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
             done = client.post("/completions", json=body).json()
-            expected = " ".join(
-                f"w{i}" if i < VOCAB - 1 else "[UNK]" for i in _hf_greedy(swarm["hf"])
-            )
-            assert done["choices"][0]["text"].split() == expected.split()
+            expected = [_word(i) for i in _hf_greedy(swarm["hf"])]
+            assert done["choices"][0]["text"].split() == expected
             chat = {"model": "gpt2", "max_tokens": NEW, "temperature": 0,
                     "messages": [{"role": "user", "content": "w5 w17 w80 w3"}]}  # fmt: skip
             whole = client.post("/chat/completions", json=chat).json()
@@ -166,6 +168,19 @@ def test_the_gateway_answers_and_streams_a_chat_from_the_swarm(swarm, tmp_path):
         except subprocess.TimeoutExpired:
             gateway.kill()
             gateway.wait(timeout=10)
+
+
+def test_generate_cli_tokenizes_a_text_prompt_with_the_folders_tokenizer(swarm, tmp_path):
+    _word_tokenizer(tmp_path / "tok")
+    command = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING",
+               "generate", "--bootstrap", swarm["nodes"][0].dht_addr, "--model-dir",
+               str(tmp_path / "tok"), "--prompt", " ".join(f"w{i}" for i in PROMPT),
+               "--max-new-tokens", str(NEW), "--json"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["output_ids"] == _hf_greedy(swarm["hf"])  # the text became PROMPT's ids
+    assert out["text"].split() == [_word(i) for i in out["output_ids"]]
 
 
 def test_a_session_survives_the_loss_of_a_stage_replica(swarm, caplog):
