@@ -34,11 +34,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fusionllm.dag.models.gpt2 import gpt2
+from fusionllm.dag.models.gpt2 import GPT2, PRESETS
 from fusionllm.dag.models.pretrained import save_pretrained
 from fusionllm.node.local_swarm import CALM, LocalSwarm, wait_for
 from fusionllm.node.serve.api import SamplingParams
@@ -54,10 +55,12 @@ CONFIGS = ("local", "fp32", "fp16")
 _START_S = 300.0  # launch -> every node serving one plan (4 nodes load on 2 shared cores)
 
 
-def write_folder(root: Path, preset: str, seed: int) -> Path:
-    """A seeded random GPT-2 of ``preset`` as a Hugging Face folder under ``root``."""
+def write_folder(root: Path, preset: str, seed: int, layers: int | None = None) -> Path:
+    """A seeded random GPT-2 of ``preset`` (``layers`` blocks if given) as a Hugging Face
+    folder under ``root``."""
     torch.manual_seed(seed)
-    return save_pretrained(gpt2(preset), root / f"gpt2-{preset}")
+    config = PRESETS[preset] if layers is None else replace(PRESETS[preset], n_layer=layers)
+    return save_pretrained(GPT2(config), root / f"gpt2-{preset}")
 
 
 def prompt_of(vocab: int, length: int, seed: int) -> list[int]:
@@ -171,7 +174,7 @@ async def bench_stages(args, local: LocalSource, swarm: LocalSwarm, stages: int,
 
 def run(args: argparse.Namespace, root: Path) -> list[dict]:
     torch.set_num_threads(1)  # as each node computes (--threads 1)
-    folder = write_folder(root, args.preset, args.seed)
+    folder = write_folder(root, args.preset, args.seed, args.layers)
     args.model = folder.name  # the name the swarm must serve
     local = LocalSource.from_folder(folder)
     prompt = prompt_of(local.vocab_size, args.prompt_len, args.seed + 1)
@@ -204,7 +207,10 @@ def print_result(result: dict, new_tokens: int) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="small", help="GPT-2 size (%(default)s)")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="small", help="GPT-2 size (%(default)s)"
+    )
+    parser.add_argument("--layers", type=int, help="blocks instead of the preset's")
     parser.add_argument("--stages", default="1,2,4", help="stage counts (%(default)s)")
     parser.add_argument("--prompt-len", type=int, default=32, help="(%(default)s)")
     parser.add_argument("--new-tokens", type=int, default=32, help="(%(default)s)")
