@@ -55,12 +55,15 @@ CONFIGS = ("local", "fp32", "fp16")
 _START_S = 300.0  # launch -> every node serving one plan (4 nodes load on 2 shared cores)
 
 
-def write_folder(root: Path, preset: str, seed: int, layers: int | None = None) -> Path:
+def write_folder(root: Path, preset: str, seed: int, layers: int | None = None) -> dict:
     """A seeded random GPT-2 of ``preset`` (``layers`` blocks if given) as a Hugging Face
-    folder under ``root``."""
+    folder under ``root``: its path and sizes."""
     torch.manual_seed(seed)
     config = PRESETS[preset] if layers is None else replace(PRESETS[preset], n_layer=layers)
-    return save_pretrained(GPT2(config), root / f"gpt2-{preset}")
+    model = GPT2(config)
+    folder = save_pretrained(model, root / f"gpt2-{preset}")
+    sizes = {"blocks": config.n_layer, "width": config.n_embd, "vocab": config.vocab_size}
+    return {"folder": folder, "parameters": model.num_parameters(), **sizes}
 
 
 def prompt_of(vocab: int, length: int, seed: int) -> list[int]:
@@ -172,14 +175,19 @@ async def bench_stages(args, local: LocalSource, swarm: LocalSwarm, stages: int,
     return {"stages": stages, "hops": hops, "rows": rows}
 
 
-def run(args: argparse.Namespace, root: Path) -> list[dict]:
+def run(args: argparse.Namespace, root: Path) -> dict:
     torch.set_num_threads(1)  # as each node computes (--threads 1)
-    folder = write_folder(root, args.preset, args.seed, args.layers)
+    model = write_folder(root, args.preset, args.seed, args.layers)
+    folder = model.pop("folder")
     args.model = folder.name  # the name the swarm must serve
     local = LocalSource.from_folder(folder)
     prompt = prompt_of(local.vocab_size, args.prompt_len, args.seed + 1)
+    print(f"GPT-2 {args.preset}: {model['parameters']:,} parameters, {model['blocks']} blocks; "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.rounds} rounds, one "
+          f"torch thread per process", flush=True)  # fmt: skip
     results = []
     for stages in args.stage_counts:
+        print(f"starting {stages} serving node(s)...", flush=True)
         swarm, start_s = start_swarm(root / f"swarm{stages}", folder, stages, args.control)
         try:
             result = asyncio.run(bench_stages(args, local, swarm, stages, prompt))
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace, root: Path) -> list[dict]:
         result["start_s"] = round(start_s, 1)
         print_result(result, args.new_tokens)
         results.append(result)
-    return results
+    return {"model": model, "results": results}
 
 
 def print_result(result: dict, new_tokens: int) -> None:
@@ -236,10 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fusionllm-generate-") as tmp:
-        results = run(args, Path(tmp))
+        report = {"args": vars(args), **run(args, Path(tmp))}
     print(f"total {time.monotonic() - started:.0f} s")
     if args.json:
-        report = {"args": vars(args), "results": results}
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -25,6 +25,8 @@ def test_the_quick_generation_benchmark_measures_every_configuration(tmp_path) -
     report = json.loads(out.read_text())
     assert report["args"]["preset"] == "tiny"  # --quick's, the options given beside it won
     assert report["args"]["stage_counts"] == [1]
+    assert report["model"]["blocks"] == 2
+    assert report["model"]["parameters"] > 0
     (stages,) = report["results"]
     assert stages["hops"] == {"fp32": 1, "fp16": 1}
     assert 0 < stages["start_s"] < 200
