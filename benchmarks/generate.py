@@ -19,7 +19,9 @@ machine hits all three alike. Greedy decoding, the same prompt every time. Per c
   the median over rounds of this over local's in the same round;
 - ``match``: positions where the output equals local generation's (of ``--new-tokens``), and
   ``prefix``: how many first tokens equal it (after a first difference the two continue
-  different texts). ``stable``: every round gave the same ids.
+  different texts). ``stable``: every round gave the same ids. At one stage no activation
+  crosses a link (the client gets ids in and fp32 logits back), so fp16 against fp32 there
+  is an A/A comparison: the run-to-run spread.
 
 ``--quick``: the tiny preset (2 blocks), 1 and 2 stages, a short prompt, 2 rounds, the
 tests' fast control plane (a smoke test: seconds of compute once the nodes are up). Options
@@ -220,8 +222,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--layers", type=int, help="blocks instead of the preset's")
     parser.add_argument("--stages", default="1,2,4", help="stage counts (%(default)s)")
-    parser.add_argument("--prompt-len", type=int, default=32, help="(%(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="(%(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt ids (%(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="per request (%(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (%(default)s)")
     parser.add_argument(
         "--control", choices=sorted(CONTROL), default="calm", help="nodes' timing (%(default)s)"
@@ -229,11 +231,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompt (%(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    if parser.parse_known_args(argv)[0].quick:  # its values as defaults: given options win
+        parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if parser.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
     args.stage_counts = [int(s) for s in str(args.stages).split(",")]
     if min(args.stage_counts) < 1 or args.rounds < 1 or args.new_tokens < 2:
         parser.error("need stages >= 1, rounds >= 1 and new-tokens >= 2")
