@@ -177,7 +177,7 @@ async def bench_stages(args, local: LocalSource, swarm: LocalSwarm, stages: int,
     return {"stages": stages, "hops": hops, "rows": rows}
 
 
-def run(args: argparse.Namespace, root: Path) -> dict:
+def run(args: argparse.Namespace, root: Path) -> list[dict]:
     torch.set_num_threads(1)  # as each node computes (--threads 1)
     model = write_folder(root, args.preset, args.seed, args.layers)
     folder = model.pop("folder")
@@ -198,7 +198,10 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         result["start_s"] = round(start_s, 1)
         print_result(result, args.new_tokens)
         results.append(result)
-    return {"model": model, "results": results}
+        if args.json:  # after each stage count: a run cut short keeps what it measured
+            report = {"args": vars(args), "model": model, "results": results}
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    return results
 
 
 def print_result(result: dict, new_tokens: int) -> None:
@@ -244,10 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fusionllm-generate-") as tmp:
-        report = {"args": vars(args), **run(args, Path(tmp))}
+        run(args, Path(tmp))
     print(f"total {time.monotonic() - started:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
