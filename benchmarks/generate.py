@@ -17,6 +17,9 @@ machine hits all three alike. Greedy decoding, the same prompt every time. Per c
   back), median and p90 over every step of every round;
 - ``tokens_per_s``: new tokens / the request's whole time, median over rounds; ``x_local``:
   the median over rounds of this over local's in the same round;
+- ``hop_ms``: (the swarm's median ``token_ms`` - local's) / stages: what one stage adds to a
+  token beyond compute that local does too (a round trip from the client, framing, a node's
+  event loop);
 - ``match``: positions where the output equals local generation's (of ``--new-tokens``), and
   ``prefix``: how many first tokens equal it (after a first difference the two continue
   different texts). ``stable``: every round gave the same ids. At one stage no activation
@@ -174,7 +177,11 @@ async def bench_stages(args, local: LocalSource, swarm: LocalSwarm, stages: int,
                 await source.aclose()
     reference = runs["local"][0]["ids"]
     rows = {c: summarise(runs[c], runs["local"], reference) for c in CONFIGS}
-    return {"stages": stages, "hops": hops, "rows": rows}
+    # What a stage adds to a token beyond its compute (which local also does): a round trip
+    # from the client, framing, the node's event loop.
+    local_ms = rows["local"]["token_ms_median"]
+    hop_ms = {c: round((rows[c]["token_ms_median"] - local_ms) / stages, 2) for c in hops}
+    return {"stages": stages, "hops": hops, "hop_ms": hop_ms, "rows": rows}
 
 
 def run(args: argparse.Namespace, root: Path) -> list[dict]:
@@ -206,7 +213,8 @@ def run(args: argparse.Namespace, root: Path) -> list[dict]:
 
 def print_result(result: dict, new_tokens: int) -> None:
     print(f"{result['stages']} stage(s): nodes serving {result['start_s']:.0f} s after launch, "
-          f"hops per request {result['hops']}")  # fmt: skip
+          f"hops per request {result['hops']}, each adding {result['hop_ms']} ms a token "
+          f"beyond local's")  # fmt: skip
     print(f"  {'run':<6} {'first s':>8} {'token ms':>9} {'p90 ms':>8} {'tokens/s':>9} "
           f"{'x local':>8} {'match':>7} {'prefix':>7} {'stable':>7}")  # fmt: skip
     for config, row in result["rows"].items():

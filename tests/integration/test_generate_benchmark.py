@@ -29,6 +29,7 @@ def test_the_quick_generation_benchmark_measures_every_configuration(tmp_path) -
     assert report["model"]["parameters"] > 0
     (stages,) = report["results"]
     assert stages["hops"] == {"fp32": 1, "fp16": 1}
+    assert set(stages["hop_ms"]) == {"fp32", "fp16"}
     assert 0 < stages["start_s"] < 200
     rows = stages["rows"]
     assert set(rows) == {"local", "fp32", "fp16"}
