@@ -6,10 +6,10 @@ from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from fusionllm.common.errors import FusionError
+from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
-from tests.support.relay_client import dial_through, relay_client, reserve
+from fusionllm.node.p2p.relay_client import RelayClient, relayed_addr
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -37,24 +37,51 @@ def test_members_meet_through_a_members_relay_and_a_stranger_does_not(tmp_path):
         relay = MemberRelay(hosts["relay"], MemberRelayConfig(),
                             is_member=members.__contains__).start()  # fmt: skip
         relay_addr = hosts["relay"].addrs[0]
-        relay_id = ID.from_base58(hosts["relay"].peer_id)
+        relay_id = hosts["relay"].peer_id
         clients = {}
         for name in ("home", "other", "stranger"):
-            host = hosts[name]
-            clients[name] = host.start_service(relay_client, host.libp2p).value
-            host.connect(relay_addr)
+            clients[name] = RelayClient(hosts[name]).start()
+            hosts[name].connect(relay_addr)
         hosts["home"].set_stream_handler(ECHO, _echo)
-        assert hosts["home"].call(reserve, clients["home"], relay_id)
+        assert clients["home"].reserve(relay_id)
         home_id = ID.from_base58(hosts["home"].peer_id)
+        through = relayed_addr(relay_addr, hosts["home"].peer_id)
         other = hosts["other"]
-        other.call(dial_through, clients["other"], relay_addr, home_id)
+        other.connect(through, timeout=20.0)
         answer = other.call(_ask, other.libp2p, home_id, b"through the relay")
         assert answer == (b"through the relay", ConnectionType.RELAYED)
         stranger = hosts["stranger"]
-        assert not stranger.call(reserve, clients["stranger"], relay_id)
-        with pytest.raises((FusionError, ConnectionError, OSError)):
-            stranger.call(dial_through, clients["stranger"], relay_addr, home_id)
+        assert not clients["stranger"].reserve(relay_id)
+        with pytest.raises(TransportError, match="failed"):
+            stranger.connect(through, timeout=20.0)
         assert relay.counts["refused"] >= 2
+    finally:
+        for host in hosts.values():
+            host.close()
+
+
+def test_a_node_reaches_a_member_at_its_relayed_address(tmp_path):
+    """RelayClient: ``PeerHost.connect`` dials a relayed address like any other."""
+    hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
+             for n in ("relay", "home", "other")}  # fmt: skip
+    try:
+        members = {h.peer_id for h in hosts.values()}
+        MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
+        home, other = hosts["home"], hosts["other"]
+        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
+        relay_addr = hosts["relay"].addrs[0]
+        home.connect(relay_addr)
+        other.connect(relay_addr)
+        home.set_stream_handler(ECHO, _echo)
+        with pytest.raises(TransportError, match="failed"):  # no slot yet: the relay says 204
+            other.connect(relayed_addr(relay_addr, home.peer_id))
+        assert clients["home"].reserve(hosts["relay"].peer_id)
+        assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+        answer = other.call(_ask, other.libp2p, ID.from_base58(home.peer_id), b"relayed")
+        assert answer == (b"relayed", ConnectionType.RELAYED)
+        # connected already: a second dial returns at once, on the same connection
+        assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+        assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
     finally:
         for host in hosts.values():
             host.close()
