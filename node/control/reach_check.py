@@ -16,6 +16,7 @@ from libp2p.peer.id import ID
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.relay_use import RelayUse
 from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
 from fusionllm.node.p2p.peer_host import PeerHost
 from fusionllm.node.p2p.reachability import Reachability, announced, judge
@@ -69,6 +70,7 @@ class ReachCheck:
         listen_ips: Sequence[str],
         announced_addrs: Sequence[str] = (),
         emit: Callable[..., None] = lambda *a, **k: None,
+        relays: RelayUse | None = None,
     ) -> None:
         self._host = host
         self._config = config
@@ -77,6 +79,7 @@ class ReachCheck:
         self._listen_ips = tuple(listen_ips)
         self._emit = emit
         self._announced = tuple(announced_addrs)
+        self._relays = relays  # acts on each verdict (relay_use.py)
         self._asked = False  # whether the last check found members to ask
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
@@ -93,9 +96,16 @@ class ReachCheck:
         server = DialBackServer(self._config.dialback, allow=self._is_member)
         self._host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
 
+    def advertised(self, listen_addrs: Sequence[str]) -> list[str]:
+        """What our record tells peers to dial: relayed addresses first, while we hold any."""
+        return [*(self._relays.addrs if self._relays else ()), *listen_addrs]
+
     def loop(self, stop: threading.Event) -> None:
-        """Check now and then until ``stop``; nothing to check behind --announce-addr."""
+        """Check now and then until ``stop``; nothing to check behind --announce-addr (we
+        relay for members there)."""
         if self._announced:
+            if self._relays is not None:
+                self._relays.follow(self.current.verdict)
             return
         wait = self._config.first_after_s
         while not stop.wait(wait):
@@ -119,6 +129,8 @@ class ReachCheck:
             self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),
                        observed=list(verdict.observed_ips), answers=verdict.answers)  # fmt: skip
         self.current = verdict
+        if self._relays is not None:
+            self._relays.follow(verdict.verdict)
         return verdict
 
     def _ask(self, member: NodeInfo, ports: list[int]):

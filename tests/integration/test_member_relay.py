@@ -2,6 +2,7 @@
 meet through it, a stranger can neither reserve nor open a circuit."""
 
 import pytest
+import torch
 from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
@@ -9,7 +10,10 @@ from libp2p.peer.id import ID
 from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
-from fusionllm.node.p2p.relay_client import RelayClient, relayed_addr
+from fusionllm.node.p2p.relay_addrs import relayed_addr
+from fusionllm.node.p2p.relay_client import RelayClient
+from fusionllm.node.p2p.transport import Transport, TransportConfig
+from tests.support.transport_node import _WAIT_S, HEADER
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -83,5 +87,44 @@ def test_a_node_reaches_a_member_at_its_relayed_address(tmp_path):
         assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
         assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
     finally:
+        for host in hosts.values():
+            host.close()
+
+
+def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_circuit(tmp_path):
+    """A lane would dial the member (behind NAT: it cannot be dialled): frames stay inside
+    the relayed connection, both ways, and none is lost."""
+    hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
+             for n in ("relay", "home", "other")}  # fmt: skip
+    transports = []
+    try:
+        members = {h.peer_id for h in hosts.values()}
+        MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
+        home, other = hosts["home"], hosts["other"]
+        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
+        relay_addr = hosts["relay"].addrs[0]
+        for host in (home, other):
+            host.connect(relay_addr)
+        assert clients["home"].reserve(hosts["relay"].peer_id)
+        transports = [Transport(TransportConfig(key_path=tmp_path / f"{n}.key"), host=hosts[n])
+                      for n in ("home", "other")]  # fmt: skip
+        for transport in transports:
+            transport.start()
+        at_home, away = transports
+        away.connect(relayed_addr(relay_addr, home.peer_id))
+        for i in range(5):
+            tensor = torch.arange(1000.0) + i
+            away.send_tensor(home.peer_id, HEADER, tensor, timeout=_WAIT_S)
+            got = at_home.recv(timeout=_WAIT_S)
+            assert (got.peer, got.tensor.tolist()) == (other.peer_id, tensor.tolist())
+            at_home.send_tensor(other.peer_id, HEADER, -tensor, timeout=_WAIT_S)
+            assert torch.equal(away.recv(timeout=_WAIT_S).tensor, -tensor)
+        assert away.outbound_lanes() == at_home.outbound_lanes() == []
+        conns = other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))
+        kinds = {c.muxed_conn.get_connection_type() for c in conns}
+        assert kinds == {ConnectionType.RELAYED}
+    finally:
+        for transport in transports:
+            transport.close()
         for host in hosts.values():
             host.close()

@@ -18,7 +18,8 @@ from libp2p.peer.id import ID
 
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
-from fusionllm.node.p2p.relay_client import RelayClient, relayed_addr
+from fusionllm.node.p2p.relay_addrs import relayed_addr
+from fusionllm.node.p2p.relay_client import RelayClient
 
 ECHO = TProtocol("/fusionllm/test-echo/1.0.0")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusionllm.node.p2p.relay_client import is_relayed, relay_of, relayed_addr
+from fusionllm.node.p2p.relay_addrs import is_relayed, relay_of, relayed_addr
 
 RELAY = "/ip4/10.0.0.1/tcp/4001/p2p/QmRelay"
 

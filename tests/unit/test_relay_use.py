@@ -1,0 +1,108 @@
+"""What a node does about relays from its verdict (node/control/relay_use.py), and what
+``fusionllm status`` says of a member reached through relays."""
+
+import collections
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dht.records import NodeState
+from fusionllm.node.control.relay_use import RelayUse, RelayUseConfig, pick_relays
+from fusionllm.node.control.status import describe, format_status
+from fusionllm.node.errors import TransportError
+from tests.unit.test_epochs import T0, record
+
+
+def _addr(peer: str) -> str:
+    return f"/ip4/203.0.113.7/tcp/4001/p2p/{peer}"
+
+
+def _member(peer: str, **changes):
+    return record(peer, addrs=(_addr(peer),), **changes)
+
+
+MEMBERS = {
+    "a": _member("a", reach="private"),
+    "b": _member("b", reach="public"),
+    "c": _member("c", reach="mapped"),
+    "d": _member("d"),  # not judged yet: maybe nobody can dial it
+    "e": record("e", reach="public"),  # no address
+    "f": _member("f", reach="announced"),
+    "me": _member("me", reach="public"),
+}
+
+
+def test_relays_are_members_others_can_dial_by_peer_id():
+    assert [m.peer_id for m in pick_relays(MEMBERS, "me", 2)] == ["b", "c"]
+    assert [m.peer_id for m in pick_relays(MEMBERS, "me", 4)] == ["b", "c", "f"]
+    relayed_only = record("g", reach="public", addrs=(f"{_addr('b')}/p2p-circuit/p2p/g",))
+    assert pick_relays({"g": relayed_only}, "me", 2) == []
+    with pytest.raises(ConfigError, match="relays"):
+        RelayUseConfig(relays=0)
+
+
+class FakeClient:
+    def __init__(self, grants: dict[str, bool]) -> None:
+        self.grants = grants
+
+    def reserve(self, relay: str) -> bool:
+        return self.grants[relay]
+
+
+class FakeHost:
+    peer_id = "me"
+
+    def __init__(self, unreachable=()) -> None:
+        self.unreachable = set(unreachable)
+
+    def connect(self, addr: str, timeout: float) -> str:
+        if addr in self.unreachable:
+            raise TransportError("refused")
+        return addr.rsplit("/", 1)[1]
+
+
+def _use(host, grants):
+    relays = []
+    use = RelayUse(host=host, config=RelayUseConfig(), members=lambda: MEMBERS,
+                   client=FakeClient(grants),
+                   start_relay=lambda: relays.append(1) or "relay")  # fmt: skip
+    return use, relays
+
+
+def test_a_private_node_holds_slots_and_names_its_relayed_addresses():
+    use, relays = _use(FakeHost(), {"b": True, "c": True})
+    use.follow("unknown")
+    assert use.addrs == ()
+    use.follow("private")
+    assert use.addrs == (f"{_addr('b')}/p2p-circuit/p2p/me", f"{_addr('c')}/p2p-circuit/p2p/me")
+    assert relays == []  # nobody can dial it: it relays for nobody
+
+
+def test_a_refused_or_unreachable_relay_gives_no_address():
+    use, _ = _use(FakeHost(unreachable={_addr("b")}), {"b": True, "c": False})
+    use.follow("private")
+    assert use.addrs == ()
+
+
+def test_a_node_others_can_dial_relays_once_and_drops_its_slots():
+    use, relays = _use(FakeHost(), {"b": True, "c": True})
+    use.follow("private")
+    for verdict in ("public", "mapped", "public"):
+        use.follow(verdict)
+    assert relays == [1]
+    assert use.relaying
+    assert use.addrs == ()
+
+
+def test_status_names_the_relays_a_private_member_is_reached_through():
+    relayed = (f"{_addr('a')}/p2p-circuit/p2p/b", "/ip4/192.168.1.2/tcp/4001/p2p/b")
+    members = {
+        "a": _member("a", state=NodeState.SERVING, reach="public"),
+        "b": record("b", state=NodeState.SERVING, reach="private", addrs=relayed),
+        "c": _member("c", state=NodeState.SERVING, reach="private"),
+    }
+    status = describe("demo", members, None, collections.Counter(), now=T0 + 5, skipped=0)
+    assert [p["relays"] for p in status["peers"]] == [[], ["a"], []]
+    text = format_status(status)
+    assert "b: no peer can dial it (NAT or firewall); it is reached through the relays of a" in text
+    assert "c: no peer can dial it (NAT or firewall); it is reached only over connections" in text
