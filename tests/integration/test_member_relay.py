@@ -64,50 +64,53 @@ def test_members_meet_through_a_members_relay_and_a_stranger_does_not(tmp_path):
             host.close()
 
 
-def test_a_node_reaches_a_member_at_its_relayed_address(tmp_path):
-    """RelayClient: ``PeerHost.connect`` dials a relayed address like any other."""
+@pytest.fixture
+def relayed(tmp_path):
+    """A member's relay, a member with a relay client ("home") and another ("other"),
+    both connected to the relay; home has no slot yet."""
     hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
              for n in ("relay", "home", "other")}  # fmt: skip
     try:
         members = {h.peer_id for h in hosts.values()}
         MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
-        home, other = hosts["home"], hosts["other"]
         clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
-        relay_addr = hosts["relay"].addrs[0]
-        home.connect(relay_addr)
-        other.connect(relay_addr)
-        home.set_stream_handler(ECHO, _echo)
-        with pytest.raises(TransportError, match="failed"):  # no slot yet: the relay says 204
-            other.connect(relayed_addr(relay_addr, home.peer_id))
-        assert clients["home"].reserve(hosts["relay"].peer_id)
-        assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
-        answer = other.call(_ask, other.libp2p, ID.from_base58(home.peer_id), b"relayed")
-        assert answer == (b"relayed", ConnectionType.RELAYED)
-        # connected already: a second dial returns at once, on the same connection
-        assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
-        assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
+        for name in ("home", "other"):
+            hosts[name].connect(hosts["relay"].addrs[0])
+        yield hosts, clients
     finally:
         for host in hosts.values():
             host.close()
 
 
-def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_circuit(tmp_path):
+def test_a_node_reaches_a_member_at_its_relayed_address(relayed):
+    """RelayClient: ``PeerHost.connect`` dials a relayed address like any other."""
+    hosts, clients = relayed
+    home, other = hosts["home"], hosts["other"]
+    relay_addr = hosts["relay"].addrs[0]
+    home.set_stream_handler(ECHO, _echo)
+    with pytest.raises(TransportError, match="failed"):  # no slot yet: the relay says 204
+        other.connect(relayed_addr(relay_addr, home.peer_id))
+    assert clients["home"].reserve(hosts["relay"].peer_id)
+    assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+    answer = other.call(_ask, other.libp2p, ID.from_base58(home.peer_id), b"relayed")
+    assert answer == (b"relayed", ConnectionType.RELAYED)
+    # connected already: a second dial returns at once, on the same connection
+    assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+    assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
+
+
+def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_circuit(
+    relayed, tmp_path
+):
     """A lane would dial the member (behind NAT: it cannot be dialled): frames stay inside
     the relayed connection, both ways, and none is lost."""
-    hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
-             for n in ("relay", "home", "other")}  # fmt: skip
-    transports = []
+    hosts, clients = relayed
+    home, other = hosts["home"], hosts["other"]
+    relay_addr = hosts["relay"].addrs[0]
+    assert clients["home"].reserve(hosts["relay"].peer_id)
+    transports = [Transport(TransportConfig(key_path=tmp_path / f"{n}.key"), host=hosts[n])
+                  for n in ("home", "other")]  # fmt: skip
     try:
-        members = {h.peer_id for h in hosts.values()}
-        MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
-        home, other = hosts["home"], hosts["other"]
-        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
-        relay_addr = hosts["relay"].addrs[0]
-        for host in (home, other):
-            host.connect(relay_addr)
-        assert clients["home"].reserve(hosts["relay"].peer_id)
-        transports = [Transport(TransportConfig(key_path=tmp_path / f"{n}.key"), host=hosts[n])
-                      for n in ("home", "other")]  # fmt: skip
         for transport in transports:
             transport.start()
         at_home, away = transports
@@ -126,5 +129,3 @@ def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_ci
     finally:
         for transport in transports:
             transport.close()
-        for host in hosts.values():
-            host.close()
