@@ -110,7 +110,8 @@ class ReachCheck:
         wait = self._config.first_after_s
         while not stop.wait(wait):
             self.check_once()
-            wait = self._config.interval_s if self._asked else self._config.retry_s
+            wanting = self._relays is not None and self._relays.wanting
+            wait = self._config.interval_s if self._asked and not wanting else self._config.retry_s
 
     def check_once(self) -> Reachability:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)

@@ -70,6 +70,7 @@ class RelayUse:
         self._client = client
         self._start_relay = start_relay
         self._relay: MemberRelay | None = None
+        self._private = False  # the last verdict
         self.addrs: tuple[str, ...] = ()  # relayed addresses that hold a slot now
 
     @classmethod
@@ -91,8 +92,15 @@ class RelayUse:
     def relaying(self) -> bool:
         return self._relay is not None
 
+    @property
+    def wanting(self) -> bool:
+        """Private and reachable through no relay yet: worth checking again soon (a member
+        that relays may not have judged itself yet when we first looked)."""
+        return self._private and not self.addrs
+
     def follow(self, verdict: str) -> None:
         """Act on a fresh verdict (at every check: slots are renewed then)."""
+        self._private = verdict == "private"
         if verdict in REACHABLE:
             self.addrs = ()
             if self._relay is None:

@@ -216,6 +216,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "mb_s": round(link.bandwidth / 1e6, 3),
                 "rtt_ms": round(link.rtt * 1e3, 3),
                 "age_s": round(link.age + max(0.0, now - m.time), 1),
+                "relayed": link.relayed,  # measured through a relay, the path it takes
             }
             for m in sorted(members.values(), key=lambda m: m.peer_id)
             for link in m.links
@@ -353,6 +354,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(
             f"  {_short(link['src'])} -> {_short(link['dst'])}  {link['mb_s']:>9.2f} MB/s  "
             f"rtt {link['rtt_ms']:>7.2f} ms  age {link['age_s']:>5.1f} s"
+            + ("  relayed" if link.get("relayed") else "")
         )
     plan = status["plan"]
     if plan is None:

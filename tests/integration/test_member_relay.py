@@ -10,6 +10,7 @@ from libp2p.peer.id import ID
 from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
+from fusionllm.node.p2p.probes import PROBE_PROTOCOL, ProbeServer, run_probe
 from fusionllm.node.p2p.relay_addrs import relayed_addr
 from fusionllm.node.p2p.relay_client import RelayClient
 from fusionllm.node.p2p.transport import Transport, TransportConfig
@@ -97,6 +98,17 @@ def test_a_node_reaches_a_member_at_its_relayed_address(relayed):
     # connected already: a second dial returns at once, on the same connection
     assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
     assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
+    # a probe runs over the path the traffic takes, and says it is relayed; one to the relay
+    # itself (a direct connection) does not
+    for host in (home, hosts["relay"]):
+        server = ProbeServer(max_bytes=1 << 20, max_per_peer_per_min=60, max_concurrent=2,
+                             timeout_s=10.0, count=lambda name: None)  # fmt: skip
+        host.set_stream_handler(PROBE_PROTOCOL, server.serve)
+    probe = other.call(run_probe, other.libp2p, ID.from_base58(home.peer_id), 256 << 10, 20.0)
+    assert (probe.bytes, probe.relayed) == (256 << 10, True)
+    direct = other.call(run_probe, other.libp2p, ID.from_base58(hosts["relay"].peer_id),
+                        256 << 10, 20.0)  # fmt: skip
+    assert not direct.relayed
 
 
 def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_circuit(

@@ -2,11 +2,14 @@
 ``fusionllm status`` says of a member reached through relays."""
 
 import collections
+import dataclasses
 
+import msgpack
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.dht.records import NodeState
+from fusionllm.dht.records import LinkReport, NodeState, RecordError
+from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.relay_use import RelayUse, RelayUseConfig, pick_relays
 from fusionllm.node.control.status import describe, format_status
 from fusionllm.node.errors import TransportError
@@ -76,12 +79,14 @@ def test_a_private_node_holds_slots_and_names_its_relayed_addresses():
     use.follow("private")
     assert use.addrs == (f"{_addr('b')}/p2p-circuit/p2p/me", f"{_addr('c')}/p2p-circuit/p2p/me")
     assert relays == []  # nobody can dial it: it relays for nobody
+    assert not use.wanting
 
 
 def test_a_refused_or_unreachable_relay_gives_no_address():
     use, _ = _use(FakeHost(unreachable={_addr("b")}), {"b": True, "c": False})
     use.follow("private")
     assert use.addrs == ()
+    assert use.wanting  # checked again soon, not in 5 min
 
 
 def test_a_node_others_can_dial_relays_once_and_drops_its_slots():
@@ -106,3 +111,32 @@ def test_status_names_the_relays_a_private_member_is_reached_through():
     text = format_status(status)
     assert "b: no peer can dial it (NAT or firewall); it is reached through the relays of a" in text
     assert "c: no peer can dial it (NAT or firewall); it is reached only over connections" in text
+
+
+def test_a_relayed_link_says_so_in_five_fields_and_a_direct_one_keeps_four():
+    direct = LinkReport(peer="b", bandwidth=5e6, rtt=0.02, age=1.0)
+    relayed = dataclasses.replace(direct, relayed=True)
+    assert direct.to_wire() == ["b", 5e6, 0.02, 1.0]
+    assert relayed.to_wire() == ["b", 5e6, 0.02, 1.0, 1]
+    for link in (direct, relayed):
+        assert LinkReport.from_wire(msgpack.unpackb(msgpack.packb(link.to_wire()))) == link
+    for bad in (["b", 5e6, 0.02, 1.0, 0], ["b", 5e6, 0.02, 1.0, "yes"]):
+        with pytest.raises(RecordError, match="relayed field must be 1"):
+            LinkReport.from_wire(bad)
+    with pytest.raises(RecordError, match="4 or 5 fields"):
+        LinkReport.from_wire(["b", 5e6, 0.02])
+
+
+def test_a_relayed_probe_stays_relayed_from_the_book_to_status():
+    book = BandwidthBook(max_age_s=60.0)
+    book.record("a", "b", LinkSample(2e6, 0.05, T0, relayed=True), now=T0)
+    book.record("a", "c", LinkSample(9e6, 0.01, T0), now=T0)
+    report = book.own_report("a", "demo", now=T0 + 1)
+    assert {link.peer: link.relayed for link in report.links} == {"b": True, "c": False}
+    members = {"a": record("a", state=NodeState.SERVING, links=report.links)}
+    status = describe("demo", members, None, collections.Counter(), now=T0 + 2, skipped=0)
+    assert {link["dst"]: link["relayed"] for link in status["links"]} == {"b": True, "c": False}
+    lines = [line for line in format_status(status).splitlines() if " -> " in line]
+    assert [line.endswith("relayed") for line in lines] == [
+        link["relayed"] for link in status["links"]
+    ]

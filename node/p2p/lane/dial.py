@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import trio
 from libp2p.abc import IHost
-from libp2p.connection_types import ConnectionType
 from libp2p.host.exceptions import StreamFailure
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
@@ -26,6 +25,7 @@ from fusionllm.node.p2p.framing import read_exactly
 from fusionllm.node.p2p.lane.offer import ACCEPTED, LANE_PROTOCOL, OFFER_BYTES, Offer
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
+from fusionllm.node.p2p.relay_client import relayed_conn
 from fusionllm.node.p2p.stream_reader import StreamReader
 
 MAX_LISTEN_IPS = 3  # a peer that names many addresses cannot make us dial many hosts
@@ -63,18 +63,9 @@ async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
 
 
 def only_relayed(host: IHost, peer: ID) -> bool:
-    """Whether all our connections to ``peer`` are relayed (none: not known to be). One that
-    cannot be typed counts as direct: py-libp2p 0.8.1 types no connection of a private swarm
-    (docs/nat.md), where lanes work as before."""
+    """Whether all our connections to ``peer`` are relayed (none: not known to be)."""
     conns = host.get_network().get_connections(peer)
-    return bool(conns) and all(_relayed(c) for c in conns)
-
-
-def _relayed(conn) -> bool:
-    try:
-        return conn.muxed_conn.get_connection_type() is ConnectionType.RELAYED
-    except Exception:  # PskConn raises AttributeError
-        return False
+    return bool(conns) and all(relayed_conn(c.muxed_conn) for c in conns)
 
 
 def lane_ips(remote_ip: str, *, dialled: bool, listen_ips: Iterable[str]) -> list[str]:
