@@ -109,21 +109,27 @@ class ReachCheck:
             return
         wait = self._config.first_after_s
         while not stop.wait(wait):
-            self.check_once()
+            judged = self.check_once().verdict != "unknown"
             wanting = self._relays is not None and self._relays.wanting
-            wait = self._config.interval_s if self._asked and not wanting else self._config.retry_s
+            settled = self._asked and judged and not wanting
+            wait = self._config.interval_s if settled else self._config.retry_s
 
     def check_once(self) -> Reachability:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
         self._asked = bool(askers)
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
-        answers = []
+        answers, asked = [], 0
         for member in askers:
             try:
+                if not self._reach(member):
+                    continue
+                asked += 1
                 answers.append(self._ask(member, ports))
             except FusionError as exc:
                 logger.debug("dial-back by %s failed: %s", member.peer_id, exc)
-        confirmations = min(self._config.confirmations, max(1, len(askers)))
+        # A member we could not even connect to (a home behind NAT that has not judged itself
+        # yet) was not asked: its silence must not keep us from a verdict for ever.
+        confirmations = min(self._config.confirmations, max(1, asked))
         verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
         if verdict != self.current:
             logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
@@ -134,8 +140,17 @@ class ReachCheck:
             self._relays.follow(verdict.verdict)
         return verdict
 
-    def _ask(self, member: NodeInfo, ports: list[int]):
-        if member.peer_id not in self._host.connected_peers():
+    def _reach(self, member: NodeInfo) -> bool:
+        """Whether we are connected to ``member`` (connecting if need be)."""
+        if member.peer_id in self._host.connected_peers():
+            return True
+        try:
             self._host.connect(member.addrs[0], timeout=self._config.connect_timeout_s)
+        except FusionError as exc:
+            logger.debug("cannot connect to %s to ask it: %s", member.peer_id, exc)
+            return False
+        return True
+
+    def _ask(self, member: NodeInfo, ports: list[int]):
         peer = ID.from_base58(member.peer_id)
         return self._host.call(ask, self._host.libp2p, peer, ports, self._config.dialback)

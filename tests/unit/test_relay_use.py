@@ -6,13 +6,18 @@ import dataclasses
 
 import msgpack
 import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import LinkReport, NodeState, RecordError
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
+from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.relay_use import RelayUse, RelayUseConfig, pick_relays
+from fusionllm.node.control.seating import seatable
 from fusionllm.node.control.status import describe, format_status
 from fusionllm.node.errors import TransportError
+from fusionllm.node.p2p.dialback import DialBackAnswer
 from tests.unit.test_epochs import T0, record
 
 
@@ -140,3 +145,42 @@ def test_a_relayed_probe_stays_relayed_from_the_book_to_status():
     assert [line.endswith("relayed") for line in lines] == [
         link["relayed"] for link in status["links"]
     ]
+
+
+def test_a_private_member_is_seated_only_once_it_names_a_relayed_address():
+    relayed = (f"{_addr('a')}/p2p-circuit/p2p/c",)
+    members = {
+        "a": _member("a", reach="public"),
+        "b": _member("b", reach="private"),  # nobody could dial it: no plan seats it yet
+        "c": record("c", reach="private", addrs=relayed),
+        "d": _member("d"),  # not judged (or older software): seated as before
+    }
+    assert sorted(seatable(members, now=T0)) == ["a", "c", "d"]
+
+
+class UnreachableHost(FakeHost):
+    """Every member asked answers that it could not reach us; those in ``unreachable`` cannot
+    be dialled to ask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bound_addrs = ["/ip4/192.168.1.2/tcp/4001/p2p/me"]
+        self.libp2p = object()
+
+    def connected_peers(self) -> list[str]:
+        return []
+
+    def call(self, fn, libp2p, peer, ports, config):
+        return DialBackAnswer(peer=peer.to_base58(), observed_ip="198.51.100.9",
+                              reached={4001: False})  # fmt: skip
+
+
+def test_a_member_that_cannot_be_dialled_to_ask_does_not_hold_back_the_verdict():
+    a, b = (ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(2))
+    members = {a: _member(a, reach="public"), b: _member(b)}  # b: a home not judged yet
+    host = UnreachableHost()
+    host.unreachable = {_addr(b)}
+    check = ReachCheck(host=host, config=ReachConfig(), members=lambda: members,
+                       is_member=lambda p: True, listen_ips=["192.168.1.2"])  # fmt: skip
+    verdict = check.check_once()
+    assert (verdict.verdict, verdict.answers) == ("private", 1)
