@@ -81,7 +81,11 @@ class RelayClient:
         discovery = self._parts.discovery
         try:
             with trio.fail_after(self._timeout_s):
-                await discovery.discover_relays()  # it reserves only on relays it knows
+                # It reserves only on relays it discovered, and discovery caches the
+                # protocols a peer had when identified: a member that started relaying later
+                # (its verdict came after we connected) would never show up. The member's
+                # record said it relays: that is our discovery.
+                await discovery._add_relay(relay)
                 return await discovery.make_reservation(relay)
         except (trio.TooSlowError, *NETWORK_ERRORS):
             logger.debug("reservation on %s failed", relay, exc_info=True)
