@@ -125,8 +125,3 @@ class RelayUse:
         if held != list(self.addrs):
             logger.info("reachable through relays at %s", held or "none")
         return held
-
-    def close(self) -> None:
-        if self._relay is not None:
-            self._relay.stop()
-        self._client.stop()
