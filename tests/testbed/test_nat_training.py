@@ -7,8 +7,9 @@ only through that relay (no hole can be punched to a symmetric NAT, and we punch
 reaches the public node over the connection it dialled. The test waits until ``fusionllm
 status`` on the public host shows every link measured over the path it takes (home to home
 relayed, the rest direct), then for ``STEPS`` more steps; the loss of their last steps must
-be below that of the run's first steps; and
-``fusionllm status`` run behind the symmetric NAT sees the same swarm.
+be below that of the run's first steps; and ``fusionllm status`` run behind the symmetric NAT
+sees the same swarm. It also checks what test_home_node.py did before it (each verdict, where
+members saw each node, status on the public host), which it replaced.
 """
 
 import json
@@ -98,6 +99,9 @@ def test_two_homes_behind_nat_train_with_a_public_node_through_its_relay(tmp_pat
             reach = {p["peer_id"]: p["reach"] for p in seen[-1]["peers"]}
             assert reach == {ids["pub"]: "public", ids["cone"]: "private", ids["sym"]: "private"}
             assert relays == {ids["pub"]: [], ids["cone"]: [ids["pub"]], ids["sym"]: [ids["pub"]]}
+            for home in nodes[1:]:  # members saw each home at its router's address
+                assert home.last("reachability")["observed"] == [bed.wan_address(home.name)]
+            assert pub.last("reachability")["addrs"][0].startswith(bed.address("pub") + ":")
             # STEPS more steps from here, every path in place (a run with no end: --steps 0)
             start = last_step(nodes)
             wait_for(lambda: last_step(nodes) >= start + STEPS, 240, f"{STEPS} more steps")
