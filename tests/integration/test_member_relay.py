@@ -4,6 +4,7 @@ meet through it, a stranger can neither reserve nor open a circuit."""
 import pytest
 import torch
 from libp2p.connection_types import ConnectionType
+from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
@@ -91,6 +92,9 @@ def test_a_node_reaches_a_member_at_its_relayed_address(relayed):
     home.set_stream_handler(ECHO, _echo)
     with pytest.raises(TransportError, match="failed"):  # no slot yet: the relay says 204
         other.connect(relayed_addr(relay_addr, home.peer_id))
+    nobody = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # not connected
+    with pytest.raises(TransportError, match="no relay client here"):  # the relay runs none
+        hosts["relay"].connect(relayed_addr(other.addrs[0], nobody))
     assert clients["home"].reserve(hosts["relay"].peer_id)
     assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
     answer = other.call(_ask, other.libp2p, ID.from_base58(home.peer_id), b"relayed")
