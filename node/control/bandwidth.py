@@ -105,6 +105,7 @@ class LinkSample:
     bandwidth: float  # bytes/s
     rtt: float  # s
     measured_at: float  # wall clock
+    relayed: bool = False  # through a relay (node/p2p/relay_client.py)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class BandwidthBook:
                 continue
             at = report.time - link.age
             kept += self.record(
-                author, link.peer, LinkSample(link.bandwidth, link.rtt, at), now=now
+                author, link.peer, LinkSample(link.bandwidth, link.rtt, at, link.relayed), now=now
             )
         return kept
 
@@ -177,7 +178,11 @@ class BandwidthBook:
         )[:MAX_REPORT_LINKS]
         links = tuple(
             LinkReport(
-                peer=dst, bandwidth=s.bandwidth, rtt=s.rtt, age=max(0.0, now - s.measured_at)
+                peer=dst,
+                bandwidth=s.bandwidth,
+                rtt=s.rtt,
+                age=max(0.0, now - s.measured_at),
+                relayed=s.relayed,
             )
             for dst, s in mine
         )
@@ -251,6 +256,7 @@ def _best_of(samples: tuple[LinkSample, ...]) -> LinkSample:
         bandwidth=max(s.bandwidth for s in samples),
         rtt=min(s.rtt for s in samples),
         measured_at=samples[-1].measured_at,
+        relayed=samples[-1].relayed,
     )
 
 

@@ -29,18 +29,9 @@ from fusionllm.common.logs import get_logger
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dht.client import DhtClient, DhtConfig, DhtError, start_client
 from fusionllm.dht.directory import SwarmDirectory
-from fusionllm.dht.records import (
-    MAX_LINKS,
-    NodeInfo,
-    NodeState,
-    RecordError,
-    TrainingProgress,
-)
+from fusionllm.dht.records import MAX_LINKS, NodeInfo, NodeState, RecordError, TrainingProgress
 from fusionllm.node.control.agreement import Candidate
-from fusionllm.node.control.bandwidth import (
-    BandwidthBook,
-    BandwidthReport,
-)
+from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
 from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
@@ -54,6 +45,7 @@ from fusionllm.node.control.pace import (
 )
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
+from fusionllm.node.control.relay_use import RelayUse
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
@@ -150,9 +142,9 @@ class NodeDaemon:
             sign=key_pair.private_key.sign,
             auth=self.config.swarm_key,
         )
+        self.reach = self._reach_check()  # first: our record names the addresses it holds
         self.agreement = self._plan_agreement(costs, node_ids)
         self.links = self._link_monitor()
-        self.reach = self._reach_check()
         self._heartbeat()
         self._start_loops()
         self._emit(
@@ -255,6 +247,7 @@ class NodeDaemon:
             listen_ips=[self.config.listen_host],
             announced_addrs=self.host.addrs if self.config.announce else (),
             emit=self._emit_reach,
+            relays=RelayUse.on(self.host, members=self._members_now, is_member=self._is_member),
         )
         check.attach()
         return check
@@ -317,7 +310,7 @@ class NodeDaemon:
         return NodeInfo(
             peer_id=self.peer_id,
             swarm=self.settings.swarm,
-            addrs=tuple(self.control.listen_addrs[:8]),
+            addrs=tuple(self._advertised()[:8]),
             dht_addrs=tuple(self.dht.maddrs[:8]),
             device=self.device,
             uplink=self._uplink(report),
@@ -337,6 +330,10 @@ class NodeDaemon:
             witnessed=self.witness.current(),
             reach=self.reach.published if self.reach is not None else "",
         )
+
+    def _advertised(self) -> list[str]:
+        listen = self.control.listen_addrs
+        return self.reach.advertised(listen) if self.reach is not None else listen
 
     def _uplink(self, report: BandwidthReport) -> float:
         if self.config.uplink is not None:

@@ -223,7 +223,7 @@ class LinkMonitor:
                 peer[:16], result.bandwidth / 1e6, result.rtt * 1e3, result.bytes,
                 result.seconds * 1e3,
             )  # fmt: skip
-            sample = LinkSample(result.bandwidth, result.rtt, time.time())
+            sample = LinkSample(result.bandwidth, result.rtt, time.time(), result.relayed)
             self.book.record(self.peer_id, peer, sample, now=time.time(), window=self.PROBE_WINDOW)
 
     def connect(self, members: dict[str, NodeInfo]) -> None:

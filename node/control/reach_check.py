@@ -16,6 +16,7 @@ from libp2p.peer.id import ID
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.relay_use import RelayUse
 from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
 from fusionllm.node.p2p.peer_host import PeerHost
 from fusionllm.node.p2p.reachability import Reachability, announced, judge
@@ -69,6 +70,7 @@ class ReachCheck:
         listen_ips: Sequence[str],
         announced_addrs: Sequence[str] = (),
         emit: Callable[..., None] = lambda *a, **k: None,
+        relays: RelayUse | None = None,
     ) -> None:
         self._host = host
         self._config = config
@@ -77,6 +79,7 @@ class ReachCheck:
         self._listen_ips = tuple(listen_ips)
         self._emit = emit
         self._announced = tuple(announced_addrs)
+        self._relays = relays  # acts on each verdict (relay_use.py)
         self._asked = False  # whether the last check found members to ask
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
@@ -93,36 +96,61 @@ class ReachCheck:
         server = DialBackServer(self._config.dialback, allow=self._is_member)
         self._host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
 
+    def advertised(self, listen_addrs: Sequence[str]) -> list[str]:
+        """What our record tells peers to dial: relayed addresses first, while we hold any."""
+        return [*(self._relays.addrs if self._relays else ()), *listen_addrs]
+
     def loop(self, stop: threading.Event) -> None:
-        """Check now and then until ``stop``; nothing to check behind --announce-addr."""
+        """Check now and then until ``stop``; nothing to check behind --announce-addr (we
+        relay for members there)."""
         if self._announced:
+            if self._relays is not None:
+                self._relays.follow(self.current.verdict)
             return
         wait = self._config.first_after_s
         while not stop.wait(wait):
-            self.check_once()
-            wait = self._config.interval_s if self._asked else self._config.retry_s
+            judged = self.check_once().verdict != "unknown"
+            wanting = self._relays is not None and self._relays.wanting
+            settled = self._asked and judged and not wanting
+            wait = self._config.interval_s if settled else self._config.retry_s
 
     def check_once(self) -> Reachability:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
         self._asked = bool(askers)
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
-        answers = []
+        answers, asked = [], 0
         for member in askers:
             try:
+                if not self._reach(member):
+                    continue
+                asked += 1
                 answers.append(self._ask(member, ports))
             except FusionError as exc:
                 logger.debug("dial-back by %s failed: %s", member.peer_id, exc)
-        confirmations = min(self._config.confirmations, max(1, len(askers)))
+        # A member we could not even connect to (a home behind NAT that has not judged itself
+        # yet) was not asked: its silence must not keep us from a verdict for ever.
+        confirmations = min(self._config.confirmations, max(1, asked))
         verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
         if verdict != self.current:
             logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
             self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),
                        observed=list(verdict.observed_ips), answers=verdict.answers)  # fmt: skip
         self.current = verdict
+        if self._relays is not None:
+            self._relays.follow(verdict.verdict)
         return verdict
 
-    def _ask(self, member: NodeInfo, ports: list[int]):
-        if member.peer_id not in self._host.connected_peers():
+    def _reach(self, member: NodeInfo) -> bool:
+        """Whether we are connected to ``member`` (connecting if need be)."""
+        if member.peer_id in self._host.connected_peers():
+            return True
+        try:
             self._host.connect(member.addrs[0], timeout=self._config.connect_timeout_s)
+        except FusionError as exc:
+            logger.debug("cannot connect to %s to ask it: %s", member.peer_id, exc)
+            return False
+        return True
+
+    def _ask(self, member: NodeInfo, ports: list[int]):
         peer = ID.from_base58(member.peer_id)
         return self._host.call(ask, self._host.libp2p, peer, ports, self._config.dialback)

@@ -4,6 +4,8 @@ Pure functions of the members' signed records and the clock, so every node that 
 same records seats the same peers and the leaderless agreement does not split over it:
 
 - an observer (its record's ``observer``) is never seated;
+- nor a member nobody can dial (its ``reach`` is "private") until it names a relayed address
+  (node/control/relay_use.py): peers next to it in a plan could not reach it;
 - a member is kept out while enough of the members serving a plan with it suspect it (their
   records' ``suspects``, written by suspicion.py): at least half of the others that serve,
   and at least one. One member's word is then not enough to keep a peer out of a swarm where
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fusionllm.dht.records import NodeInfo, NodeState
+from fusionllm.node.p2p.relay_addrs import relay_of
 
 
 @dataclass(frozen=True)
@@ -74,4 +77,9 @@ def excluded(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[A
 def seatable(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, NodeInfo]:
     """The members a plan may seat now."""
     out = excluded(members, now=now)
-    return {p: i for p, i in members.items() if not i.observer and p not in out}
+    return {p: i for p, i in members.items()
+            if not i.observer and p not in out and not _unreachable(i)}  # fmt: skip
+
+
+def _unreachable(info: NodeInfo) -> bool:
+    return info.reach == "private" and not any(relay_of(a) for a in info.addrs)

@@ -21,6 +21,7 @@ from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import NodeInfo
 from fusionllm.node.control.quiet import MAX_STRIDE
 from fusionllm.node.control.seating import accusations, excluded
+from fusionllm.node.p2p.relay_addrs import relay_of
 
 logger = get_logger(__name__)
 
@@ -203,6 +204,8 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "reach": m.reach or "unknown",  # may peers dial it? (p2p/reachability.py)
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
+                # members whose relays it holds a slot on (peers dial it through them)
+                "relays": [relay_of(a) for a in m.addrs if relay_of(a)],
             }
             for m in sorted(members.values(), key=lambda m: m.peer_id)
         ],
@@ -213,6 +216,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "mb_s": round(link.bandwidth / 1e6, 3),
                 "rtt_ms": round(link.rtt * 1e3, 3),
                 "age_s": round(link.age + max(0.0, now - m.time), 1),
+                "relayed": link.relayed,  # measured through a relay, the path it takes
             }
             for m in sorted(members.values(), key=lambda m: m.peer_id)
             for link in m.links
@@ -324,7 +328,11 @@ def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
                          "device: planned so")  # fmt: skip
     for p in peers:
-        if p.get("reach") == "private":
+        relays = ", ".join(_short(r) for r in p.get("relays", []))
+        if p.get("reach") == "private" and relays:
+            lines.append(f"  {_short(p['peer_id'])}: no peer can dial it (NAT or firewall); it "
+                         f"is reached through the relays of {relays}")  # fmt: skip
+        elif p.get("reach") == "private":
             lines.append(f"  {_short(p['peer_id'])}: no peer can dial it (NAT or firewall); it "
                          "is reached only over connections it opens")  # fmt: skip
     return lines
@@ -346,6 +354,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(
             f"  {_short(link['src'])} -> {_short(link['dst'])}  {link['mb_s']:>9.2f} MB/s  "
             f"rtt {link['rtt_ms']:>7.2f} ms  age {link['age_s']:>5.1f} s"
+            + ("  relayed" if link.get("relayed") else "")
         )
     plan = status["plan"]
     if plan is None:

@@ -17,6 +17,8 @@
 - control_host.py:  ``ControlHost``, ``ControlConfig``, ``ControlStats``: gossipsub + probes
 - gossip.py:        ``GossipMessage``, ``MessageChecks`` (size, rate, validate), ``GuardedPubsub``,
                     the gossip ``Inbox``, ``TokenBuckets``
+- relay_addrs.py:   ``relayed_addr``, ``relay_of``: relayed addresses as text (no py-libp2p)
+- relay_client.py:  ``RelayClient``: accept circuits, reserve on a relay, dial relayed addresses
 - probes.py:        the bandwidth/RTT probe protocol: ``ProbeServer``, ``run_probe``,
                     ``ProbeResult``, ``PROBE_PROTOCOL``
 - dialback.py:      the dial-back protocol (may peers dial us?): ``DialBackServer``, ``ask``,

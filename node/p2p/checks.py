@@ -8,6 +8,7 @@ import socket
 from libp2p.peer.id import ID
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.node.errors import TransportError
 
 
 def positive_seconds(name: str, value: float, *, allow_inf: bool = False) -> None:
@@ -61,3 +62,20 @@ def _parse_peer_id(peer: str) -> ID:
         return ID.from_base58(peer)
     except Exception as exc:  # base58 and multihash raise assorted types
         raise ValueError(f"not a peer id: {peer!r}") from exc
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a fixed port another process listens on.
+
+    py-libp2p listens with SO_REUSEPORT, so a second node on the same port starts without
+    error and the kernel then splits incoming connections between the two nodes. A plain
+    bind (no SO_REUSEPORT) fails while any socket holds the port.
+    """
+    with socket.socket(address_family("listen_host", host), socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR lets the probe bind over TIME_WAIT leftovers of our own last run (a
+        # restart), while on Linux it still fails against a live listener.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc

@@ -20,7 +20,6 @@ detaches leaves nothing of its own running on a host that lives on.
 """
 
 import contextlib
-import socket
 import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -41,7 +40,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.common.swarm_key import SwarmKey
 from fusionllm.node.errors import DeadlineError, TransportClosedError, TransportError
 from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
-from fusionllm.node.p2p.checks import address_family, int_in, ip_address, positive_seconds
+from fusionllm.node.p2p.checks import check_port_free, int_in, ip_address, positive_seconds
 from fusionllm.node.p2p.host import new_secure_host
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 
@@ -189,6 +188,8 @@ class PeerHost:
         self._nursery: trio.Nursery | None = None
         self._host: IHost | None = None
         self._handlers: dict[TProtocol, _Handler] = {}
+        # Dials ``.../p2p-circuit/p2p/<peer>`` addresses (node/p2p/relay_client.py), if set.
+        self.circuit_dialer: Callable[[str], Awaitable[None]] | None = None
 
     @property
     def key_pair(self) -> KeyPair:
@@ -231,7 +232,7 @@ class PeerHost:
         if self._thread is not None:
             raise TransportError("host already started")
         if self.config.listen_port:
-            _check_port_free(self.config.listen_host, self.config.listen_port)
+            check_port_free(self.config.listen_host, self.config.listen_port)
         self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
         if not self._started.wait(self.config.dial_timeout_s + self.config.close_timeout_s):
@@ -307,14 +308,15 @@ class PeerHost:
         return self.call(self._start_service, factory, args, name)
 
     def connect(self, addr: str, timeout: float | None = None) -> str:
-        """Dial a ``/ip4/.../tcp/.../p2p/<peer id>`` address; returns the peer id."""
+        """Dial a ``/ip4/.../tcp/.../p2p/<peer id>`` address, or a relayed one (through a
+        relay, ``.../p2p-circuit/p2p/<peer id>``) with a circuit dialer; returns the peer id."""
         timeout = self.config.dial_timeout_s if timeout is None else timeout
         positive_seconds("timeout", timeout)
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except Exception as exc:  # multiaddr raises assorted types for bad text
             raise TransportError(f"not a peer address: {addr!r}: {exc}") from exc
-        self.call(self._connect, info, timeout)
+        self.call(self._connect, info, timeout, addr if "/p2p-circuit" in addr else "")
         return info.peer_id.to_base58()
 
     def connected_peers(self) -> list[str]:
@@ -402,10 +404,15 @@ class PeerHost:
         suffix = f"/p2p/{self.peer_id}"
         return [m + suffix for m in announced_multiaddrs(self.config.announce, port)]
 
-    async def _connect(self, info: Any, timeout: float) -> None:
+    async def _connect(self, info: Any, timeout: float, circuit: str) -> None:
         try:
             with trio.fail_after(timeout):
-                await self.libp2p.connect(info)
+                if not circuit or self.libp2p.get_network().get_connections(info.peer_id):
+                    await self.libp2p.connect(info)
+                elif self.circuit_dialer is None:
+                    raise TransportError(f"no relay client here to dial {circuit}")
+                else:
+                    await self.circuit_dialer(circuit)
         except trio.TooSlowError:
             raise DeadlineError(f"dial to {info.peer_id} timed out after {timeout}s") from None
         except NETWORK_ERRORS as exc:
@@ -456,23 +463,6 @@ def _leaf(exc: Exception) -> Exception:
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Refuse a fixed port another process listens on.
-
-    py-libp2p listens with SO_REUSEPORT, so a second node on the same port starts without
-    error and the kernel then splits incoming connections between the two nodes. A plain
-    bind (no SO_REUSEPORT) fails while any socket holds the port.
-    """
-    with socket.socket(address_family("listen_host", host), socket.SOCK_STREAM) as probe:
-        # SO_REUSEADDR lets the probe bind over TIME_WAIT leftovers of our own last run (a
-        # restart), while on Linux it still fails against a live listener.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc
 
 
 async def reset_quietly(stream: INetStream | None) -> None:

@@ -22,6 +22,7 @@ the ack also proves that every byte before them arrived. The server refuses a re
 misbehaving prober only gets its own stream reset. Both sides run in the host's trio thread.
 """
 
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -41,6 +42,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import ControlError, DeadlineError, ProbeRefusedError
 from fusionllm.node.p2p.gossip import Count
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
+from fusionllm.node.p2p.relay_client import relayed_conn
 
 logger = get_logger(__name__)
 
@@ -87,6 +89,7 @@ class ProbeResult:
     bytes: int
     seconds: float  # first payload byte written -> ack read
     tail_bandwidth: float = 0.0  # bytes/s the server timed the payload's second half at (0: none)
+    relayed: bool = False  # measured through a relay (the path the peer's traffic takes)
 
 
 def payload_hasher(nonce: bytes) -> "hashlib.blake2b":
@@ -102,6 +105,7 @@ async def run_probe(host: IHost, peer: ID, nbytes: int, timeout: float) -> Probe
             stream = await host.new_stream(peer, [PROBE_PROTOCOL])
             result = await probe_over(stream, peer.to_base58(), nbytes)
         await close_quietly(stream)
+        result = dataclasses.replace(result, relayed=relayed_conn(stream.muxed_conn))
     except trio.TooSlowError:
         await reset_quietly(stream)
         raise DeadlineError(f"probe of {nbytes} bytes to {peer} took over {timeout}s") from None

@@ -2,14 +2,20 @@
 meet through it, a stranger can neither reserve nor open a circuit."""
 
 import pytest
+import torch
 from libp2p.connection_types import ConnectionType
+from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from fusionllm.common.errors import FusionError
+from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
-from tests.support.relay_client import dial_through, relay_client, reserve
+from fusionllm.node.p2p.probes import PROBE_PROTOCOL, ProbeServer, run_probe
+from fusionllm.node.p2p.relay_addrs import relayed_addr
+from fusionllm.node.p2p.relay_client import RelayClient
+from fusionllm.node.p2p.transport import Transport, TransportConfig
+from tests.support.transport_node import _WAIT_S, HEADER
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -37,24 +43,105 @@ def test_members_meet_through_a_members_relay_and_a_stranger_does_not(tmp_path):
         relay = MemberRelay(hosts["relay"], MemberRelayConfig(),
                             is_member=members.__contains__).start()  # fmt: skip
         relay_addr = hosts["relay"].addrs[0]
-        relay_id = ID.from_base58(hosts["relay"].peer_id)
+        relay_id = hosts["relay"].peer_id
         clients = {}
         for name in ("home", "other", "stranger"):
-            host = hosts[name]
-            clients[name] = host.start_service(relay_client, host.libp2p).value
-            host.connect(relay_addr)
+            clients[name] = RelayClient(hosts[name]).start()
+            hosts[name].connect(relay_addr)
         hosts["home"].set_stream_handler(ECHO, _echo)
-        assert hosts["home"].call(reserve, clients["home"], relay_id)
+        assert clients["home"].reserve(relay_id)
         home_id = ID.from_base58(hosts["home"].peer_id)
+        through = relayed_addr(relay_addr, hosts["home"].peer_id)
         other = hosts["other"]
-        other.call(dial_through, clients["other"], relay_addr, home_id)
+        other.connect(through, timeout=20.0)
         answer = other.call(_ask, other.libp2p, home_id, b"through the relay")
         assert answer == (b"through the relay", ConnectionType.RELAYED)
         stranger = hosts["stranger"]
-        assert not stranger.call(reserve, clients["stranger"], relay_id)
-        with pytest.raises((FusionError, ConnectionError, OSError)):
-            stranger.call(dial_through, clients["stranger"], relay_addr, home_id)
+        assert not clients["stranger"].reserve(relay_id)
+        with pytest.raises(TransportError, match="failed"):
+            stranger.connect(through, timeout=20.0)
         assert relay.counts["refused"] >= 2
     finally:
         for host in hosts.values():
             host.close()
+
+
+@pytest.fixture
+def relayed(tmp_path):
+    """A member's relay, a member with a relay client ("home") and another ("other"),
+    both connected to the relay; home has no slot yet."""
+    hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
+             for n in ("relay", "home", "other")}  # fmt: skip
+    try:
+        members = {h.peer_id for h in hosts.values()}
+        MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
+        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
+        for name in ("home", "other"):
+            hosts[name].connect(hosts["relay"].addrs[0])
+        yield hosts, clients
+    finally:
+        for host in hosts.values():
+            host.close()
+
+
+def test_a_node_reaches_a_member_at_its_relayed_address(relayed):
+    """RelayClient: ``PeerHost.connect`` dials a relayed address like any other."""
+    hosts, clients = relayed
+    home, other = hosts["home"], hosts["other"]
+    relay_addr = hosts["relay"].addrs[0]
+    home.set_stream_handler(ECHO, _echo)
+    with pytest.raises(TransportError, match="failed"):  # no slot yet: the relay says 204
+        other.connect(relayed_addr(relay_addr, home.peer_id))
+    nobody = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # not connected
+    with pytest.raises(TransportError, match="no relay client here"):  # the relay runs none
+        hosts["relay"].connect(relayed_addr(other.addrs[0], nobody))
+    assert clients["home"].reserve(hosts["relay"].peer_id)
+    assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+    answer = other.call(_ask, other.libp2p, ID.from_base58(home.peer_id), b"relayed")
+    assert answer == (b"relayed", ConnectionType.RELAYED)
+    # connected already: a second dial returns at once, on the same connection
+    assert other.connect(relayed_addr(relay_addr, home.peer_id)) == home.peer_id
+    assert len(other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))) == 1
+    # a probe runs over the path the traffic takes, and says it is relayed; one to the relay
+    # itself (a direct connection) does not
+    for host in (home, hosts["relay"]):
+        server = ProbeServer(max_bytes=1 << 20, max_per_peer_per_min=60, max_concurrent=2,
+                             timeout_s=10.0, count=lambda name: None)  # fmt: skip
+        host.set_stream_handler(PROBE_PROTOCOL, server.serve)
+    probe = other.call(run_probe, other.libp2p, ID.from_base58(home.peer_id), 256 << 10, 20.0)
+    assert (probe.bytes, probe.relayed) == (256 << 10, True)
+    direct = other.call(run_probe, other.libp2p, ID.from_base58(hosts["relay"].peer_id),
+                        256 << 10, 20.0)  # fmt: skip
+    assert not direct.relayed
+
+
+def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_circuit(
+    relayed, tmp_path
+):
+    """A lane would dial the member (behind NAT: it cannot be dialled): frames stay inside
+    the relayed connection, both ways, and none is lost."""
+    hosts, clients = relayed
+    home, other = hosts["home"], hosts["other"]
+    relay_addr = hosts["relay"].addrs[0]
+    assert clients["home"].reserve(hosts["relay"].peer_id)
+    transports = [Transport(TransportConfig(key_path=tmp_path / f"{n}.key"), host=hosts[n])
+                  for n in ("home", "other")]  # fmt: skip
+    try:
+        for transport in transports:
+            transport.start()
+        at_home, away = transports
+        away.connect(relayed_addr(relay_addr, home.peer_id))
+        for i in range(5):
+            tensor = torch.arange(1000.0) + i
+            away.send_tensor(home.peer_id, HEADER, tensor, timeout=_WAIT_S)
+            got = at_home.recv(timeout=_WAIT_S)
+            assert (got.peer, got.tensor.tolist()) == (other.peer_id, tensor.tolist())
+            at_home.send_tensor(other.peer_id, HEADER, -tensor, timeout=_WAIT_S)
+            assert torch.equal(away.recv(timeout=_WAIT_S).tensor, -tensor)
+        assert away.outbound_lanes() == at_home.outbound_lanes() == []
+        conns = other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))
+        kinds = {c.muxed_conn.get_connection_type() for c in conns}
+        assert kinds == {ConnectionType.RELAYED}
+    finally:
+        for transport in transports:
+            transport.close()

@@ -18,7 +18,8 @@ from libp2p.peer.id import ID
 
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
-from tests.support.relay_client import dial_through, relay_client, reserve
+from fusionllm.node.p2p.relay_addrs import relayed_addr
+from fusionllm.node.p2p.relay_client import RelayClient
 
 ECHO = TProtocol("/fusionllm/test-echo/1.0.0")
 
@@ -52,16 +53,16 @@ def main(argv: list[str]) -> int:
         _say(event="counts", **relay.counts)  # once the parent closed our stdin
         host.close()
         return 0
-    client = host.start_service(relay_client, host.libp2p).value
-    relay_id = ID.from_base58(host.connect(rest[0]))
+    client = RelayClient(host).start()
+    relay_id = host.connect(rest[0])
     if role == "listener":
         host.set_stream_handler(ECHO, _echo)
-        _say(event="reserved", ok=host.call(reserve, client, relay_id))
+        _say(event="reserved", ok=client.reserve(relay_id))
         sys.stdin.read()
     else:
         listener = ID.from_base58(rest[1])
         try:
-            host.call(dial_through, client, rest[0], listener)
+            host.connect(relayed_addr(rest[0], rest[1]), timeout=20.0)
             _say(event="echo", **host.call(_ask, host.libp2p, listener))
         except Exception as exc:  # the stranger's dial fails: say how
             _say(event="echo", error=type(exc).__name__)

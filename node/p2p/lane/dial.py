@@ -25,9 +25,15 @@ from fusionllm.node.p2p.framing import read_exactly
 from fusionllm.node.p2p.lane.offer import ACCEPTED, LANE_PROTOCOL, OFFER_BYTES, Offer
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
+from fusionllm.node.p2p.relay_client import relayed_conn
 from fusionllm.node.p2p.stream_reader import StreamReader
 
 MAX_LISTEN_IPS = 3  # a peer that names many addresses cannot make us dial many hosts
+
+
+class RelayedError(TransportError):
+    """Every connection to the peer goes through a relay: a lane would have to dial the peer
+    (behind NAT: it cannot be dialled), so its frames stay on streams inside the connection."""
 
 
 class LaneRefusedError(TransportError):
@@ -43,6 +49,8 @@ _REFUSALS = (StreamFailure, StreamReset, StreamEOF, FrameError)
 async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
     """A lane to ``peer``, set up within ``timeout_s``; LaneRefusedError if the peer refuses
     to offer one, TransportError (or DeadlineError) if its port cannot be reached from here."""
+    if only_relayed(host, ID.from_base58(peer)):
+        raise RelayedError(f"{peer} is reached through a relay only")
     try:
         with trio.fail_after(timeout_s):
             try:
@@ -52,6 +60,12 @@ async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
             return await _redeem_at_one_of(offer, ips)
     except trio.TooSlowError as exc:
         raise DeadlineError(f"a lane to {peer} took over {timeout_s}s to set up") from exc
+
+
+def only_relayed(host: IHost, peer: ID) -> bool:
+    """Whether all our connections to ``peer`` are relayed (none: not known to be)."""
+    conns = host.get_network().get_connections(peer)
+    return bool(conns) and all(relayed_conn(c.muxed_conn) for c in conns)
 
 
 def lane_ips(remote_ip: str, *, dialled: bool, listen_ips: Iterable[str]) -> list[str]:
