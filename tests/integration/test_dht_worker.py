@@ -4,6 +4,7 @@ and serves requests again, same peer id, and no p2pd of the killed worker is lef
 whose stdin closes stops its p2pd; and a p2pd whose worker dies with no client left to clean
 up exits by itself."""
 
+import concurrent.futures
 import contextlib
 import glob
 import os
@@ -200,14 +201,21 @@ def test_narrow_searches_still_find_every_nodes_record():
     try:
         first = DhtClient(DhtConfig(swarm="beam", validate_records=False, search_beam=5))
         clients.append(first.start())
-        for _ in range(7):
-            config = DhtConfig(
-                swarm="beam",
-                initial_peers=(clients[0].maddrs[0],),
-                validate_records=False,
-                search_beam=5,
-            )
-            clients.append(DhtClient(config).start())
+        config = DhtConfig(
+            swarm="beam",
+            initial_peers=(clients[0].maddrs[0],),
+            validate_records=False,
+            search_beam=5,
+        )
+        # The seven join at once (a start mostly waits on its worker and p2pd: ~3 s each one
+        # after another); every one started is closed, whichever failed.
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            starts = [pool.submit(DhtClient(config).start) for _ in range(7)]
+        for start in starts:
+            if start.exception() is None:
+                clients.append(start.result())
+        for start in starts:
+            start.result()  # a failed start fails the test
         for version in (b"old", b"new"):
             expiration = time.time() + 60
             for i, client in enumerate(clients):

@@ -1,6 +1,7 @@
 """One member cannot stop a training swarm (issue 27), with real ``fusionllm node`` processes.
 
-Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per test:
+Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``), one pair for the whole module; then,
+one case per test, each adding its own node to the pair:
 
 - an observer (``--no-train``) advertising an RTX 4090 joins: its record says it observes, so
   no plan ever names it and the steps never pause;
@@ -8,8 +9,6 @@ Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per te
   ``--control-only`` flag: what ``--no-train`` did before observers said so) joins: the two
   trainers suspect it, re-plan without it and go on within 60 s at the default barrier grace,
   and keep it out for the backoff;
-- a third node waits in backup and a serving one is SIGSTOPped (its connections stay up, it
-  sends nothing): the others go on within 60 s, losing at most one checkpoint interval;
 - a seated member stops sending frames mid-run while its heartbeat stays up (the hidden
   ``--fault-stall-after`` hook): the member that waited on it blames it, not anyone else,
   and the others go on within 60 s;
@@ -17,10 +16,13 @@ Two nodes train GPT-2 tiny (``--min-stages 2 --steps 0``); then, one case per te
 - a member claims 4x the speed it computes at and under-reports its compute 64x (the hidden
   ``--fault-under-report`` hook; its own record then says it is as fast as it claims): its
   neighbours' waits in the step summaries show its real compute, their records witness its
-  pace, and the swarm re-plans it with that figure.
+  pace, and the swarm re-plans it with that figure;
+- last (it may stop one of the pair): a third node waits in backup and a serving one is
+  SIGSTOPped (its connections stay up, it sends nothing): the others go on within 60 s, losing
+  at most one checkpoint interval.
 
-Every test ends its processes (SIGCONT first for a stopped one); steps are read from the nodes'
-``step`` events.
+Every test ends the node it started (SIGCONT first for a stopped one), the module ends the pair;
+steps are read from the nodes' ``step`` events.
 """
 
 import itertools
@@ -122,29 +124,6 @@ def _suspected_by(node: NodeProcess, peer: str, since: float = 0.0) -> list[dict
             and peer in e.get("excluded", [])]  # fmt: skip
 
 
-def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(tmp_path):
-    swarm, nodes, stopped = None, [], None
-    try:
-        swarm, nodes = _trainers(tmp_path)
-        nodes.append(swarm.start("c", bootstrap=nodes[0].dht_addr))
-        wait_for(lambda: nodes[2].last("epoch"), 120, "the third node to follow a plan")
-        wait_for(lambda: len(_step_times(nodes)) >= 40, 120, "40 trained steps")
-        stopped = wait_for(lambda: serving(nodes), 60, "a serving node")[0]
-        stopped_at = time.time()
-        stopped.process.send_signal(signal.SIGSTOP)
-        alive = [n for n in nodes if n is not stopped]
-        resumed = wait_for(lambda: first_step_after(alive, stopped_at), 120, "a plan without it")
-        lost = max(rollbacks(alive, stopped_at))
-        print(f"stopped member: steps again after {resumed - stopped_at:.1f} s, {lost} lost")
-        assert resumed - stopped_at < RESUME_S, swarm.logs()
-        assert 0 <= lost <= EVERY, lost
-    finally:
-        if stopped is not None:
-            stopped.process.send_signal(signal.SIGCONT)
-        if swarm is not None:
-            swarm.close()
-
-
 def _paced(node: NodeProcess, peer: str) -> list[dict]:
     return [e for e in node.snapshot() if e["event"] == "epoch" and e.get("paced", {}).get(peer)]
 
@@ -186,10 +165,26 @@ def _witnessed_records(node: NodeProcess, peer: str) -> dict[str, NodeInfo] | No
     return None
 
 
-def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_path):
+# ----- every test shares two trainers (torn down at the end of the module): each adds a node
+# and ends it, and the trainers go on as two after it; the one that stops a serving node is last.
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Two trainers that have trained 10 steps (a fresh pair per test cost ~30 s each)."""
     swarm = None
     try:
-        swarm, nodes = _trainers(tmp_path)
+        swarm, nodes = _trainers(tmp_path_factory.mktemp("shared"))
+        yield swarm, nodes
+    finally:
+        if swarm is not None:
+            swarm.close()
+
+
+def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(shared):
+    swarm, nodes = shared
+    boaster = None
+    try:
         # Four times the test CPU on every figure the planner reads: its steps take 4x the
         # claim (more on a loaded machine, as the honest nodes' do too: 2-4x their claims
         # here, so up to ~32x for it). It says it computed 64x less than it did: its own pace
@@ -248,24 +243,8 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(tmp_p
         steps = len(_step_times(everyone))
         wait_for(lambda: len(_step_times(everyone)) > steps + 10, 120, "training to go on")
     finally:
-        if swarm is not None:
-            swarm.close()
-
-
-# ----- last: the tests that share two trainers (torn down at the end of the module)
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Two trainers for the tests that add one node each and end it (a member that never
-    comes, one that stalls, an observer, a flood): the trainers go on as two after each."""
-    swarm = None
-    try:
-        swarm, nodes = _trainers(tmp_path_factory.mktemp("shared"))
-        yield swarm, nodes
-    finally:
-        if swarm is not None:
-            swarm.close()
+        if boaster is not None:
+            boaster.kill()  # the test's own process; the trainers are the module's
 
 
 def test_a_member_that_never_comes_to_the_barrier_is_planned_around(shared):
@@ -386,3 +365,28 @@ def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(shared):
         if flooder is not None:
             flooder.close()
         member.kill()
+
+
+def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(shared):
+    """Last in the module: the member it stops may be one of the shared trainers."""
+    swarm, trainers = shared
+    nodes, stopped = [*trainers, swarm.start("c", bootstrap=trainers[0].dht_addr)], None
+    try:
+        wait_for(lambda: nodes[2].last("epoch"), 120, "the third node to follow a plan")
+        # 30 more step events than when the third node followed a plan (as on a fresh pair's
+        # 10): the plan with it has trained past a checkpoint when a member stops.
+        trained = len(_step_times(nodes)) + 30
+        wait_for(lambda: len(_step_times(nodes)) >= trained, 120, "30 more trained steps")
+        stopped = wait_for(lambda: serving(nodes), 60, "a serving node")[0]
+        stopped_at = time.time()
+        stopped.process.send_signal(signal.SIGSTOP)
+        alive = [n for n in nodes if n is not stopped]
+        resumed = wait_for(lambda: first_step_after(alive, stopped_at), 120, "a plan without it")
+        lost = max(rollbacks(alive, stopped_at))
+        print(f"stopped member: steps again after {resumed - stopped_at:.1f} s, {lost} lost")
+        assert resumed - stopped_at < RESUME_S, swarm.logs()
+        assert 0 <= lost <= EVERY, lost
+    finally:
+        if stopped is not None:
+            stopped.process.send_signal(signal.SIGCONT)
+        nodes[2].kill()  # the test's own process; the trainers are the module's

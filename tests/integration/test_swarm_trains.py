@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fusionllm.common.run_spec import RunSpec
+from fusionllm.data.corpus import load_prepared, stdlib_source_files
 from fusionllm.node.local_swarm import TEST_DEVICE, LocalSwarm, wait_for
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig, build_model
@@ -162,6 +163,17 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
 
 
 def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
+    """The user's path: `fusionllm prepare` some text, then `fusionllm swarm --data` on it
+    (one swarm run for both: each cost ~20 s alone)."""
+    cli = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING"]
+    data = tmp_path / "tokens"
+    prepared = subprocess.run(
+        [*cli, "prepare", *map(str, stdlib_source_files()[:60]), "--out", str(data), "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    assert "prepare: 100%" in prepared.stderr  # the progress bar, on stderr
+    assert json.loads(prepared.stdout)["digest"] == load_prepared(data).digest
     plot = tmp_path / "loss.png"
     # Half the options from a file and the environment, as a user may give them: the swarm's
     # own FUSIONLLM_* variables must not reach its nodes (they would refuse "nodes").
@@ -169,8 +181,8 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     config.write_text("nodes = 2\nsteps = 6\nseq-len = 16\njson = true\n")
     env = {**os.environ, "FUSIONLLM_CONFIG": str(config), "FUSIONLLM_EVAL_EVERY": "3"}
     result = subprocess.run(
-        [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "WARNING", "swarm",
-         "--work-dir", str(tmp_path / "w"), "--plot", str(plot)],
+        [*cli, "swarm", "--data", str(data), "--work-dir", str(tmp_path / "w"), "--plot",
+         str(plot)],
         capture_output=True, text=True, timeout=300, check=False, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

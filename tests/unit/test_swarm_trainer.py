@@ -465,17 +465,18 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(
 def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
     cluster_of, monkeypatch
 ):
-    """The leaver's links carry 150 kB/s (its stage's state takes seconds), as measured; the
-    fixed wait (here 0.5 s) would give the hand-over up and the next plan would roll back to
-    the last checkpoint: the wait is the state's bytes at the measured rate."""
-    monkeypatch.setattr(parting_module, "HAND_OVER", TransferWait(floor_s=0.5))
+    """The leaver's links carry 600 kB/s (its stage's state takes about a second), as
+    measured; the fixed wait (here 0.125 s) would give the hand-over up and the next plan would
+    roll back to the last checkpoint: the wait is the state's bytes at the measured rate.
+    (150 kB/s and 0.5 s tested the same ratio of bytes' time to fixed wait in 4x the time.)"""
+    monkeypatch.setattr(parting_module, "HAND_OVER", TransferWait(floor_s=0.125))
     peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
     three = _plan(peers[:3], 3)
     cluster = cluster_of(peers, checkpoint_every=4)
     for other in ("peer-a", "peer-c", "peer-d"):
-        cluster.network.shape_link("peer-b", other, rate=150e3)
+        cluster.network.shape_link("peer-b", other, rate=600e3)
     for view in cluster.views.values():
-        view.bytes_per_s = 150e3
+        view.bytes_per_s = 600e3
     left_at, survivors = _b_leaves_politely(cluster, three)
     assert left_at % 4, "left at a checkpoint: a rollback would not show"
     assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
