@@ -2,12 +2,13 @@
 kernel-timed meter read while it carried frames.
 
     python -m tests.support.lane_main serve KEY_HEX ADDR        # prints {"event": "ready", ...}
-    python -m tests.support.lane_main send KEY_HEX ADDR:PORT SECONDS FRAME_BYTES
+    python -m tests.support.lane_main send KEY_HEX ADDR:PORT SECONDS FRAME_BYTES GAP_S
 
 ``lane_figures`` runs both in a testbed: the reader in ``dst`` (it drains and unseals, as a
-node's lane thread does), the writer in ``src`` writing frames for SECONDS; it returns the
-writer's meter samples (``WireSample`` fields) and what the writer put through (``bytes``,
-``seconds``), so a test can set the kernel's figure beside the cap and the sender's own pace.
+node's lane thread does), the writer in ``src`` writing frames for SECONDS, GAP_S apart (a
+stage computes between its frames); it returns the writer's meter samples (``WireSample``
+fields) and what the writer put through (``bytes``, ``seconds``), so a test can set the
+kernel's figure beside the cap and the sender's own pace.
 """
 
 import json
@@ -34,7 +35,7 @@ def serve(key_hex: str, addr: str) -> None:
     server.close()
 
 
-def send(key_hex: str, target: str, seconds: float, frame_bytes: int) -> None:
+def send(key_hex: str, target: str, seconds: float, frame_bytes: int, gap_s: float) -> None:
     import trio
 
     from fusionllm.node.p2p.lane.stream import LaneWriter
@@ -47,6 +48,7 @@ def send(key_hex: str, target: str, seconds: float, frame_bytes: int) -> None:
     while (elapsed := time.monotonic() - started) < seconds:
         writer.write_frame((b"h", body), timeout=30.0)
         sent += 1 + frame_bytes
+        time.sleep(gap_s)
         sample = writer.meter.latest()
         if sample is not None and (not samples or samples[-1]["measured_at"] != sample.measured_at):
             samples.append({"bandwidth": sample.bandwidth, "rtt": sample.rtt,
@@ -56,7 +58,13 @@ def send(key_hex: str, target: str, seconds: float, frame_bytes: int) -> None:
 
 
 def lane_figures(
-    bed: Testbed, src: str, dst: str, *, seconds: float, frame_bytes: int = 1 << 20
+    bed: Testbed,
+    src: str,
+    dst: str,
+    *,
+    seconds: float,
+    frame_bytes: int = 1 << 20,
+    gap_s: float = 0.0,
 ) -> dict:
     me = [sys.executable, "-m", "tests.support.lane_main"]
     key = bytes(range(32)).hex()
@@ -64,7 +72,8 @@ def lane_figures(
         bed.command(dst, [*me, "serve", key, bed.address(dst)]), name="lane-reader"
     ) as reader:
         port = reader.next_event(_START_S)["port"]
-        argv = [*me, "send", key, f"{bed.address(dst)}:{port}", str(seconds), str(frame_bytes)]
+        argv = [*me, "send", key, f"{bed.address(dst)}:{port}", str(seconds), str(frame_bytes),
+                str(gap_s)]  # fmt: skip
         done = bed.run(src, argv, timeout=_START_S + 3 * seconds)
     if done.returncode != 0:
         raise RuntimeError(f"the lane writer failed: {done.stderr[-2000:]}")
@@ -72,13 +81,14 @@ def lane_figures(
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["serve"]:
-        serve(*argv[1:3])
-    elif argv[:1] == ["send"]:
-        send(argv[1], argv[2], float(argv[3]), int(argv[4]))
-    else:
+    commands = {
+        "serve": lambda args: serve(args[0], args[1]),
+        "send": lambda args: send(args[0], args[1], float(args[2]), int(args[3]), float(args[4])),
+    }
+    if len(argv) < 3 or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2
+    commands[argv[0]](argv[1:])
     return 0
 
 

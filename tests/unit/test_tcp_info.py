@@ -118,15 +118,21 @@ def test_a_lane_that_idles_does_not_count_the_same_figure_twice():
     # Later, but under min_bytes more acknowledged: the kernel's rate is the old one.
     assert m.observe(parse_tcp_info(fake_tcp_info(acked=(2 << 20) + 1000)), now=105.0) is None
     assert m.latest() == first
-    assert m.observe(parse_tcp_info(fake_tcp_info(acked=4 << 20, rate=90_000_000)), now=106.0)
-    assert m.latest().bandwidth == 90e6
 
 
-def test_samples_are_at_most_one_per_interval():
+def test_the_figure_is_the_median_of_an_intervals_samples():
     m = meter()
-    assert m.observe(parse_tcp_info(fake_tcp_info(acked=2 << 20)), now=100.0)
-    assert m.observe(parse_tcp_info(fake_tcp_info(acked=8 << 20)), now=100.5) is None
-    assert m.observe(parse_tcp_info(fake_tcp_info(acked=9 << 20)), now=101.0)
+    rates = [110_000_000, 20_000_000, 140_000_000, 112_000_000, 115_000_000]
+    for i, rate in enumerate(rates):
+        info = fake_tcp_info(acked=(i + 1) << 21, rate=rate, min_rtt_us=500 - 10 * i)
+        figure = m.observe(parse_tcp_info(info), now=100.0 + 0.1 * i)
+    # A low sample (its interval spanned a gap) and a high one (bunched ACKs) both lose.
+    assert (figure.bandwidth, figure.rtt, figure.measured_at) == (112e6, 460e-6, 100.4)
+    assert m.latest() == figure
+    # A new interval starts from its own samples.
+    later = m.observe(parse_tcp_info(fake_tcp_info(acked=20 << 20, rate=60_000_000)), now=101.0)
+    assert later is not None
+    assert later.bandwidth == 60e6
 
 
 @pytest.mark.parametrize(
