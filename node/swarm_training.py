@@ -174,6 +174,7 @@ def start_training(
         admit=admit,
         host=daemon.host,
     ).start()
+    daemon.wire_samples = transport.lane_senders.wire_samples
     try:
         trainer = _trainer(config, daemon, transport, on_event).start()
     except BaseException:

@@ -51,6 +51,7 @@ from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
 from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.peer_host import PeerHost
 
 logger = get_logger(__name__)
@@ -70,6 +71,8 @@ class NodeDaemon:
         self.dht: DhtClient | None = None
         self.directory: SwarmDirectory | None = None
         self.book = BandwidthBook(max_age_s=max(6 * config.probe_interval_s, 60.0))
+        # Our lanes' kernel-timed link figures; the tensor plane sets it once it runs.
+        self.wire_samples: Callable[[], dict[str, WireSample]] = dict
         self.agreement: PlanAgreement | None = None  # the plan epochs, from start()
         self._state = NodeState.JOINING
         self.progress: TrainingProgress | None = None  # what our trainer last reported
@@ -235,6 +238,7 @@ class NodeDaemon:
             wake=lambda alert: self.agreement.quiet.wake(alert=alert),
             suspect=lambda peer, since: self.agreement.quiet.suspect(peer, since),
             quiet=lambda: self.agreement.quiet.cadence.stride,
+            wire=lambda: self.wire_samples(),
         )
 
     def _reach_check(self) -> ReachCheck:

@@ -24,6 +24,7 @@ from fusionllm.node.control.bandwidth import (
 from fusionllm.node.control.quiet import MAX_PROBE_STRETCH, ConnectionWatch, HeldAge
 from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
+from fusionllm.node.p2p.lane.wire_meter import WireSample
 
 logger = get_logger(__name__)
 
@@ -72,6 +73,7 @@ class LinkMonitor:
         wake: Callable[[bool], None] = lambda alert: None,
         suspect: Callable[[str, float], None] = lambda peer, since: None,
         quiet: Callable[[], int] = lambda: 1,
+        wire: Callable[[], dict[str, WireSample]] = dict,
     ) -> None:
         self.control = control
         self.book = book
@@ -89,6 +91,7 @@ class LinkMonitor:
         self._suspect = suspect  # a quiet member that vanished: (peer, since when)
         self._connections = ConnectionWatch()
         self._quiet = quiet  # how many epochs a quiet swarm sits out (quiet.py)
+        self._wire = wire  # our lanes' kernel-timed figures, by peer (lane/wire_meter.py)
         self._held_age = HeldAge(book.max_age_s)
         self._rng = random.Random()
         self._lock = threading.Lock()
@@ -126,6 +129,7 @@ class LinkMonitor:
                 self._probe_round(members)
             except TransportClosedError:
                 return  # the daemon closes the control host on its way out
+            self.file_wire(members)
             report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
             if report.links:
                 with contextlib.suppress(FusionError, ValueError):
@@ -154,6 +158,7 @@ class LinkMonitor:
             if self._stop.wait(min(left, self.MEMBER_CHECK_S)):
                 return True
             current = self._members()
+            self.file_wire(current)
             if frozenset(current) != members or self._stretch() < stretch:
                 return False
             try:
@@ -181,6 +186,19 @@ class LinkMonitor:
                 # Until it writes after this moment: a record written before it died may
                 # still be newer than the one we read last (a quiet node reads seldom).
                 self._suspect(peer, time.time())
+
+    def file_wire(self, members: dict[str, NodeInfo]) -> int:
+        """Put our lanes' kernel-timed figures in the book, in the window our probes share:
+        under training load a probe paced by Python reads a fast link 4-40x low (issue 25),
+        the kernel's busy-lane rate does not, and the best of the window prices the link.
+        How many were new."""
+        now, kept = time.time(), 0
+        for peer, wire in self._wire().items():
+            if peer != self.peer_id and peer in members:
+                sample = LinkSample(wire.bandwidth, wire.rtt, wire.measured_at)
+                window = self.PROBE_WINDOW
+                kept += self.book.record(self.peer_id, peer, sample, now=now, window=window)
+        return kept
 
     def _reachable(self, info: NodeInfo) -> bool:
         for addr in info.addrs[:2]:

@@ -132,7 +132,7 @@ class Transport:
         self._inbound: Inbound | None = None
         self._lanes = Lanes(config, host)
         self._deliver: Deliver | None = None
-        self._lane_senders = LaneSenders(self._counters)
+        self.lane_senders = LaneSenders(self._counters)  # also where lanes' wire figures are
 
     @property
     def addrs(self) -> list[str]:
@@ -197,7 +197,7 @@ class Transport:
         head = encode_head(header, len(body))
         parse_peer_id(peer)
         self._require_running()
-        written = self._lane_senders.try_write(peer, (head, body), timeout)
+        written = self.lane_senders.try_write(peer, (head, body), timeout)
         if written is not None:
             return written
         started = time.monotonic()
@@ -336,7 +336,7 @@ class Transport:
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
             # Our outbound streams would otherwise stay open on a host that lives on.
-            self._lane_senders.clear()
+            self.lane_senders.clear()
             for out in self._outbound.values():
                 stream, out.stream = out.stream, None
                 await reset_quietly(stream)
@@ -419,7 +419,7 @@ class Transport:
         lane = await self._lanes.dial(self.host.libp2p, peer)
         if lane is not None:
             out.stream = lane
-            self._lane_senders.add(peer, lane)  # from now on callers write to it themselves
+            self.lane_senders.add(peer, lane)  # from now on callers write to it themselves
             self._nursery.start_soon(self._watch_outbound, peer, out, lane)
             return
         dial_s = self.config.dial_timeout_s
@@ -451,7 +451,7 @@ class Transport:
         if out.stream is stream:
             out.stream = None
         if isinstance(stream, LaneWriter):
-            self._lane_senders.drop(peer, stream)
+            self.lane_senders.drop(peer, stream)
         await reset_quietly(stream)
         if out.stream is None and not out.lock.locked() and self._outbound.get(peer) is out:
             del self._outbound[peer]  # the next send opens a new stream anyway
@@ -483,7 +483,7 @@ class Transport:
     def _drop_lane(self, peer: str, out: _Outbound) -> None:
         """Forget a broken lane (its watcher closes it): the next frame opens a new one."""
         if isinstance(out.stream, LaneWriter):
-            self._lane_senders.drop(peer, out.stream)
+            self.lane_senders.drop(peer, out.stream)
         out.stream = None
 
     @staticmethod

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.p2p.lane.stream import LaneWriter
+from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
 
 logger = get_logger(__name__)
@@ -34,6 +35,11 @@ class LaneSenders:
 
     def clear(self) -> None:
         self._by_peer.clear()
+
+    def wire_samples(self) -> dict[str, WireSample]:
+        """Each open lane's newest kernel-timed figure (wire_meter.py), by peer; any thread."""
+        lanes = list(self._by_peer.items())  # one operation: a copy safe across threads
+        return {peer: s for peer, lane in lanes if (s := lane.meter.latest()) is not None}
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float

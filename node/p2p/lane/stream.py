@@ -30,6 +30,8 @@ from fusionllm.node.p2p.lane.seal import (
     Sealer,
     chunk_length,
 )
+from fusionllm.node.p2p.lane.tcp_info import TcpInfoError, read_tcp_info
+from fusionllm.node.p2p.lane.wire_meter import WireMeter
 
 
 async def send_all(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> None:
@@ -99,6 +101,7 @@ class LaneWriter:
         self._batch = bytearray(_BATCH_CHUNKS * MAX_SEALED_CHUNK)
         self.lock = threading.Lock()
         self.broken = False
+        self.meter = WireMeter()  # the link's rate as the kernel timed our frames
 
     def write_frame(self, parts: tuple[bytes | memoryview, ...], timeout: float) -> None:
         """Seal and send ``parts`` (a frame's head and body), all within ``timeout`` seconds;
@@ -129,6 +132,7 @@ class LaneWriter:
                     return lambda deadline: self._finish(rest, batches, deadline)
         except BaseException as exc:
             self._fail(exc)
+        self._measure()
         return None
 
     def _batches(self, parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
@@ -152,6 +156,13 @@ class LaneWriter:
                     self._blocking.sendall(sealed)
         except BaseException as exc:
             self._fail(exc)
+        self._measure()
+
+    def _measure(self) -> None:
+        """Hand the kernel's view of the lane to its meter (one system call, after a frame)."""
+        # Not Linux, or the socket just closed: the link keeps its probes' figure.
+        with contextlib.suppress(TcpInfoError):
+            self.meter.observe(read_tcp_info(self._blocking), time.time())
 
     def _fail(self, exc: BaseException) -> NoReturn:
         self.broken = True  # a frame cut short: nothing more may follow on this lane
