@@ -25,16 +25,10 @@ import queue
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 import trio
-from libp2p.abc import INetStream
-from libp2p.peer.id import ID
-from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
-from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE as _YAMUX_HEADER_BYTES
-from libp2p.stream_muxer.yamux.yamux import MAX_MESSAGE_SIZE as _YAMUX_MAX_FRAME_BYTES
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -47,9 +41,9 @@ from fusionllm.node.p2p.host import TENSOR_PROTOCOL
 from fusionllm.node.p2p.inbound import Inbound
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.service import Lanes
-from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.limits import InFlight, Refusals
-from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, reset_quietly
+from fusionllm.node.p2p.outbound import WRITE_CHUNK_BYTES, Outbound
+from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost
 from fusionllm.node.p2p.transport_types import (
     CLOSED,
     AdmitPeer,
@@ -77,18 +71,11 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-# Bytes per stream.write: the most one yamux DATA frame carries inside one Noise message (yamux
-# alone cuts 64 KiB frames, one byte over Noise's plaintext limit: twice the messages).
-_WRITE_CHUNK_BYTES = min(_YAMUX_MAX_FRAME_BYTES, _NOISE_MAX_PLAINTEXT) - _YAMUX_HEADER_BYTES
+# Kept importable from here (benchmarks/transport.py, tests) where the writes moved out.
+_WRITE_CHUNK_BYTES = WRITE_CHUNK_BYTES
 
 # Counters of peers that disconnected stay readable (stats) until this many more have gone.
 _GONE_PEERS_KEPT = 64
-
-
-@dataclass
-class _Outbound:
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    stream: INetStream | LaneWriter | None = None
 
 
 class Transport:
@@ -128,11 +115,12 @@ class Transport:
         self._closed = False
         # Owned by the trio thread (the service) from here on.
         self._nursery: trio.Nursery | None = None
-        self._outbound: dict[str, _Outbound] = {}
         self._inbound: Inbound | None = None
         self._lanes = Lanes(config, host)
         self._deliver: Deliver | None = None
         self.lane_senders = LaneSenders(self._counters)  # also where lanes' wire figures are
+        self._outbound = Outbound(host, self._lanes, self.lane_senders, self._counters,
+                                  dial_timeout_s=config.dial_timeout_s)  # fmt: skip
 
     @property
     def addrs(self) -> list[str]:
@@ -273,11 +261,7 @@ class Transport:
 
     def outbound_lanes(self) -> list[str]:
         """The peers our frames go to over a lane now (not a libp2p stream)."""
-        return self.host.call_sync(
-            lambda: sorted(
-                peer for peer, out in self._outbound.items() if isinstance(out.stream, LaneWriter)
-            )
-        )
+        return self.host.call_sync(self._outbound.lane_peers)
 
     def _tracked_peers(self) -> dict[str, int]:
         inbound = self._inbound.tracked_peers() if self._inbound is not None else 0
@@ -316,7 +300,7 @@ class Transport:
         network.register_notifee(departures)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._nursery = self._outbound.nursery = nursery
                 try:
                     if self.config.lanes:
                         await self._lanes.start(
@@ -327,7 +311,7 @@ class Transport:
                         )
                     yield
                 finally:
-                    self._nursery = None
+                    self._nursery = self._outbound.nursery = None
                     self._inbound.stop()  # before the lanes' sockets are shut
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
@@ -336,10 +320,7 @@ class Transport:
             # Also ends (resets) the inbound streams still being read.
             self.host.remove_stream_handler(TENSOR_PROTOCOL)
             # Our outbound streams would otherwise stay open on a host that lives on.
-            self.lane_senders.clear()
-            for out in self._outbound.values():
-                stream, out.stream = out.stream, None
-                await reset_quietly(stream)
+            await self._outbound.reset_all()
             self._inbox.put(CLOSED)
 
     def _route(self, received: Received) -> bool:
@@ -366,7 +347,7 @@ class Transport:
         error: BaseException | None = None
         try:
             with trio.fail_after(timeout):
-                await self._write_frame(peer, head, body, timeout)
+                await self._outbound.write_frame(peer, head, body, timeout)
         except trio.TooSlowError:
             error = DeadlineError(f"sending {len(body)} bytes to {peer} took over {timeout}s")
         except FusionError as exc:
@@ -389,112 +370,10 @@ class Transport:
         else:
             future.set_exception(error)
 
-    async def _write_frame(self, peer: str, head: bytes, body: bytes, timeout: float) -> None:
-        out = self._outbound.setdefault(peer, _Outbound())
-        async with out.lock:
-            if isinstance(out.stream, LaneWriter) and out.stream.broken:
-                self._drop_lane(peer, out)  # a caller's inline write failed on it
-            reused = out.stream is not None
-            if out.stream is None:
-                await self._open_outbound(peer, out)
-            if isinstance(out.stream, LaneWriter):
-                await self._write_lane(peer, out, (head, body), timeout)
-                return
-            try:
-                await self._write_or_drop(out, head)
-            except NETWORK_ERRORS:
-                if not reused:
-                    raise
-                # The peer ended the stream we kept (e.g. it refused our last frame) before our
-                # watcher noticed; none of this frame went out, so one fresh stream is safe.
-                logger.debug("stream to %s was dead; opening a new one", peer, exc_info=True)
-                await self._open_outbound(peer, out)
-                await self._write_or_drop(out, head)
-            view = memoryview(body)
-            for start in range(0, len(view), _WRITE_CHUNK_BYTES):
-                await self._write_or_drop(out, view[start : start + _WRITE_CHUNK_BYTES])
-
-    async def _open_outbound(self, peer: str, out: _Outbound) -> None:
-        assert self._nursery is not None
-        lane = await self._lanes.dial(self.host.libp2p, peer)
-        if lane is not None:
-            out.stream = lane
-            self.lane_senders.add(peer, lane)  # from now on callers write to it themselves
-            self._nursery.start_soon(self._watch_outbound, peer, out, lane)
-            return
-        dial_s = self.config.dial_timeout_s
-        # Dialing (when not connected yet) and protocol negotiation get the dial deadline, not
-        # the longer write deadline: a silent peer would otherwise hold the send for minutes.
-        stream: INetStream | None = None
-        with trio.move_on_after(dial_s):
-            stream = await self.host.libp2p.new_stream(ID.from_base58(peer), [TENSOR_PROTOCOL])
-        if stream is None:
-            raise DeadlineError(f"opening a stream to {peer} took over {dial_s}s")
-        out.stream = stream
-        self._nursery.start_soon(self._watch_outbound, peer, out, stream)
-
-    async def _watch_outbound(
-        self, peer: str, out: _Outbound, stream: INetStream | LaneWriter
-    ) -> None:
-        """Notice at once when the peer ends a stream we write to; receivers never write back.
-
-        Without this a sender learns of a refused frame only at its next write, and frames
-        written in between are lost; with it the next send opens a fresh stream.
-        """
-        try:
-            await stream.read(1)
-        except (*NETWORK_ERRORS, EOFError):
-            # py-libp2p reports a peer's RST as EOF once it dropped the stream, so a reset
-            # (frame refused) and a close (idle, shutdown) look alike here: both end the stream.
-            logger.debug("%s ended our stream", peer, exc_info=True)
-        self._counters.stream_ended(peer)
-        if out.stream is stream:
-            out.stream = None
-        if isinstance(stream, LaneWriter):
-            self.lane_senders.drop(peer, stream)
-        await reset_quietly(stream)
-        if out.stream is None and not out.lock.locked() and self._outbound.get(peer) is out:
-            del self._outbound[peer]  # the next send opens a new stream anyway
-
     def _forget(self, peer: str) -> None:
         """The peer has no connection left: drop what we keep for it (trio thread)."""
-        out = self._outbound.get(peer)
-        if out is not None and out.stream is None and not out.lock.locked():
-            del self._outbound[peer]
+        self._outbound.forget(peer)
         if self._inbound is not None:
             self._inbound.forget(peer)
         self._lanes.forget(peer)
         self._counters.retire(peer)
-
-    async def _write_lane(
-        self, peer: str, out: _Outbound, parts: tuple[bytes, bytes], timeout: float
-    ) -> None:
-        """A frame the caller could not write itself (the lane was busy, or new): written by a
-        worker thread, so the event loop never blocks on the socket."""
-        lane = out.stream
-        assert isinstance(lane, LaneWriter)
-        try:
-            await trio.to_thread.run_sync(lane.write_frame, parts, timeout, abandon_on_cancel=True)
-        except BaseException:
-            if lane.broken:
-                self._drop_lane(peer, out)
-            raise
-
-    def _drop_lane(self, peer: str, out: _Outbound) -> None:
-        """Forget a broken lane (its watcher closes it): the next frame opens a new one."""
-        if isinstance(out.stream, LaneWriter):
-            self.lane_senders.drop(peer, out.stream)
-        out.stream = None
-
-    @staticmethod
-    async def _write_or_drop(out: _Outbound, data: bytes | memoryview) -> None:
-        stream = out.stream
-        assert stream is not None
-        try:
-            await stream.write(data)
-        except BaseException:
-            # A frame cut short leaves the stream mid-frame: nothing more may follow on it.
-            if out.stream is stream:
-                out.stream = None
-            await reset_quietly(stream)
-            raise
