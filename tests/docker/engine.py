@@ -112,10 +112,6 @@ class Container:
         out = self.engine.run_docker("inspect", "-f", "{{json .State}}", self.name).stdout
         return json.loads(out)
 
-    def stop(self, grace_s: int) -> None:
-        """``docker stop``: SIGTERM, then SIGKILL after ``grace_s``."""
-        self.engine.run_docker("stop", "-t", str(grace_s), self.name, timeout=grace_s + 30)
-
 
 @dataclass
 class Engine:
