@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # any failure is the tests' skip reason, in full in the log
         logger.exception("the image build failed")
         engine.cleanup()
-        _write_ready(args.ready, {"error": f"the image build failed: {exc}"})
+        # the tests' skip reason: the end of it, where the build says what failed
+        _write_ready(args.ready, {"error": f"the image build failed: ...{str(exc)[-600:]}"})
         return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
