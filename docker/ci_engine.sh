@@ -65,7 +65,7 @@ if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     echo "ci_engine.sh: base image $BASE_IMAGE already imported"
 else
     root=$(mktemp -d /var/tmp/fusionllm-base.XXXXXX)
-    trap 'rm -rf "$root"' EXIT
+    trap 'rm -rf "$root" "$root.log"' EXIT
     debootstrap --variant=minbase \
         --include=python3,python3-venv,python3-pip,ca-certificates,gcc,libc6-dev,libgmp-dev,python3-dev \
         bookworm "$root" "$MIRROR" >"$root.log" 2>&1 || {

@@ -112,10 +112,6 @@ class Container:
         out = self.engine.run_docker("inspect", "-f", "{{json .State}}", self.name).stdout
         return json.loads(out)
 
-    def stop(self, grace_s: int) -> None:
-        """``docker stop``: SIGTERM, then SIGKILL after ``grace_s``."""
-        self.engine.run_docker("stop", "-t", str(grace_s), self.name, timeout=grace_s + 30)
-
 
 @dataclass
 class Engine:
@@ -139,10 +135,12 @@ class Engine:
         started = time.monotonic()
         values = {"BASE_IMAGE": base, **(args or {})}
         build_args = [f"--build-arg={k}={v}" for k, v in values.items()]
-        docker("build", "-q", "-f", str(context / "docker" / "Dockerfile"), "-t", image,
-               *build_args, str(context), timeout=BUILD_TIMEOUT_S)  # fmt: skip
+        try:  # --force-rm: a failed step's container goes too
+            docker("build", "-q", "--force-rm", "-f", str(context / "docker" / "Dockerfile"),
+                   "-t", image, *build_args, str(context), timeout=BUILD_TIMEOUT_S)  # fmt: skip
+        finally:  # a failed build leaves its last step's image, and its parents under it
+            self.images += [i for i in _dangling_images() if i not in before]
         logger.info("built %s in %.0f s", image, time.monotonic() - started)
-        self.images += [i for i in _dangling_images() if i not in before]
         return image
 
     def network(self, name: str) -> tuple[str, str]:
