@@ -96,3 +96,12 @@ def test_the_book_bounds_sessions_and_cache_bytes_and_frees_on_release():
     book.release(60)
     book.admit(60)
     assert (book.sessions, book.cache_bytes) == (2, 100)
+
+
+def test_the_clients_throwaway_key_folder_is_gone_once_its_host_is_made(tmp_path, monkeypatch):
+    from fusionllm.node.serve import client
+
+    monkeypatch.setattr(client.tempfile, "tempdir", str(tmp_path))
+    host = client._client_host(None)
+    assert host.peer_id
+    assert list(tmp_path.iterdir()) == []
