@@ -137,6 +137,14 @@ async def connect_swarm(
     return await asyncio.to_thread(_connect, bootstrap, model, timeout, swarm_key, swarm, fp16)
 
 
+def _client_host(swarm_key: SwarmKey | None) -> PeerHost:
+    """A host with a fresh identity whose key file is gone once it returns: PeerHost holds
+    its key in memory from construction, and a client's throwaway key left in the temporary
+    folder would pile up one folder per run."""
+    with tempfile.TemporaryDirectory(prefix="fusionllm-client-") as folder:
+        return PeerHost(HostConfig(key_path=Path(folder) / "client.key", swarm_key=swarm_key))
+
+
 def _connect(bootstrap, model, timeout, swarm_key, swarm, fp16) -> SwarmSource:
     config = ChainConfig(swarm=swarm, timeout_s=timeout, fp16=fp16)
     dht = DhtClient(
@@ -150,8 +158,7 @@ def _connect(bootstrap, model, timeout, swarm_key, swarm, fp16) -> SwarmSource:
     ).start()
     host = None
     try:
-        key = Path(tempfile.mkdtemp(prefix="fusionllm-client-")) / "client.key"
-        host = PeerHost(HostConfig(key_path=key, swarm_key=swarm_key)).start()
+        host = _client_host(swarm_key).start()
         deadline = time.monotonic() + timeout
         while (plan := read_plan(dht, swarm)) is None:
             if time.monotonic() > deadline:
