@@ -127,9 +127,9 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
 
 def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
     swarm = LocalSwarm(
-        # Long enough that the first node, training alone at first, is still at it when the
-        # others have joined and the swarm has re-planned onto two replicas.
-        tmp_path, extra={**BASE, "steps": 800, "min-stages": 1, "max-stages": 1,
+        # No end (--steps 0): the first node, training alone at first, must still be at it when
+        # the others have joined and the swarm has re-planned onto two replicas.
+        tmp_path, extra={**BASE, "steps": 0, "min-stages": 1, "max-stages": 1,
                          "max-replicas": 2},
         device=SLOW_DEVICE,
     )  # fmt: skip
@@ -153,7 +153,11 @@ def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
         others = [n for n in nodes if n is not serving[0]]
         wait_for(lambda: _rollbacks(others, crashed_at), 120, "a plan without the dead replica")
         assert max(_rollbacks(others, crashed_at)) == 0, "a replica's death cost steps"
-        wait_for(lambda: all(not n.alive() for n in others), 300, "the others to finish")
+        target = _last_step(others) + 10
+        wait_for(lambda: _last_step(others) >= target, 120, f"step {target} without it")
+        for node in others:  # all leave at once: nobody is left to hand a stage to
+            node.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: all(not n.alive() for n in others), 120, "the others to exit")
         assert all(n.process.returncode == 0 for n in others), swarm.logs()
     finally:
         swarm.close()
