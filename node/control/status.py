@@ -33,6 +33,7 @@ def _no_signing(data: bytes) -> bytes:
 _ATTEMPTS = 4
 _RETRY_PAUSE_S = 2.0  # a busy bootstrap node answers a moment later
 _RETRIED = re.compile(r"connect to bootstrap peers|none of the initial_peers responded")
+_TIMED_OUT = re.compile(r"did not start: .*Timeout")  # the worker's start ran out of time
 
 
 def gather(
@@ -43,24 +44,39 @@ def gather(
     swarm_key: SwarmKey | None = None,
 ) -> dict[str, Any]:
     """Read the swarm (a private one with its ``swarm_key``); a DHT that cannot reach a
-    bootstrap peer (a busy node) is retried."""
+    bootstrap peer (a busy node) is retried while a try still fits before the deadline."""
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, _ATTEMPTS + 1):
-        left = deadline - time.monotonic()
+        began = time.monotonic()
         try:
-            status = _gather_once(bootstrap, swarm, timeout_s=max(left, 1.0), swarm_key=swarm_key)
+            status = _gather_once(
+                bootstrap, swarm, timeout_s=max(deadline - began, 1.0), swarm_key=swarm_key
+            )
             status["timing"]["attempts"] = attempt
             return status
         except DhtError as exc:
             # Only a bootstrap peer that did not answer (busy) is worth another try: a malformed
             # address failed the same way four times (45 s on the testbed) before.
             if not _RETRIED.search(str(exc)):
+                if _TIMED_OUT.search(str(exc)):
+                    raise _unreached(exc, bootstrap, timeout_s) from exc
                 raise
-            if attempt == _ATTEMPTS or deadline - time.monotonic() < 5.0:
-                raise
+            # A try that cannot end before the deadline would only turn this error into a
+            # timeout that no longer names the peers (an unreachable swarm took 20 s to say so).
+            took = time.monotonic() - began
+            if attempt == _ATTEMPTS or deadline - time.monotonic() < took + _RETRY_PAUSE_S:
+                raise _unreached(exc, bootstrap, timeout_s) from exc
             logger.info("could not read the swarm (attempt %d): %s; retrying", attempt, exc)
             time.sleep(_RETRY_PAUSE_S)
     raise AssertionError("unreachable")
+
+
+def _unreached(exc: DhtError, bootstrap: list[str], timeout_s: float) -> DhtError:
+    """``exc`` as the user meets it: which bootstrap peers did not let the client in."""
+    return DhtError(
+        f"could not reach the swarm through its bootstrap peers ({', '.join(bootstrap)}) "
+        f"within {timeout_s:g} s: {exc}"
+    )
 
 
 def _gather_once(

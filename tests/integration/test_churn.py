@@ -58,13 +58,11 @@ def _reference(steps: int) -> list[float]:
 
 
 def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
-    # Long enough to restart the crashed node while the others still train: at ~0.06 s a step,
-    # 300 steps once ended 8 s after the restart, before the newcomer had followed a plan; on
-    # lanes (~0.034 s a step) 600 steps ended ~4 s after it, and the restarted node found no
-    # DHT to join. The crash comes ~500 steps in; 1500 leave it ~30 s.
-    steps = 1500
+    # No end (--steps 0): every node leaves by SIGTERM once the restarted node follows a plan
+    # and the swarm trained on with it; the run's length was a timer (1500 steps to outlast
+    # the restart on a slow box) and is now the steps trained until then.
     swarm = LocalSwarm(
-        tmp_path, extra={**BASE, "steps": steps, "min-stages": 2, "max-stages": 2,
+        tmp_path, extra={**BASE, "steps": 0, "min-stages": 2, "max-stages": 2,
                          "max-replicas": 1}
     )  # fmt: skip
     try:
@@ -104,13 +102,19 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
         assert back.last("epoch")["state"] in ("backup", "serving")
 
         everyone = [*survivors, back]
-        wait_for(lambda: all(not n.alive() for n in everyone), 300, "every node to finish")
+        target = _last_step(everyone) + 20
+        wait_for(lambda: _last_step(everyone) >= target, 120, f"step {target} with it back")
+        for node in everyone:  # all leave at once: nobody is left to hand a stage to
+            node.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: all(not n.alive() for n in everyone), 120, "every node to exit")
         merged: dict[int, float] = {}
         for node in everyone:
             assert node.process.returncode == 0, swarm.logs()
         for node in swarm.nodes:  # the leaver's and the crashed node's steps too
             merged.update(_steps(node))
-        assert sorted(merged) == list(range(steps))
+        steps = len(merged)
+        assert sorted(merged) == list(range(steps)), "a step lost or skipped"
+        assert steps > target, (steps, target)
         reference = _reference(steps)
         final, expected = (
             np.mean([merged[s] for s in range(steps - 5, steps)]),
@@ -123,9 +127,9 @@ def test_a_swarm_survives_a_leave_a_crash_and_a_restart(tmp_path):
 
 def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
     swarm = LocalSwarm(
-        # Long enough that the first node, training alone at first, is still at it when the
-        # others have joined and the swarm has re-planned onto two replicas.
-        tmp_path, extra={**BASE, "steps": 800, "min-stages": 1, "max-stages": 1,
+        # No end (--steps 0): the first node, training alone at first, must still be at it when
+        # the others have joined and the swarm has re-planned onto two replicas.
+        tmp_path, extra={**BASE, "steps": 0, "min-stages": 1, "max-stages": 1,
                          "max-replicas": 2},
         device=SLOW_DEVICE,
     )  # fmt: skip
@@ -149,7 +153,11 @@ def test_losing_one_of_two_replicas_costs_no_step(tmp_path):
         others = [n for n in nodes if n is not serving[0]]
         wait_for(lambda: _rollbacks(others, crashed_at), 120, "a plan without the dead replica")
         assert max(_rollbacks(others, crashed_at)) == 0, "a replica's death cost steps"
-        wait_for(lambda: all(not n.alive() for n in others), 300, "the others to finish")
+        target = _last_step(others) + 10
+        wait_for(lambda: _last_step(others) >= target, 120, f"step {target} without it")
+        for node in others:  # all leave at once: nobody is left to hand a stage to
+            node.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: all(not n.alive() for n in others), 120, "the others to exit")
         assert all(n.process.returncode == 0 for n in others), swarm.logs()
     finally:
         swarm.close()

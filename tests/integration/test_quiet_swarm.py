@@ -1,6 +1,6 @@
 """An idle swarm of real node processes goes quiet, and wakes for a crash and for a newcomer.
 
-Four ``fusionllm node`` processes (no training, FAST timing: 1 s heartbeats, 2 s epochs) agree,
+Four ``fusionllm node`` processes (no training, FAST timing: 1 s heartbeats; 1 s epochs) agree,
 then act only every 8 (then 16) epochs and write records that promise 8x fewer refreshes
 (quiet.py). Without the wake-ups a crash would be seen only after the quiet record's silence
 (3 beats x 8 = 24 s, plus up to 16 epochs to the next epoch the nodes act in) and a newcomer
@@ -31,7 +31,11 @@ def _log_has(node, text: str, *, after: int = 0) -> bool:
 
 
 def test_a_quiet_swarm_wakes_for_a_crash_and_a_newcomer(tmp_path) -> None:
-    swarm = LocalSwarm(tmp_path, extra={"max-replicas": 1, "max-stages": 2, "control-only": True})
+    # 1 s epochs (FAST: 2 s): going quiet takes ~8 epochs, twice; the crash is still seen
+    # only after QUIET_SILENCE_S (heartbeats, not epochs) without the wake-ups.
+    swarm = LocalSwarm(
+        tmp_path, extra={"max-replicas": 1, "max-stages": 2, "control-only": True, "epoch": 1.0}
+    )
     try:
         first = swarm.start("n0")
         wait_for(lambda: first.last("ready"), 120, "the first node to start")

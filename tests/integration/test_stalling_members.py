@@ -89,6 +89,9 @@ RTX_4090 = {
 SLOW_DEVICE = {**TEST_DEVICE, "flops": TEST_DEVICE["flops"] / 100}
 RESUME_S = 60.0
 RUN_EPOCH_S = FAST["epoch"]
+# Epochs with an observer's links in every record before the test calls it never seated: a
+# plan is proposed from one epoch's view and adopted in the next; three leave one to spare.
+SEATING_EPOCHS = 3
 
 
 def _step_times(nodes: list[NodeProcess]) -> list[float]:
@@ -152,6 +155,18 @@ def _records(node: NodeProcess) -> dict[str, NodeInfo]:
     with DhtClient(config) as client:
         return {i.peer_id: i for i in (open_envelope(v).record for _, v, _ in
                                       client.get(nodes_key("default")))}  # fmt: skip
+
+
+def _linked(node: NodeProcess, peer: str, members: list[NodeProcess]) -> bool:
+    """Whether every one of ``members``' records reports a measured link to ``peer``."""
+    records = _records(node)
+    found = all(
+        any(link.peer == peer for link in getattr(records.get(m.peer_id), "links", ()))
+        for m in members
+    )
+    if not found:
+        time.sleep(1.0)
+    return found
 
 
 def _witnessed_records(node: NodeProcess, peer: str) -> dict[str, NodeInfo] | None:
@@ -318,7 +333,12 @@ def test_an_observer_with_a_fast_device_is_never_planned(shared):
             observer.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
         )
         wait_for(seen, 60, "the trainers to count the observer a member")
-        time.sleep(30.0)  # many epochs with its links measured: a plan would have seated it
+        # Once both trainers' records carry a measured link to it, every planner has what it
+        # needs to seat it; a plan would then have named it within a few epochs.
+        wait_for(lambda: _linked(nodes[0], observer.peer_id, nodes), 60, "links to it measured")
+        after = {n.name: n.last("epoch")["epoch"] + SEATING_EPOCHS for n in nodes}
+        wait_for(lambda: all(n.last("epoch")["epoch"] >= after[n.name] for n in nodes),
+                 (SEATING_EPOCHS + 5) * RUN_EPOCH_S * 3, "epochs with its links known")  # fmt: skip
         now = time.time()
         for node in [*nodes, observer]:
             assert not _planned(node, observer.peer_id, joined), swarm.logs()
