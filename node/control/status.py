@@ -221,7 +221,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
                 # members whose relays it holds a slot on (peers dial it through them)
-                "relays": [relay_of(a) for a in m.addrs if relay_of(a)],
+                "relays": [r for a in m.addrs if (r := relay_of(a))],
             }
             for m in sorted(members.values(), key=lambda m: m.peer_id)
         ],
@@ -344,13 +344,11 @@ def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
                          "device: planned so")  # fmt: skip
     for p in peers:
-        relays = ", ".join(_short(r) for r in p.get("relays", []))
-        if p.get("reach") == "private" and relays:
+        if p.get("reach") == "private":
+            relays = ", ".join(_short(r) for r in p.get("relays", []))
+            how = f"through the relays of {relays}" if relays else "only over connections it opens"
             lines.append(f"  {_short(p['peer_id'])}: no peer can dial it (NAT or firewall); it "
-                         f"is reached through the relays of {relays}")  # fmt: skip
-        elif p.get("reach") == "private":
-            lines.append(f"  {_short(p['peer_id'])}: no peer can dial it (NAT or firewall); it "
-                         "is reached only over connections it opens")  # fmt: skip
+                         f"is reached {how}")  # fmt: skip
     return lines
 
 

@@ -43,6 +43,7 @@ from fusionllm.node.p2p.announce import AnnounceAddr, announced_multiaddrs
 from fusionllm.node.p2p.checks import check_port_free, int_in, ip_address, positive_seconds
 from fusionllm.node.p2p.host import new_secure_host
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
+from fusionllm.node.p2p.relay_addrs import is_relayed
 
 logger = get_logger(__name__)
 
@@ -316,7 +317,7 @@ class PeerHost:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except Exception as exc:  # multiaddr raises assorted types for bad text
             raise TransportError(f"not a peer address: {addr!r}: {exc}") from exc
-        self.call(self._connect, info, timeout, addr if "/p2p-circuit" in addr else "")
+        self.call(self._connect, info, timeout, addr if is_relayed(addr) else "")
         return info.peer_id.to_base58()
 
     def connected_peers(self) -> list[str]:

@@ -114,7 +114,6 @@ class Transport:
         self._started = False
         self._closed = False
         # Owned by the trio thread (the service) from here on.
-        self._nursery: trio.Nursery | None = None
         self._inbound: Inbound | None = None
         self._lanes = Lanes(config, host)
         self._deliver: Deliver | None = None
@@ -300,7 +299,7 @@ class Transport:
         network.register_notifee(departures)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = self._outbound.nursery = nursery
+                self._outbound.nursery = nursery
                 try:
                     if self.config.lanes:
                         await self._lanes.start(
@@ -311,7 +310,7 @@ class Transport:
                         )
                     yield
                 finally:
-                    self._nursery = self._outbound.nursery = None
+                    self._outbound.nursery = None
                     self._inbound.stop()  # before the lanes' sockets are shut
                     nursery.cancel_scope.cancel()  # sends in flight fail as closed
         finally:
@@ -332,9 +331,10 @@ class Transport:
     ) -> None:
         # Runs as a run_sync_soon callback: it must not raise, or the whole trio run dies.
         try:
-            if self._nursery is None:
+            nursery = self._outbound.nursery  # the sends' nursery: set while we serve
+            if nursery is None:
                 raise RuntimeError("transport stopping")
-            self._nursery.start_soon(self._send_task, future, peer, head, body, timeout)
+            nursery.start_soon(self._send_task, future, peer, head, body, timeout)
         except RuntimeError:
             if future.set_running_or_notify_cancel():
                 future.set_exception(TransportClosedError("transport closed"))
