@@ -59,7 +59,10 @@ def pin(cores: Sequence[int]) -> bool:
         # Linux applies affinity per thread: set it on each thread there is now (new threads
         # inherit it from the one that starts them).
         for task in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(task), wanted)
+            try:
+                os.sched_setaffinity(int(task), wanted)
+            except ProcessLookupError:
+                continue  # the thread ended after the listing: nothing left to pin
     except (OSError, ValueError) as exc:
         logger.warning("cannot pin this process to cores %s: %s", sorted(wanted), exc)
         return False

@@ -60,8 +60,12 @@ def test_pin_holds_for_threads_there_are_and_threads_started_later():
         seen = []
         after = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
         after.start(); after.join()
-        tasks = [int(t) for t in os.listdir("/proc/self/task")]
-        masks = {{frozenset(os.sched_getaffinity(t)) for t in tasks}}
+        masks = set()
+        for t in os.listdir("/proc/self/task"):
+            try:
+                masks.add(frozenset(os.sched_getaffinity(int(t))))
+            except ProcessLookupError:
+                pass  # a thread that ended after the listing (the joined one may linger)
         stop.set(); before.join()
         print(sorted(map(sorted, masks)), sorted(seen[0]))
         """
@@ -70,3 +74,21 @@ def test_pin_holds_for_threads_there_are_and_threads_started_later():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip() == f"[[{core}]] [{core}]"
+
+
+def test_a_thread_that_ends_while_pinning_does_not_unpin_the_process():
+    core = available_cores()[0]
+    code = textwrap.dedent(
+        f"""
+        import os
+        from fusionllm.common import cpus
+        listing = os.listdir("/proc/self/task")
+        gone = str(2**22 + 7)  # above pid_max's ceiling: a thread that ended after the listing
+        cpus.os.listdir = lambda path: [gone, *listing]
+        print(cpus.pin([{core}]), sorted(os.sched_getaffinity(0)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.strip() == f"True [{core}]"
