@@ -70,7 +70,7 @@ def _run(
         if metrics is not None:
             metrics.attach(node_sources(daemon, transport, trainer))
         watcher = threading.Thread(
-            target=_stop_when, args=(daemon, trainer, finished, stop), daemon=True
+            target=_stop_when, args=(daemon, trainer, finished, stop, on_event), daemon=True
         )
         watcher.start()
         daemon.run(duration_s=duration_s)
@@ -97,11 +97,16 @@ def _start_serving(config: SwarmNodeConfig, daemon: NodeDaemon, on_event):
     return ServingNode(daemon, folder, limits=limits, on_event=on_event).start()
 
 
-def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop):
+def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop, on_event):
     """Stop the daemon when the run ends, or when asked: then the trainer first leaves
     politely (its step, its hand-over) while heartbeats still say we are here."""
     while not finished.wait(0.2):
         if stop is not None and stop.is_set():
+            # Said loudly: a node that leaves exits 0 as one that finished does, and a swarm
+            # whose nodes were all stopped at once (a stray pkill) looks like a run cut short.
+            step = trainer.step if trainer is not None else None
+            logger.warning("asked to stop (SIGTERM) at step %s: leaving politely", step)
+            on_event({"event": "stopping", "step": step, "t": time.time()})
             if trainer is not None:
                 trainer.stop()
                 trainer.wait_gone(2 * trainer.config.step_timeout_s + 35.0)
