@@ -374,12 +374,14 @@ class SwarmTrainer:
             self.evaluation = (report.step, report.eval_loss)
         role = self._role
         self.view.publish(role, self.step, self.loss, False, self.evaluation)
-        self.view.measured(report.busy_s)
         session = self._session
-        if session is not None and report.timings:
-            runner = session.runner
-            ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
-            self.view.witnessed(ranks, list(report.timings))
+        if session is not None:
+            # Named by the plan it ran in: the daemon may have adopted the next one already.
+            digest, runner = session.assignment.digest, session.runner
+            self.view.measured(digest, report.busy_s)
+            if report.timings:
+                ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
+                self.view.witnessed(digest, ranks, list(report.timings))
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,

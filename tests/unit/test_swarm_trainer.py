@@ -47,6 +47,7 @@ class FakeView:
         self.computed: list[float] = []
         self.bytes_per_s = 1e9  # every link, as measured
         self.timings: list[tuple] = []  # (ranks, timings) of every step's summaries
+        self.stepped_in: list[str] = []  # the plan digest of every measured step
 
     def adopted(self):
         return self.current
@@ -70,10 +71,11 @@ class FakeView:
     def progress(self) -> int:
         return self.reached()
 
-    def measured(self, compute_s: float) -> None:
+    def measured(self, digest: str, compute_s: float) -> None:
         self.computed.append(compute_s)
+        self.stepped_in.append(digest)
 
-    def witnessed(self, ranks, timings) -> None:
+    def witnessed(self, digest: str, ranks, timings) -> None:
         self.timings.append((ranks, timings))
 
     def suspect(self, peer: str, reason: str) -> None:
@@ -254,6 +256,8 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
         assert ranks == sorted(stages.items(), key=lambda kv: kv[1])
         assert all(busy > 0 and min(waits) >= 0 for busy, *waits in timings), timings
     assert cluster.views[peers[0]].timings[-1] == cluster.views[peers[2]].timings[-1]
+    # Each step is named by the plan it ran in (the daemon may have adopted another by then).
+    assert all(set(v.stepped_in) == {v.current[0]} for v in cluster.views.values())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
