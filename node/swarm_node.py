@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.errors import PipelineError
 from fusionllm.node.observe.exporter import MetricsServer
 from fusionllm.node.observe.metrics import NodeMetrics
 from fusionllm.node.observe.sources import node_sources
@@ -74,6 +75,9 @@ def _run(
         )
         watcher.start()
         daemon.run(duration_s=duration_s)
+        if trainer is not None and trainer.failed:  # left politely (below), then exit 1: a
+            # node that exits 0 here reads as one that finished (every member crashed at once)
+            raise PipelineError("training stopped on an unexpected error (its traceback above)")
         return finished.is_set()
     finally:
         if trainer is not None:

@@ -86,6 +86,7 @@ class SwarmTrainer:
         self.router = Router(transport, self.board)
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
         self.finished = threading.Event()
+        self.failed = False  # training stopped on an unexpected error (a bug)
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
         self.evaluation: tuple[int, float] | None = None  # newest validation (step, loss)
@@ -221,6 +222,7 @@ class SwarmTrainer:
         except Exception:  # a bug: say so loudly, and let the node leave instead of hanging
             logger.error("training stopped on an unexpected error", exc_info=True)
             self._emit({"event": "train_error"})
+            self.failed = True
             self.finished.set()
 
     def _follow_plans(self) -> None:

@@ -325,6 +325,25 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
 
 
+def test_a_trainer_stopped_by_a_bug_says_so_and_is_marked_failed(cluster_of):
+    """Its node leaves, then exits 1 on ``failed``: exiting 0 read as a finished run."""
+    peers = ["peer-a", "peer-b"]
+    cluster = cluster_of(peers, step_timeout_s=2.0)  # peer-b's wait for peer-a's frames ends
+
+    def broken(digest, ranks, timings) -> None:
+        raise IndexError("a bug in the daemon's bookkeeping")
+
+    cluster.views["peer-a"].witnessed = broken
+    cluster.start(_plan(peers, 2))
+    trainer = cluster.trainers["peer-a"]
+    deadline = time.monotonic() + 60
+    while not trainer.finished.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert trainer.failed
+    assert [e for e in cluster.events["peer-a"] if e["event"] == "train_error"]
+    assert not cluster.trainers["peer-b"].failed
+
+
 def test_a_node_whose_plan_never_meets_sees_the_end_of_the_run_it_missed(cluster_of):
     """Views differed: b and c adopted a plan of their own and trained it to the end, while a
     adopted one with c, which c never came to meet. Once the members' records say the run is
