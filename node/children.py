@@ -32,6 +32,7 @@ logger = get_logger(__name__)
 _KILL_WAIT_S = 10.0  # for a child already sent SIGKILL
 _REAP_S = 3.0  # descendants that outlive the child: time to exit, then after terminate
 _READER_JOIN_S = 1.0
+_DRAIN_S = 10.0  # an exited child's last lines: read in milliseconds unless the host is starved
 
 
 class JsonChild:
@@ -57,6 +58,7 @@ class JsonChild:
         self._events: list[Any] = []
         self._taken = 0  # events handed out by next_event
         self._ended = False
+        self._drain_waited = False  # drain() gave up once: it does not wait again
         self._changed = threading.Condition()
         self._on_event = on_event
         self._log = open(stderr, "wb") if isinstance(stderr, str | Path) else None  # noqa: SIM115
@@ -170,7 +172,28 @@ class JsonChild:
     # ----- its end ----------------------------------------------------------------------------
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """Whether the child runs. Once it has exited, False only after the reader took in
+        what it wrote last (at most ``_DRAIN_S``): a reader starved on a loaded machine may
+        be a pipe (64 KiB) and its buffers behind, ~150 of a node's step events, and whoever
+        saw the child gone reads its events next."""
+        if self.process.poll() is None:
+            return True
+        self.drain(_DRAIN_S)
+        return False
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the reader to reach the end of the child's output;
+        whether it did. Waits once: output some leftover descendant keeps open never ends."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self._ended and not self._drain_waited:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._drain_waited = True
+                    logger.debug("%s: its output did not end within %ss", self.name, timeout)
+                    break
+                self._changed.wait(left)
+            return self._ended
 
     @property
     def pid(self) -> int:

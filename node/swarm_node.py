@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fusionllm.common.logs import get_logger
 from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.errors import PipelineError
 from fusionllm.node.observe.exporter import MetricsServer
 from fusionllm.node.observe.metrics import NodeMetrics
 from fusionllm.node.observe.sources import node_sources
@@ -70,10 +71,13 @@ def _run(
         if metrics is not None:
             metrics.attach(node_sources(daemon, transport, trainer))
         watcher = threading.Thread(
-            target=_stop_when, args=(daemon, trainer, finished, stop), daemon=True
+            target=_stop_when, args=(daemon, trainer, finished, stop, on_event), daemon=True
         )
         watcher.start()
         daemon.run(duration_s=duration_s)
+        if trainer is not None and trainer.failed:  # left politely (below), then exit 1: a
+            # node that exits 0 here reads as one that finished (every member crashed at once)
+            raise PipelineError("training stopped on an unexpected error (its traceback above)")
         return finished.is_set()
     finally:
         if trainer is not None:
@@ -97,11 +101,16 @@ def _start_serving(config: SwarmNodeConfig, daemon: NodeDaemon, on_event):
     return ServingNode(daemon, folder, limits=limits, on_event=on_event).start()
 
 
-def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop):
+def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop, on_event):
     """Stop the daemon when the run ends, or when asked: then the trainer first leaves
     politely (its step, its hand-over) while heartbeats still say we are here."""
     while not finished.wait(0.2):
         if stop is not None and stop.is_set():
+            # Said loudly: a node that leaves exits 0 as one that finished does, and a swarm
+            # whose nodes were all stopped at once (a stray pkill) looks like a run cut short.
+            step = trainer.step if trainer is not None else None
+            logger.warning("asked to stop (SIGTERM) at step %s: leaving politely", step)
+            on_event({"event": "stopping", "step": step, "t": time.time()})
             if trainer is not None:
                 trainer.stop()
                 trainer.wait_gone(2 * trainer.config.step_timeout_s + 35.0)

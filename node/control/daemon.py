@@ -396,11 +396,11 @@ class NodeDaemon:
         if self.suspicions.current() != before:
             self._beat_now.set()
 
-    def measured(self, compute_s: float) -> None:
+    def measured(self, digest: str, compute_s: float) -> None:
         """One step's compute of our stage (the trainer's report), against what our device
         predicts for it in the plan we follow; a new pace goes out at once (pace.py)."""
         adopted = self.adopted
-        if adopted is None:
+        if adopted is None or adopted.digest != digest:  # a step of the plan we switch from
             return
         if adopted.digest != self._paced_plan:
             self.pace.reset()
@@ -415,12 +415,14 @@ class NodeDaemon:
                            self.pace.published)  # fmt: skip
             self._beat_now.set()
 
-    def witnessed(self, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
+    def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
         """One step's summaries of the plan we follow: every rank's (peer, stage) and timings.
         Each other member's checked compute against what its advertised device predicts;
-        a pace newly witnessed goes out at once (pace.py)."""
+        a pace newly witnessed goes out at once (pace.py). A step of another plan than the
+        adopted one (the trainer runs the old plan to its switch step) is not read against it:
+        its stages are not this plan's (3 stages against 2 once killed every trainer)."""
         adopted, members = self.adopted, self._members_now()
-        if adopted is None or len(ranks) != len(timings):
+        if adopted is None or adopted.digest != digest or len(ranks) != len(timings):
             return
         config = self.settings.plan_config()
         checked = checked_compute(

@@ -86,6 +86,7 @@ class SwarmTrainer:
         self.router = Router(transport, self.board)
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
         self.finished = threading.Event()
+        self.failed = False  # training stopped on an unexpected error (a bug)
         self.step = 0  # steps the swarm completed, as far as this node knows
         self.loss: float | None = None
         self.evaluation: tuple[int, float] | None = None  # newest validation (step, loss)
@@ -221,6 +222,7 @@ class SwarmTrainer:
         except Exception:  # a bug: say so loudly, and let the node leave instead of hanging
             logger.error("training stopped on an unexpected error", exc_info=True)
             self._emit({"event": "train_error"})
+            self.failed = True
             self.finished.set()
 
     def _follow_plans(self) -> None:
@@ -374,12 +376,14 @@ class SwarmTrainer:
             self.evaluation = (report.step, report.eval_loss)
         role = self._role
         self.view.publish(role, self.step, self.loss, False, self.evaluation)
-        self.view.measured(report.busy_s)
         session = self._session
-        if session is not None and report.timings:
-            runner = session.runner
-            ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
-            self.view.witnessed(ranks, list(report.timings))
+        if session is not None:
+            # Named by the plan it ran in: the daemon may have adopted the next one already.
+            digest, runner = session.assignment.digest, session.runner
+            self.view.measured(digest, report.busy_s)
+            if report.timings:
+                ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
+                self.view.witnessed(digest, ranks, list(report.timings))
         tokens = self.run_spec.tokens_per_step
         self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
                     "grad_norm": report.grad_norm, "seconds": report.seconds,

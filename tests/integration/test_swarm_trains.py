@@ -73,6 +73,9 @@ def test_three_daemons_train_to_the_end_without_a_launcher(tmp_path):
         merged: dict[int, float] = {}
         for node in nodes:
             assert node.process.returncode == 0, swarm.logs()
+            # A node also exits 0 when it left on SIGTERM (all at once: steps end early, with
+            # no error anywhere): only a "finished" event says the run reached its end.
+            assert node.last("finished"), (node.name, [e["event"] for e in node.events[-8:]])
             for step, loss in _steps(node).items():
                 # Every member of a step's plan learns the same loss from its summary.
                 assert abs(merged.setdefault(step, loss) - loss) < 1e-6, (step, node.name)
@@ -146,6 +149,7 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
         merged: dict[int, float] = {}
         for node in (a, b, c):
             assert node.process.returncode == 0, swarm.logs()
+            assert node.last("stopping"), f"{node.name} did not say it was asked to stop"
             merged.update(_steps(node))
     except BaseException:
         print(swarm.logs())

@@ -54,8 +54,10 @@ def test_nodes_on_other_data_are_never_planned_together(tmp_path, prepared):
         stranger = swarm.start(
             "b", bootstrap=first.dht_addr, extra={"data": str(other), "vocab-size": 256}
         )
-        wait_for(lambda: stranger.last("ready"), 60, "the node on other data")
+        # Side by side (one start-up less): b is still ready before the 6 s below start,
+        # three epochs in which a and c could plan with it if digests were not compared.
         same = swarm.start("c", bootstrap=first.dht_addr, extra={"data": str(prepared)})
+        wait_for(lambda: stranger.last("ready"), 60, "the node on other data")
 
         def met() -> bool:
             views = [n.last("epoch") for n in (first, same)]

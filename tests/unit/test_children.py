@@ -3,6 +3,7 @@
 import signal
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -94,6 +95,19 @@ def test_on_event_sees_every_event_then_none():
         with pytest.raises(EOFError):
             child.wait_for(lambda e: False, _WAIT_S)
         assert seen == [0, 1, None]
+
+
+def test_a_child_seen_gone_has_all_its_events_read():
+    """A child may exit with its last lines still in the pipe (the reader starved on a
+    loaded machine): whoever saw it gone then reads every event it wrote."""
+    code = "import json\nfor i in range(300): print(json.dumps({'event': 'step', 'step': i}))"
+    gate = threading.Event()
+    # The reader stalls at the first event until well after the child exited.
+    with JsonChild(_python(code), on_event=lambda e: e is None or gate.wait(_WAIT_S)) as child:
+        child.wait(_WAIT_S)  # 300 short lines fit in the pipe: the child exits meanwhile
+        threading.Timer(0.3, gate.set).start()
+        assert not child.alive()
+        assert [e["step"] for e in child.snapshot()] == list(range(300))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

@@ -2,6 +2,7 @@
 against, and the planner's view of a paced node."""
 
 import dataclasses
+import types
 
 import pytest
 
@@ -9,7 +10,13 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import NodeInfo, RecordError
 from fusionllm.node.control.agreement import serving_peers
 from fusionllm.node.control.bandwidth import peer_of
-from fusionllm.node.control.pace import PaceMeter, predicted_compute_s
+from fusionllm.node.control.daemon import NodeDaemon
+from fusionllm.node.control.pace import (
+    PaceMeter,
+    PaceWitness,
+    checked_compute,
+    predicted_compute_s,
+)
 from tests.unit.test_epochs import GRAPH, SETTINGS, FakeClock, epoch_round, record, swarm_of
 from tests.unit.test_records import node
 from tests.unit.test_seating import FAST, Marked
@@ -99,3 +106,22 @@ def test_a_fast_claim_that_measures_slow_loses_its_seat():
 
     assert "fast" in seated({})
     assert "fast" not in seated({"pace": 4096.0})  # it measured itself 4096x slower: a CPU
+
+
+def test_a_step_of_the_plan_we_switch_from_is_not_witnessed_against_the_next():
+    """The trainer runs the old plan up to its switch step after the daemon adopted the next:
+    a 3-stage step read against a 2-stage plan raised IndexError and stopped every trainer."""
+    clock = FakeClock()
+    _, nodes = swarm_of(2, clock)
+    epoch_round(nodes, 850_000_000)
+    adopted = nodes[0].agreement.adopted
+    stages = len(adopted.plan.stages)
+    ranks = [(f"peer{s % 2}", s) for s in range(stages + 1)]  # one stage more than adopted
+    timings = [(0.01, 0.0, 0.0)] * len(ranks)
+    with pytest.raises(IndexError):  # what the old plan's step did to the new plan's figures
+        checked_compute(adopted.plan, [s for _, s in ranks], timings, 4)
+    witness = PaceWitness()
+    daemon = types.SimpleNamespace(adopted=adopted, _members_now=dict, witness=witness)
+    NodeDaemon.witnessed(daemon, "the-old-plan", ranks, timings)
+    NodeDaemon.measured(daemon, "the-old-plan", 0.01)  # nothing read: no settings needed
+    assert witness.current() == ()

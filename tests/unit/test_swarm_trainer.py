@@ -47,6 +47,7 @@ class FakeView:
         self.computed: list[float] = []
         self.bytes_per_s = 1e9  # every link, as measured
         self.timings: list[tuple] = []  # (ranks, timings) of every step's summaries
+        self.stepped_in: list[str] = []  # the plan digest of every measured step
 
     def adopted(self):
         return self.current
@@ -70,10 +71,11 @@ class FakeView:
     def progress(self) -> int:
         return self.reached()
 
-    def measured(self, compute_s: float) -> None:
+    def measured(self, digest: str, compute_s: float) -> None:
         self.computed.append(compute_s)
+        self.stepped_in.append(digest)
 
-    def witnessed(self, ranks, timings) -> None:
+    def witnessed(self, digest: str, ranks, timings) -> None:
         self.timings.append((ranks, timings))
 
     def suspect(self, peer: str, reason: str) -> None:
@@ -254,6 +256,8 @@ def test_a_fixed_plan_trains_exactly_like_one_process(cluster_of, tmp_path):
         assert ranks == sorted(stages.items(), key=lambda kv: kv[1])
         assert all(busy > 0 and min(waits) >= 0 for busy, *waits in timings), timings
     assert cluster.views[peers[0]].timings[-1] == cluster.views[peers[2]].timings[-1]
+    # Each step is named by the plan it ran in (the daemon may have adopted another by then).
+    assert all(set(v.stepped_in) == {v.current[0]} for v in cluster.views.values())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -319,6 +323,25 @@ def test_a_node_outside_the_plan_waits_and_sees_the_end(cluster_of):
     cluster.wait(lambda: cluster.trainers["peer-c"].finished.is_set(), "the backup to stop")
     assert not cluster.losses("peer-c")
     assert cluster.views["peer-c"].published[0] == (None, 0, None, False)
+
+
+def test_a_trainer_stopped_by_a_bug_says_so_and_is_marked_failed(cluster_of):
+    """Its node leaves, then exits 1 on ``failed``: exiting 0 read as a finished run."""
+    peers = ["peer-a", "peer-b"]
+    cluster = cluster_of(peers, step_timeout_s=2.0)  # peer-b's wait for peer-a's frames ends
+
+    def broken(digest, ranks, timings) -> None:
+        raise IndexError("a bug in the daemon's bookkeeping")
+
+    cluster.views["peer-a"].witnessed = broken
+    cluster.start(_plan(peers, 2))
+    trainer = cluster.trainers["peer-a"]
+    deadline = time.monotonic() + 60
+    while not trainer.finished.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert trainer.failed
+    assert [e for e in cluster.events["peer-a"] if e["event"] == "train_error"]
+    assert not cluster.trainers["peer-b"].failed
 
 
 def test_a_node_whose_plan_never_meets_sees_the_end_of_the_run_it_missed(cluster_of):
