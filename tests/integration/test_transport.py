@@ -1,9 +1,11 @@
 """The tensor transport between real node processes on 127.0.0.1.
 
-Each test starts ``python -m tests.support.transport_main`` (an echo node), talks to it
-through an in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
+The tests talk to ``python -m tests.support.transport_main`` (an echo node) through an
+in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
 that writes whatever bytes the test wants on the tensor protocol. Every bad frame must reset
 only its own stream, be counted against the peer, and leave the node serving good frames.
+One plain node serves the module (its start was most of each test's time); a test that needs
+other flags, or a restart, starts its own.
 """
 
 import math
@@ -47,6 +49,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 ENDED = ("reset", "eof")
 
 
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[NodeProcess]:
+    """The module's plain echo node. Every test meets it as a fresh peer (its own client key,
+    its own raw hosts), so the errors a test counts are its own peers'; each test still checks
+    that the node serves good frames after what it did, and the module that it exits cleanly."""
+    shared = NodeProcess(tmp_path_factory.mktemp("transport") / "node.key")
+    try:
+        yield shared
+    finally:
+        shared.stop()
+    assert shared.proc.returncode == 0, f"node exited with {shared.proc.returncode}"
+
+
 def wait_for_reset_seen(client: Transport, node: NodeProcess, count: int = 1) -> None:
     """Wait until the client noticed the node reset its stream (frames after would be lost)."""
     deadline = time.monotonic() + _WAIT_S
@@ -87,8 +102,7 @@ def raw_session(addr: str, chunks: list[bytes], *, half_close: bool = False) -> 
     return peer_id_of(key_pair), trio.run(main)
 
 
-def test_tensors_cross_both_ways(start_node, client):
-    node = start_node()
+def test_tensors_cross_both_ways(node, client):
     assert client.connect(node.addr) == node.peer_id
     for tensor in (
         torch.randn(2, 3, 5),
@@ -107,7 +121,7 @@ def test_tensors_cross_both_ways(start_node, client):
     assert stats.errors == {}
 
 
-def test_frames_around_the_write_chunk_size_arrive_whole(start_node, client):
+def test_frames_around_the_write_chunk_size_arrive_whole(node, client):
     """Bodies go out in pieces of one Noise message each; the edges must not lose a byte."""
     chunk = transport_module._WRITE_CHUNK_BYTES
     wanted = {chunk - 1, chunk, chunk + 1, 2 * chunk + 1}
@@ -119,7 +133,6 @@ def test_frames_around_the_write_chunk_size_arrive_whole(start_node, client):
         if len(pack_tensor(torch.zeros(n, dtype=torch.uint8))) == body
     ]
     assert len(sizes) == len(wanted)
-    node = start_node()
     client.connect(node.addr)
     generator = torch.Generator().manual_seed(5)
     for n in sizes:
@@ -133,8 +146,7 @@ def test_identity_survives_a_restart(start_node):
     assert start_node(key="same.key").peer_id == first.peer_id
 
 
-def test_garbage_on_the_protocol_resets_the_stream(start_node, client):
-    node = start_node()
+def test_garbage_on_the_protocol_resets_the_stream(node, client):
     client.connect(node.addr)
     peer, outcome = raw_session(node.addr, [b"\xde\xad\xbe\xef" * 64])
     assert outcome in ENDED
@@ -142,8 +154,7 @@ def test_garbage_on_the_protocol_resets_the_stream(start_node, client):
     assert_node_still_echoes(client, node)
 
 
-def test_truncated_frame_resets_the_stream(start_node, client):
-    node = start_node()
+def test_truncated_frame_resets_the_stream(node, client):
     client.connect(node.addr)
     frame = encode_head(HEADER, 1000) + bytes(10)
     peer, outcome = raw_session(node.addr, [frame], half_close=True)
@@ -162,8 +173,7 @@ def test_oversize_length_prefix_is_refused_before_the_body(start_node, client):
     assert_node_still_echoes(client, node)
 
 
-def test_header_with_unknown_kind_is_refused(start_node, client):
-    node = start_node()
+def test_header_with_unknown_kind_is_refused(node, client):
     client.connect(node.addr)
     import msgpack
 
@@ -187,8 +197,7 @@ def test_wrong_shape_or_dtype_against_the_spec_is_refused(start_node, client):
     assert_node_still_echoes(client, node)
 
 
-def test_nan_tensor_is_refused(start_node, client):
-    node = start_node()
+def test_nan_tensor_is_refused(node, client):
     client.connect(node.addr)
     client.send(node.peer_id, HEADER, pack_tensor(torch.tensor([1.0, math.nan])), timeout=5)
     assert node.wait_for_error(client.peer_id, "FrameError")
@@ -296,8 +305,7 @@ def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_pat
         assert sender.outbound_lanes() == ([receiver.peer_id] if lanes else [])
 
 
-def test_a_plaintext_only_dialer_is_refused(start_node, client):
-    node = start_node()
+def test_a_plaintext_only_dialer_is_refused(node, client):
     key_pair = create_new_key_pair()
 
     async def dial_in_plaintext() -> Exception | None:
@@ -333,20 +341,18 @@ def test_close_is_bounded_and_later_calls_fail_typed(tmp_path):
     transport.close()  # idempotent
 
 
-def test_a_bad_peer_id_is_the_callers_error_and_the_transport_lives_on(client, start_node):
+def test_a_bad_peer_id_is_the_callers_error_and_the_transport_lives_on(client, node):
     for bad in ("", "not-base58!"):
         with pytest.raises(ValueError, match="not a peer id"):
             client.send(bad, HEADER, pack_tensor(torch.ones(1)))
     unknown = peer_id_of(create_new_key_pair())  # valid, but no address known
     with pytest.raises(TransportError):
         client.send(unknown, HEADER, pack_tensor(torch.ones(1)), timeout=3)
-    node = start_node()
     client.connect(node.addr)
     assert_node_still_echoes(client, node)
 
 
-def test_a_fixed_port_in_use_is_refused(tmp_path, start_node):
-    node = start_node()
+def test_a_fixed_port_in_use_is_refused(tmp_path, node):
     port = int(node.addr.split("/tcp/")[1].split("/")[0])
     config = TransportConfig(key_path=tmp_path / "k", listen_port=port)
     with pytest.raises(TransportError, match="cannot listen"):
