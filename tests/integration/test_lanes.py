@@ -1,5 +1,7 @@
 """Lanes between real node processes on 127.0.0.1: used when both ends offer them, a fallback
-to libp2p streams when not, and every stranger's or bad peer's try refused at its own cost."""
+to libp2p streams when not, and every stranger's or bad peer's try refused at its own cost.
+Tests that need a node without flags share the module's (``plain_node``): they count what
+they added to its refusals."""
 
 import contextlib
 import os
@@ -33,12 +35,15 @@ def refusals_of(node) -> dict[str, int]:
     return node.command(cmd="stats")["refusals"]
 
 
-def wait_for_refusal(node, reason: str) -> dict[str, int]:
+def wait_for_refusal(node, reason: str, before: dict[str, int] | None = None) -> int:
+    """How many ``reason`` refusals the node counted since ``before`` (its counters then),
+    once there is one."""
+    since = (before or {}).get(reason, 0)
     deadline = time.monotonic() + _WAIT_S
     while time.monotonic() < deadline:
         refusals = refusals_of(node)
-        if refusals.get(reason, 0) >= 1:
-            return refusals
+        if refusals.get(reason, 0) > since:
+            return refusals[reason] - since
         time.sleep(0.05)
     raise AssertionError(f"node never refused {reason}: {refusals}")
 
@@ -47,8 +52,8 @@ def lane_port_of(node) -> int:
     return node.ready["lane_port"]
 
 
-def test_frames_go_over_a_lane_when_both_ends_offer_one(start_node, client):
-    node = start_node()
+def test_frames_go_over_a_lane_when_both_ends_offer_one(plain_node, client):
+    node, before = plain_node, refusals_of(plain_node)
     assert lane_port_of(node) > 0
     client.connect(node.addr)
     big = torch.randn(3 * MAX_CHUNK_BYTES // 4 + 5)  # several chunks and a partial one
@@ -57,7 +62,7 @@ def test_frames_go_over_a_lane_when_both_ends_offer_one(start_node, client):
         client.send_tensor(node.peer_id, HEADER, tensor, timeout=_WAIT_S)
         assert torch.equal(client.recv(timeout=_WAIT_S).tensor, tensor)
     assert client.outbound_lanes() == [node.peer_id]
-    assert refusals_of(node) == {}
+    assert refusals_of(node) == before  # nothing of ours refused
 
 
 def test_a_node_without_lanes_gets_its_frames_over_a_stream(start_node, client):
@@ -68,8 +73,8 @@ def test_a_node_without_lanes_gets_its_frames_over_a_stream(start_node, client):
     assert client.outbound_lanes() == []
 
 
-def test_a_sender_without_lanes_uses_streams_to_a_node_with_them(tmp_path, start_node):
-    node = start_node()
+def test_a_sender_without_lanes_uses_streams_to_a_node_with_them(tmp_path, plain_node):
+    node = plain_node
     config = TransportConfig(key_path=tmp_path / "plain.key", lanes=False)
     with Transport(config) as plain:
         plain.connect(node.addr)
@@ -78,8 +83,8 @@ def test_a_sender_without_lanes_uses_streams_to_a_node_with_them(tmp_path, start
         assert plain.lane_port == 0
 
 
-def test_a_stranger_on_the_lane_port_is_closed_and_the_node_serves_on(start_node, client):
-    node = start_node()
+def test_a_stranger_on_the_lane_port_is_closed_and_the_node_serves_on(plain_node, client):
+    node, before = plain_node, refusals_of(plain_node)
     for garbage in (b"", os.urandom(TOKEN_BYTES), b"GET / HTTP/1.1\r\n\r\n" * 4):
         with socket.create_connection(("127.0.0.1", lane_port_of(node)), timeout=_WAIT_S) as s:
             s.sendall(garbage)
@@ -89,7 +94,7 @@ def test_a_stranger_on_the_lane_port_is_closed_and_the_node_serves_on(start_node
             except ConnectionResetError:  # closed with our bytes unread
                 answer = b""
             assert answer == b""  # never accepted
-    assert wait_for_refusal(node, "lane_bad_token")["lane_bad_token"] == 3
+    assert wait_for_refusal(node, "lane_bad_token", before) == 3
     client.connect(node.addr)
     assert_node_still_echoes(client, node)
 
@@ -135,8 +140,8 @@ async def _closed_by_peer(sock: trio.socket.SocketType) -> bool:
     return False
 
 
-def test_a_ticket_opens_one_lane_only(start_node):
-    node = start_node()
+def test_a_ticket_opens_one_lane_only(plain_node):
+    node, before = plain_node, refusals_of(plain_node)
 
     async def redeem_twice(offer: Offer):
         answers = []
@@ -149,11 +154,11 @@ def test_a_ticket_opens_one_lane_only(start_node):
 
     _, answers = lane_session(node.addr, redeem_twice)
     assert answers == [ACCEPTED, b""]
-    assert wait_for_refusal(node, "lane_bad_token")["lane_bad_token"] == 1
+    assert wait_for_refusal(node, "lane_bad_token", before) == 1
 
 
-def test_a_member_sending_tampered_chunks_loses_its_lane_only(start_node, client):
-    node = start_node()
+def test_a_member_sending_tampered_chunks_loses_its_lane_only(plain_node, client):
+    node = plain_node
 
     async def tamper(offer: Offer):
         sock = await _connect(offer.port)
@@ -171,8 +176,8 @@ def test_a_member_sending_tampered_chunks_loses_its_lane_only(start_node, client
     assert_node_still_echoes(client, node)
 
 
-def test_a_lane_chunk_declaring_more_than_the_limit_is_cut_before_it_is_read(start_node):
-    node = start_node()
+def test_a_lane_chunk_declaring_more_than_the_limit_is_cut_before_it_is_read(plain_node):
+    node = plain_node
 
     async def oversize(offer: Offer):
         sock = await _connect(offer.port)
@@ -195,7 +200,7 @@ def test_a_peer_not_admitted_gets_no_offer(start_node):
 
     _, outcome = lane_session(node.addr, unreachable)
     assert str(outcome).startswith("no offer")
-    assert wait_for_refusal(node, "lane_not_admitted")["lane_not_admitted"] == 1
+    assert wait_for_refusal(node, "lane_not_admitted") == 1
 
 
 def test_a_refused_lane_is_asked_for_again_within_seconds(start_node, client):
@@ -212,8 +217,8 @@ def test_a_refused_lane_is_asked_for_again_within_seconds(start_node, client):
     assert client.outbound_lanes() == []
 
 
-def test_a_lane_port_in_use_is_refused_at_start(tmp_path, start_node):
-    node = start_node()
+def test_a_lane_port_in_use_is_refused_at_start(tmp_path, plain_node):
+    node = plain_node
     config = TransportConfig(key_path=tmp_path / "k", lane_port=lane_port_of(node))
     with pytest.raises(TransportError, match="cannot listen for lanes"):
         Transport(config).start()

@@ -131,35 +131,31 @@ def _paced(node: NodeProcess, peer: str) -> list[dict]:
     return [e for e in node.snapshot() if e["event"] == "epoch" and e.get("paced", {}).get(peer)]
 
 
-def _plan_followed(node: NodeProcess, timeout: float) -> tuple[dict, Plan]:
+def _plan_followed(node: NodeProcess, reader: DhtClient, timeout: float) -> tuple[dict, Plan]:
     """(epoch event, plan) of the plan ``node`` follows, read from the proposals on the DHT (a
     followed plan is proposed again every epoch)."""
-    config = DhtConfig(swarm="default", initial_peers=(node.dht_addr,), client_mode=True)
-    with DhtClient(config) as client:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            client.get(nodes_key("default"))  # the validator takes plans of known members only
-            event = node.last("epoch")
-            for epoch in range(epoch_at(time.time(), RUN_EPOCH_S), event["epoch"] - 2, -1):
-                for _, value, _ in client.get(plans_key("default", epoch)):
-                    proposal = open_envelope(value).record
-                    if proposal.digest == event["digest"]:
-                        return event, plan_from_json(proposal.plan)
-            time.sleep(0.5)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reader.get(nodes_key("default"))  # the validator takes plans of known members only
+        event = node.last("epoch")
+        for epoch in range(epoch_at(time.time(), RUN_EPOCH_S), event["epoch"] - 2, -1):
+            for _, value, _ in reader.get(plans_key("default", epoch)):
+                proposal = open_envelope(value).record
+                if proposal.digest == event["digest"]:
+                    return event, plan_from_json(proposal.plan)
+        time.sleep(0.5)
     raise AssertionError(f"no proposal of the plan {node.name} follows within {timeout} s")
 
 
-def _records(node: NodeProcess) -> dict[str, NodeInfo]:
-    """Every member's record, as the DHT serves it."""
-    config = DhtConfig(swarm="default", initial_peers=(node.dht_addr,), client_mode=True)
-    with DhtClient(config) as client:
-        return {i.peer_id: i for i in (open_envelope(v).record for _, v, _ in
-                                      client.get(nodes_key("default")))}  # fmt: skip
+def _records(reader: DhtClient) -> dict[str, NodeInfo]:
+    """Every member's record, as the DHT serves it (a get always searches for the latest)."""
+    return {i.peer_id: i for i in (open_envelope(v).record for _, v, _ in
+                                  reader.get(nodes_key("default")))}  # fmt: skip
 
 
-def _linked(node: NodeProcess, peer: str, members: list[NodeProcess]) -> bool:
+def _linked(reader: DhtClient, peer: str, members: list[NodeProcess]) -> bool:
     """Whether every one of ``members``' records reports a measured link to ``peer``."""
-    records = _records(node)
+    records = _records(reader)
     found = all(
         any(link.peer == peer for link in getattr(records.get(m.peer_id), "links", ()))
         for m in members
@@ -169,9 +165,9 @@ def _linked(node: NodeProcess, peer: str, members: list[NodeProcess]) -> bool:
     return found
 
 
-def _witnessed_records(node: NodeProcess, peer: str) -> dict[str, NodeInfo] | None:
+def _witnessed_records(reader: DhtClient, peer: str) -> dict[str, NodeInfo] | None:
     """Every member's record, once some record other than ``peer``'s witnesses ``peer``."""
-    records = _records(node)
+    records = _records(reader)
     if peer in records and any(
         w.peer == peer for p, i in records.items() if p != peer for w in i.witnessed
     ):
@@ -196,7 +192,16 @@ def shared(tmp_path_factory):
             swarm.close()
 
 
-def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(shared):
+@pytest.fixture(scope="module")
+def reader(shared):
+    """One DHT reader for the module's reads of records and proposals (a client per read
+    started a DHT worker and its p2pd each time, seconds on a loaded host)."""
+    config = DhtConfig(swarm="default", initial_peers=(shared[1][0].dht_addr,), client_mode=True)
+    with DhtClient(config) as client:
+        yield client
+
+
+def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(shared, reader):
     swarm, nodes = shared
     boaster = None
     try:
@@ -215,7 +220,7 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(share
         # A witness's record says the pace from the heartbeat after it measured it, and may
         # drop it again once a plan gives the boaster a replica (replicas are witnessed from
         # their own word): read the records until one says it (CI once read none, 1 of 3).
-        records = wait_for(lambda: _witnessed_records(nodes[0], boaster.peer_id), 60,
+        records = wait_for(lambda: _witnessed_records(reader, boaster.peer_id), 60,
                            "a record witnessing its pace")  # fmt: skip
         witnesses = {p: [w.pace for w in i.witnessed if w.peer == boaster.peer_id]
                      for p, i in records.items()}  # fmt: skip
@@ -241,7 +246,7 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(share
         since = max(e["t"] for e in paced)
         wait_for(lambda: _planned(nodes[0], boaster.peer_id, since + 2 * RUN_EPOCH_S), 120,
                  "a plan seating it after its pace")  # fmt: skip
-        event, plan = _plan_followed(nodes[0], 60.0)
+        event, plan = _plan_followed(nodes[0], reader, 60.0)
         # Any member may propose the plan, each from the paces in its own view: the swarm's.
         held = {e["paced"][boaster.peer_id] for n in nodes for e in _paced(n, boaster.peer_id)}
         run = RunSpec(seq_len=64, micro_batch_size=2, micro_batches=4)
@@ -321,7 +326,7 @@ def test_a_member_that_stalls_mid_run_with_its_heartbeat_up_is_blamed_and_planne
         staller.kill()  # the test's own process; the trainers are the module's
 
 
-def test_an_observer_with_a_fast_device_is_never_planned(shared):
+def test_an_observer_with_a_fast_device_is_never_planned(shared, reader):
     swarm, nodes = shared
     joined = time.time()
     observer = swarm.start(
@@ -335,7 +340,7 @@ def test_an_observer_with_a_fast_device_is_never_planned(shared):
         wait_for(seen, 60, "the trainers to count the observer a member")
         # Once both trainers' records carry a measured link to it, every planner has what it
         # needs to seat it; a plan would then have named it within a few epochs.
-        wait_for(lambda: _linked(nodes[0], observer.peer_id, nodes), 60, "links to it measured")
+        wait_for(lambda: _linked(reader, observer.peer_id, nodes), 60, "links to it measured")
         after = {n.name: n.last("epoch")["epoch"] + SEATING_EPOCHS for n in nodes}
         wait_for(lambda: all(n.last("epoch")["epoch"] >= after[n.name] for n in nodes),
                  (SEATING_EPOCHS + 5) * RUN_EPOCH_S * 3, "epochs with its links known")  # fmt: skip

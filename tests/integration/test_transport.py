@@ -1,9 +1,11 @@
 """The tensor transport between real node processes on 127.0.0.1.
 
-Each test starts ``python -m tests.support.transport_main`` (an echo node), talks to it
-through an in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
+The tests talk to ``python -m tests.support.transport_main`` (an echo node) through an
+in-process ``Transport`` and, for misbehaving peers, through a raw py-libp2p host
 that writes whatever bytes the test wants on the tensor protocol. Every bad frame must reset
 only its own stream, be counted against the peer, and leave the node serving good frames.
+One plain node serves the module (its start was most of each test's time); a test that needs
+other flags, or a restart, starts its own.
 """
 
 import math
@@ -87,9 +89,8 @@ def raw_session(addr: str, chunks: list[bytes], *, half_close: bool = False) -> 
     return peer_id_of(key_pair), trio.run(main)
 
 
-def test_tensors_cross_both_ways(start_node, client):
-    node = start_node()
-    assert client.connect(node.addr) == node.peer_id
+def test_tensors_cross_both_ways(plain_node, client):
+    assert client.connect(plain_node.addr) == plain_node.peer_id
     for tensor in (
         torch.randn(2, 3, 5),
         torch.randn(1000).to(torch.bfloat16),
@@ -97,17 +98,17 @@ def test_tensors_cross_both_ways(start_node, client):
         torch.zeros(0, 4),
         torch.tensor(True),
     ):
-        back = echo(client, node, tensor)
+        back = echo(client, plain_node, tensor)
         assert back.dtype == tensor.dtype
         assert torch.equal(back, tensor)
     big = torch.randn(1 << 20)  # 4 MB: many muxer frames, decoded off the trio thread
-    assert torch.equal(echo(client, node, big), big)
-    stats = client.stats()[node.peer_id]
+    assert torch.equal(echo(client, plain_node, big), big)
+    stats = client.stats()[plain_node.peer_id]
     assert stats.frames_out == stats.frames_in == 6
     assert stats.errors == {}
 
 
-def test_frames_around_the_write_chunk_size_arrive_whole(start_node, client):
+def test_frames_around_the_write_chunk_size_arrive_whole(plain_node, client):
     """Bodies go out in pieces of one Noise message each; the edges must not lose a byte."""
     chunk = transport_module._WRITE_CHUNK_BYTES
     wanted = {chunk - 1, chunk, chunk + 1, 2 * chunk + 1}
@@ -119,12 +120,11 @@ def test_frames_around_the_write_chunk_size_arrive_whole(start_node, client):
         if len(pack_tensor(torch.zeros(n, dtype=torch.uint8))) == body
     ]
     assert len(sizes) == len(wanted)
-    node = start_node()
-    client.connect(node.addr)
+    client.connect(plain_node.addr)
     generator = torch.Generator().manual_seed(5)
     for n in sizes:
         tensor = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
-        assert torch.equal(echo(client, node, tensor), tensor)
+        assert torch.equal(echo(client, plain_node, tensor), tensor)
 
 
 def test_identity_survives_a_restart(start_node):
@@ -133,23 +133,21 @@ def test_identity_survives_a_restart(start_node):
     assert start_node(key="same.key").peer_id == first.peer_id
 
 
-def test_garbage_on_the_protocol_resets_the_stream(start_node, client):
-    node = start_node()
-    client.connect(node.addr)
-    peer, outcome = raw_session(node.addr, [b"\xde\xad\xbe\xef" * 64])
+def test_garbage_on_the_protocol_resets_the_stream(plain_node, client):
+    client.connect(plain_node.addr)
+    peer, outcome = raw_session(plain_node.addr, [b"\xde\xad\xbe\xef" * 64])
     assert outcome in ENDED
-    assert node.wait_for_error(peer, "FrameError") == {"FrameError": 1}
-    assert_node_still_echoes(client, node)
+    assert plain_node.wait_for_error(peer, "FrameError") == {"FrameError": 1}
+    assert_node_still_echoes(client, plain_node)
 
 
-def test_truncated_frame_resets_the_stream(start_node, client):
-    node = start_node()
-    client.connect(node.addr)
+def test_truncated_frame_resets_the_stream(plain_node, client):
+    client.connect(plain_node.addr)
     frame = encode_head(HEADER, 1000) + bytes(10)
-    peer, outcome = raw_session(node.addr, [frame], half_close=True)
+    peer, outcome = raw_session(plain_node.addr, [frame], half_close=True)
     assert outcome in ENDED
-    assert node.wait_for_error(peer, "FrameError")
-    assert_node_still_echoes(client, node)
+    assert plain_node.wait_for_error(peer, "FrameError")
+    assert_node_still_echoes(client, plain_node)
 
 
 def test_oversize_length_prefix_is_refused_before_the_body(start_node, client):
@@ -162,16 +160,15 @@ def test_oversize_length_prefix_is_refused_before_the_body(start_node, client):
     assert_node_still_echoes(client, node)
 
 
-def test_header_with_unknown_kind_is_refused(start_node, client):
-    node = start_node()
-    client.connect(node.addr)
+def test_header_with_unknown_kind_is_refused(plain_node, client):
+    client.connect(plain_node.addr)
     import msgpack
 
     bad = msgpack.packb({"step": 0, "micro_batch": 0, "kind": "weights", "stage": 0})
-    peer, outcome = raw_session(node.addr, [PREFIX.pack(1, len(bad), 8) + bad + bytes(8)])
+    peer, outcome = raw_session(plain_node.addr, [PREFIX.pack(1, len(bad), 8) + bad + bytes(8)])
     assert outcome in ENDED
-    assert node.wait_for_error(peer, "FrameError")
-    assert_node_still_echoes(client, node)
+    assert plain_node.wait_for_error(peer, "FrameError")
+    assert_node_still_echoes(client, plain_node)
 
 
 def test_wrong_shape_or_dtype_against_the_spec_is_refused(start_node, client):
@@ -187,13 +184,12 @@ def test_wrong_shape_or_dtype_against_the_spec_is_refused(start_node, client):
     assert_node_still_echoes(client, node)
 
 
-def test_nan_tensor_is_refused(start_node, client):
-    node = start_node()
-    client.connect(node.addr)
-    client.send(node.peer_id, HEADER, pack_tensor(torch.tensor([1.0, math.nan])), timeout=5)
-    assert node.wait_for_error(client.peer_id, "FrameError")
-    wait_for_reset_seen(client, node)
-    assert_node_still_echoes(client, node)
+def test_nan_tensor_is_refused(plain_node, client):
+    client.connect(plain_node.addr)
+    client.send(plain_node.peer_id, HEADER, pack_tensor(torch.tensor([1.0, math.nan])), timeout=5)
+    assert plain_node.wait_for_error(client.peer_id, "FrameError")
+    wait_for_reset_seen(client, plain_node)
+    assert_node_still_echoes(client, plain_node)
 
 
 def test_a_peer_stalling_mid_frame_is_cut_off_at_the_read_deadline(start_node, client):
@@ -296,8 +292,7 @@ def test_a_receiver_that_pauses_longer_than_yamux_patience_loses_nothing(tmp_pat
         assert sender.outbound_lanes() == ([receiver.peer_id] if lanes else [])
 
 
-def test_a_plaintext_only_dialer_is_refused(start_node, client):
-    node = start_node()
+def test_a_plaintext_only_dialer_is_refused(plain_node, client):
     key_pair = create_new_key_pair()
 
     async def dial_in_plaintext() -> Exception | None:
@@ -310,15 +305,15 @@ def test_a_plaintext_only_dialer_is_refused(start_node, client):
         with trio.fail_after(_WAIT_S + 5):
             async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
                 try:
-                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(node.addr)))
+                    await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(plain_node.addr)))
                 except SwarmException as exc:
                     return exc
         return None
 
     refusal = trio.run(dial_in_plaintext)
     assert isinstance(refusal, SwarmException), "a plaintext dialer got connected"
-    client.connect(node.addr)
-    assert_node_still_echoes(client, node)
+    client.connect(plain_node.addr)
+    assert_node_still_echoes(client, plain_node)
 
 
 def test_close_is_bounded_and_later_calls_fail_typed(tmp_path):
@@ -333,22 +328,20 @@ def test_close_is_bounded_and_later_calls_fail_typed(tmp_path):
     transport.close()  # idempotent
 
 
-def test_a_bad_peer_id_is_the_callers_error_and_the_transport_lives_on(client, start_node):
+def test_a_bad_peer_id_is_the_callers_error_and_the_transport_lives_on(client, plain_node):
     for bad in ("", "not-base58!"):
         with pytest.raises(ValueError, match="not a peer id"):
             client.send(bad, HEADER, pack_tensor(torch.ones(1)))
     unknown = peer_id_of(create_new_key_pair())  # valid, but no address known
     with pytest.raises(TransportError):
         client.send(unknown, HEADER, pack_tensor(torch.ones(1)), timeout=3)
-    node = start_node()
-    client.connect(node.addr)
-    assert_node_still_echoes(client, node)
+    client.connect(plain_node.addr)
+    assert_node_still_echoes(client, plain_node)
 
 
-def test_a_fixed_port_in_use_is_refused(tmp_path, start_node):
-    node = start_node()
-    port = int(node.addr.split("/tcp/")[1].split("/")[0])
+def test_a_fixed_port_in_use_is_refused(tmp_path, plain_node):
+    port = int(plain_node.addr.split("/tcp/")[1].split("/")[0])
     config = TransportConfig(key_path=tmp_path / "k", listen_port=port)
     with pytest.raises(TransportError, match="cannot listen"):
         Transport(config).start()
-    assert node.command(cmd="stats")["event"] == "stats"
+    assert plain_node.command(cmd="stats")["event"] == "stats"

@@ -11,7 +11,9 @@ from fusionllm.node.children import JsonChild
 from fusionllm.node.p2p.framing import FrameHeader
 from fusionllm.node.p2p.transport import Transport
 
-_START_S = 15.0
+# A start takes ~2 s; 15 s was once too short here with the load at 14 on 2 cores (its import
+# of torch and py-libp2p alone). The per-test timeouts still bound a test.
+_START_S = 30.0
 _WAIT_S = 8.0
 HEADER = FrameHeader(step=3, micro_batch=1, kind="activation", stage=0)
 
