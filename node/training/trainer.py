@@ -227,7 +227,11 @@ class SwarmTrainer:
 
     def _follow_plans(self) -> None:
         parted_from = None  # a plan some member left: wait for the one without it
-        while not (self._stop.is_set() or self._leaving.is_set()):
+        # A leave asked for after our vote of a step went out, a step the members then ended
+        # with a switch to a plan we are in: they count on our stage there. We serve that plan
+        # to its first step boundary, where our vote to leave hands the stage over (once).
+        switched_away = False
+        while not self._stop.is_set() and (switched_away or not self._leaving.is_set()):
             if self.view.run_finished():  # the members reached the end without us
                 return self._finish(None)
             current = self.view.adopted()
@@ -239,18 +243,23 @@ class SwarmTrainer:
             except ConfigError as exc:
                 logger.error("cannot run plan %s: %s", current[0][:12], exc)
                 plan_of = None
+            if switched_away and (plan_of is None or plan_of.role is None):
+                return  # the switch left us out: it handed our stage over (Parting.hand_over)
             if plan_of is None or plan_of.role is None or plan_of.digest == parted_from:
                 if plan_of is not None and plan_of.role is None:
                     self.view.publish(None, self.step, self.loss, False, self.evaluation)
                 self._wait_for_other_plan(current[0])
                 continue
-            ending = self._serve(plan_of)
+            ending = self._serve(plan_of, leaving=switched_away)
             if ending.outcome is Outcome.FINISHED:
                 return self._finish(ending.held)
             if ending.outcome is Outcome.PARTED:
                 parted_from = plan_of.digest
+            switched_away = (
+                ending.outcome is Outcome.SWITCH and self._leaving.is_set() and not switched_away
+            )
 
-    def _serve(self, plan_of: Assignment) -> Ending:
+    def _serve(self, plan_of: Assignment, *, leaving: bool = False) -> Ending:
         digest = plan_of.digest
         session = PlanSession(
             assignment=plan_of,
@@ -266,7 +275,7 @@ class SwarmTrainer:
         self._session = session
         try:
             with self._placement.serving(plan_of, torch.get_num_threads()):
-                ending = self._run_session(session, plan_of)
+                ending = self._run_session(session, plan_of, leaving=leaving)
         finally:
             self._last_members = frozenset(plan_of.members)
             self._session = None
@@ -276,14 +285,16 @@ class SwarmTrainer:
                     "detail": ending.detail})  # fmt: skip
         return ending
 
-    def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
+    def _run_session(self, session: PlanSession, plan_of: Assignment, *, leaving: bool) -> Ending:
+        """``leaving``: we serve this plan only to leave at its first step (``_follow_plans``),
+        so a leave asked for does not end its barrier."""
         digest = plan_of.digest
         self._connect(plan_of)
         # A plan whose members never all meet (one of them followed another plan, which then
         # ran to the end and left) is given up once the members' records say the run is over.
         current = lambda: (  # noqa: E731
             (self.view.adopted() or ("",))[0] == digest
-            and not self._leaving.is_set()
+            and (leaving or not self._leaving.is_set())
             and not self.view.run_finished()
         )
         start = session.meet(current=current, stop=self._stop)

@@ -23,6 +23,7 @@ from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.local_train import train_local
 from fusionllm.node.pipeline.train_config import TrainConfig
 from fusionllm.node.swarm_training import build_workload, parameter_shapes
+from fusionllm.node.training.assignment import plan_vote
 from fusionllm.node.training.trainer import SwarmTrainer, TrainerConfig
 from fusionllm.node.training.transfer import TransferWait
 from tests.support.memory_transport import MemoryNetwork
@@ -506,6 +507,44 @@ def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
     handover = [e for e in cluster.events["peer-b"] if e["event"] == "handover"]
     assert handover
     assert all(e["delivered"] for e in handover)
+
+
+def test_a_leave_that_meets_a_switch_serves_the_new_plan_to_its_first_step(cluster_of):
+    """SIGTERM right after the leaver's vote of a step went out (so it counts only from the
+    next summary), a step the members end with a switch to a plan the leaver is in: they
+    count on its stage there. It serves that plan's first step, leaves by its vote and hands
+    its stage over: the plan without it resumes where the switch's plan ended, no rollback
+    (no checkpoints here: a lost stage could only start over)."""
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three, moved = _plan(peers[:3], 3), _plan(["peer-a", "peer-b", "peer-d"], 3)
+    cluster = cluster_of(peers)
+    leaver = cluster.trainers["peer-b"]
+    switch_vote, vote = plan_vote(moved.digest()), leaver._vote
+
+    def vote_then_sigterm() -> float:
+        cast = vote()
+        if cast == switch_vote:
+            leaver.stop()  # after this step's vote: the members switch, then we leave
+        return cast
+
+    leaver._vote = vote_then_sigterm
+    cluster.start(three)
+    cluster.wait(lambda: len(cluster.losses("peer-a")) >= 3, "3 steps")
+    cluster.adopt(moved)
+    assert leaver.wait_gone(60.0)
+    ends = [e for e in cluster.events["peer-b"] if e["event"] == "plan_end"]
+    assert [e["outcome"] for e in ends] == ["switch", "parted"], ends
+    assert ends[-1]["digest"] == moved.digest()
+    left_at = ends[-1]["next_step"]
+    assert left_at > ends[0]["next_step"], "the leaver served no step of the new plan"
+    for view in cluster.views.values():
+        view.alive.discard("peer-b")
+    survivors = ["peer-a", "peer-c", "peer-d"]
+    cluster.adopt(_plan(survivors, 3), peers=survivors)
+    cluster.wait_finished(survivors)
+    assert [cluster.starts(p)[-1]["start_step"] for p in survivors] == [left_at] * 3
+    merged = {**cluster.losses("peer-a"), **cluster.losses("peer-d")}
+    np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
 
 
 def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
