@@ -70,6 +70,7 @@ def host_devices(topology: Topology) -> dict[str, dict]:
             "name": f"cpu-x{share:g}", "kind": "cpu", "memory_bytes": 4 << 30,
             "flops": m.flops * share, "memory_bandwidth": m.memory_bandwidth * share,
             "op_overhead": m.op_overhead / share, "cpu_cores": 1, "ram_bytes": 8 << 30,
+            "frame_overhead": m.frame_overhead / share,
         }  # fmt: skip
     return devices
 

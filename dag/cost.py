@@ -40,12 +40,17 @@ class DeviceProfile:
     # Fixed cost of dispatching one operator in one pass (framework + kernel launch), seconds.
     # It dominates small models: GPT-2 tiny on a CPU ran 2.6x its roofline estimate without it.
     op_overhead: float = 0.0
+    # CPU seconds one tensor frame costs one side of a link (pack or decode, seal or open,
+    # the lane's write or read): measured by the node (node/control/frame_cost.py), paid per
+    # frame a stage sends or receives, besides its operators (issue 25, topology C).
+    frame_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive(self.name, "flops", self.flops)
         _check_positive(self.name, "memory_bandwidth", self.memory_bandwidth)
         _check_positive(self.name, "memory_bytes", self.memory_bytes)
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
+        _check_positive(self.name, "frame_overhead", self.frame_overhead, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +103,20 @@ def estimate_stage_time(
         forward += t.forward
         backward += t.backward
     return StageTime(forward=forward, backward=backward)
+
+
+def stage_frames(stage: int, stages: int) -> int:
+    """Frames stage ``stage`` of ``stages`` sends or receives per micro-batch and pass: forward
+    it receives an activation (not the first) and sends one (not the last); backward the same
+    in gradients, the other way."""
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}), got {stage}")
+    return int(stage > 0) + int(stage < stages - 1)
+
+
+def frame_time(stage: int, stages: int, device: DeviceProfile) -> float:
+    """The CPU seconds stage ``stage`` pays per micro-batch and pass for its frames."""
+    return stage_frames(stage, stages) * device.frame_overhead
 
 
 def transfer_time(nbytes: float, link: LinkProfile) -> float:

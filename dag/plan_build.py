@@ -11,7 +11,7 @@ import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.chain_cuts import _Model
-from fusionllm.dag.cost import allreduce_time, compressed_wire
+from fusionllm.dag.cost import allreduce_time, compressed_wire, frame_time
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.plan_records import (
     InfeasiblePlanError,
@@ -95,8 +95,9 @@ def _stage_record(
     replicas = members[fit]
     share = model.speed_share(replicas, a, b)
     prof = model.peer_profile[replicas]
-    forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a])))
-    backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a])))
+    frames = np.array([frame_time(k, s, model.profiles[i]) for i in prof])
+    forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a] + frames)))
+    backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a] + frames)))
     link = model.allreduce_link(replicas)
     grads = (model.params[b] - model.params[a]) * cfg.grad_bytes_per_param_byte
     reduce = allreduce_time(grads, replicas.size, link)

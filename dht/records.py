@@ -145,6 +145,7 @@ class DeviceInfo:
     op_overhead: float  # s per operator per pass
     cpu_cores: int
     ram_bytes: int
+    frame_overhead: float = 0.0  # s of CPU per tensor frame sent or received (0: not measured)
 
     def __post_init__(self) -> None:
         try:
@@ -162,12 +163,17 @@ class DeviceInfo:
             "ovh": self.op_overhead,
             "cores": self.cpu_cores,
             "ram": self.ram_bytes,
+            # Only when measured: a record without it reads as before (0: no frame term).
+            **({"frm": self.frame_overhead} if self.frame_overhead else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "DeviceInfo":
         w = _fields(
-            wire, {"name", "kind", "mem", "flops", "membw", "ovh", "cores", "ram"}, "device"
+            wire,
+            {"name", "kind", "mem", "flops", "membw", "ovh", "cores", "ram"},
+            "device",
+            frozenset({"frm"}),
         )
         values = {
             "name": _str(w["name"], "device name", MAX_NAME_CHARS),
@@ -178,6 +184,7 @@ class DeviceInfo:
             "op_overhead": _float(w["ovh"], "op overhead", 0.0, 1.0),
             "cpu_cores": _int(w["cores"], "cpu cores", 1, 1 << 16),
             "ram_bytes": _int(w["ram"], "ram", 1, _MAX_MEMORY),
+            "frame_overhead": _float(w.get("frm", 0.0), "frame overhead", 0.0, 1.0),
         }
         obj = object.__new__(cls)
         for name, value in values.items():

@@ -175,6 +175,7 @@ def start_training(
         host=daemon.host,
     ).start()
     daemon.wire_samples = transport.lane_senders.wire_samples
+    daemon.lane_probe = transport.lane_senders.bulk_probe
     try:
         trainer = _trainer(config, daemon, transport, on_event).start()
     except BaseException:

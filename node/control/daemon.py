@@ -73,6 +73,9 @@ class NodeDaemon:
         self.book = BandwidthBook(max_age_s=max(6 * config.probe_interval_s, 60.0))
         # Our lanes' kernel-timed link figures; the tensor plane sets it once it runs.
         self.wire_samples: Callable[[], dict[str, WireSample]] = dict
+        # A bulk probe on our lane to a peer (lane/bulk.py): (peer, bytes) -> its figure, or
+        # None where no lane carries it (then the stream probe measures); set with the above.
+        self.lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None
         self.agreement: PlanAgreement | None = None  # the plan epochs, from start()
         self._state = NodeState.JOINING
         self.progress: TrainingProgress | None = None  # what our trainer last reported
@@ -239,6 +242,7 @@ class NodeDaemon:
             suspect=lambda peer, since: self.agreement.quiet.suspect(peer, since),
             quiet=lambda: self.agreement.quiet.cadence.stride,
             wire=lambda: self.wire_samples(),
+            lane_probe=lambda peer, nbytes: self.lane_probe(peer, nbytes),
         )
 
     def _reach_check(self) -> ReachCheck:

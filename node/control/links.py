@@ -74,6 +74,7 @@ class LinkMonitor:
         suspect: Callable[[str, float], None] = lambda peer, since: None,
         quiet: Callable[[], int] = lambda: 1,
         wire: Callable[[], dict[str, WireSample]] = dict,
+        lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None,
     ) -> None:
         self.control = control
         self.book = book
@@ -92,6 +93,7 @@ class LinkMonitor:
         self._connections = ConnectionWatch()
         self._quiet = quiet  # how many epochs a quiet swarm sits out (quiet.py)
         self._wire = wire  # our lanes' kernel-timed figures, by peer (lane/wire_meter.py)
+        self._lane_probe = lane_probe  # a bulk probe on our lane to a peer (lane/bulk.py)
         self._held_age = HeldAge(book.max_age_s)
         self._rng = random.Random()
         self._lock = threading.Lock()
@@ -229,20 +231,33 @@ class LinkMonitor:
             # the rest a quarter, enough to rank them.
             full = peer in priority
             nbytes = self.probe_bytes if full else max(16 << 10, self.probe_bytes // 4)
-            try:
-                result = self.control.probe(peer, nbytes=min(nbytes, self.probe_bytes))
-            except (TransportError, FusionError) as exc:
-                with self._lock:
-                    self._probes_failed += 1
-                logger.debug("probe of %s failed: %s", peer[:16], exc)
-                continue
-            logger.debug(
-                "probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes in %.3g ms",
-                peer[:16], result.bandwidth / 1e6, result.rtt * 1e3, result.bytes,
-                result.seconds * 1e3,
-            )  # fmt: skip
-            sample = LinkSample(result.bandwidth, result.rtt, time.time(), result.relayed)
-            self.book.record(self.peer_id, peer, sample, now=time.time(), window=self.PROBE_WINDOW)
+            sample = self._probe(peer, min(nbytes, self.probe_bytes))
+            if sample is not None:
+                now = time.time()
+                self.book.record(self.peer_id, peer, sample, now=now, window=self.PROBE_WINDOW)
+
+    def _probe(self, peer: str, nbytes: int) -> LinkSample | None:
+        """One measure of the link to ``peer``: a bulk transfer on our lane to it where one is
+        open (timed by the kernel, whoever has the CPU), else the stream probe (a relayed
+        link, or one we send no frames on); None if that failed."""
+        wire = self._lane_probe(peer, nbytes)
+        if wire is not None:
+            logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",
+                         peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, nbytes)  # fmt: skip
+            return LinkSample(wire.bandwidth, wire.rtt, time.time())
+        try:
+            result = self.control.probe(peer, nbytes=nbytes)
+        except (TransportError, FusionError) as exc:
+            with self._lock:
+                self._probes_failed += 1
+            logger.debug("probe of %s failed: %s", peer[:16], exc)
+            return None
+        logger.debug(
+            "probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes in %.3g ms",
+            peer[:16], result.bandwidth / 1e6, result.rtt * 1e3, result.bytes,
+            result.seconds * 1e3,
+        )  # fmt: skip
+        return LinkSample(result.bandwidth, result.rtt, time.time(), result.relayed)
 
     def connect(self, members: dict[str, NodeInfo]) -> None:
         connected = set(self.control.connected_peers())

@@ -20,12 +20,14 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import PRECISIONS
 from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control.frame_cost import FrameProbeConfig, measure_frame_overhead
 from fusionllm.node.devices import resolve_device
 
 logger = get_logger(__name__)
 
-# 3: measured at the run's precision, on the device that trains; 4: the fastest repeat counts
-_PROBE_VERSION = 4
+# 3: measured at the run's precision, on the device that trains; 4: the fastest repeat counts;
+# 5: with the per-frame cost
+_PROBE_VERSION = 5
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,6 +41,7 @@ class DeviceMeasurement:
     memory_bandwidth: float
     memory_bytes: int
     op_overhead: float  # seconds per operator per pass (forward or backward) on tiny layers
+    frame_overhead: float = 0.0  # seconds of CPU per tensor frame, one side (frame_cost.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,15 +151,18 @@ def measure_device(
         memory_bandwidth=elementwise_traffic / elementwise_s,
         memory_bytes=int(memory_bytes),
         op_overhead=overhead_s / (2 * config.overhead_ops),
+        frame_overhead=measure_frame_overhead(FrameProbeConfig(repeats=config.repeats)),
     )
     logger.info(
-        "%s: %.1f GFLOP/s %s matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op",
+        "%s: %.1f GFLOP/s %s matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op, "
+        "%.0f us per frame",
         measurement.device_name,
         measurement.flops / 1e9,
         str(config.dtype).removeprefix("torch."),
         measurement.memory_bandwidth / 1e9,
         measurement.memory_bytes / 2**30,
         measurement.op_overhead * 1e6,
+        measurement.frame_overhead * 1e6,
     )
     return measurement
 
@@ -204,6 +210,7 @@ def local_device(cache: Path | None, device: str = "auto", precision: str = "fp3
         flops=measured.flops,
         memory_bandwidth=measured.memory_bandwidth,
         op_overhead=measured.op_overhead,
+        frame_overhead=measured.frame_overhead,
         cpu_cores=os.cpu_count() or 1,
         ram_bytes=psutil.virtual_memory().total,
     )

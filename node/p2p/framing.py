@@ -42,9 +42,14 @@ class FrameKind(enum.StrEnum):
     ACTIVATION = "activation"
     GRADIENT = "gradient"
     CONTROL = "control"
+    # Bytes to be thrown away: a lane's bulk probe (lane/bulk.py) fills the link with them so
+    # the kernel can time it. Only a lane's reader takes them (lane/serve.py), and only up to
+    # MAX_FILLER_BYTES a frame; a stream refuses them (inbound.py).
+    FILLER = "filler"
 
 
 _KINDS = {kind.value: kind for kind in FrameKind}
+MAX_FILLER_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,14 @@ from fusionllm.common.errors import FrameError, PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.compression import ParsedFrame, decode_frame, parse_frame
 from fusionllm.node.errors import TransportClosedError, TransportError
-from fusionllm.node.p2p.framing import FrameHeader, Reader, keep_warm, read_exactly, read_head
+from fusionllm.node.p2p.framing import (
+    FrameHeader,
+    FrameKind,
+    Reader,
+    keep_warm,
+    read_exactly,
+    read_head,
+)
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.limits import ByteBudget, Refusals, Slots
@@ -327,6 +334,8 @@ class Inbound:
 
     def spec_for(self, header: FrameHeader, body_len: int) -> TensorSpec | None:
         """What the frame must hold; FrameError if its length already says it does not."""
+        if header.kind is FrameKind.FILLER:  # a lane's probe bytes: never a stream's
+            raise FrameError("a filler frame on a stream (only lanes carry them)")
         spec = self._expect(header) if self._expect is not None else None
         if spec is not None and body_len > spec.max_body_bytes:
             self._refusals.add(BODY_TOO_LONG)  # the peer's FrameError is logged by _serve

@@ -1,7 +1,6 @@
 """Lanes' kernel-timed figures reach the links table: a lane over real loopback TCP measures
 itself while it carries frames, and LinkMonitor files its figure beside the probes'."""
 
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -12,23 +11,18 @@ import trio
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.links import LinkMonitor
 from fusionllm.node.p2p.blocking_framing import read_exactly_blocking
-from fusionllm.node.p2p.lane.seal import LANE_KEY_BYTES
 from fusionllm.node.p2p.lane.senders import LaneSenders
-from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
+from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
+from tests.support.lanes import KEY, loopback_lane
 
-KEY = bytes(range(LANE_KEY_BYTES))
 FRAME = 2 << 20
 
 
 @pytest.fixture
 def tcp_lane():
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
-    peer, _ = server.accept()
-    server.close()
-    writer = LaneWriter(trio.socket.from_stdlib_socket(client), KEY)
+    writer, peer = loopback_lane()
     senders = LaneSenders(PeerCounters())
     senders.add("b", writer)
     yield senders, writer, BlockingLaneReader(peer, KEY)

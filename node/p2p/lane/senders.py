@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
+from fusionllm.node.p2p.lane.bulk import BULK_TIMEOUT_S, run_bulk
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
@@ -40,6 +41,25 @@ class LaneSenders:
         """Each open lane's newest kernel-timed figure (wire_meter.py), by peer; any thread."""
         lanes = list(self._by_peer.items())  # one operation: a copy safe across threads
         return {peer: s for peer, lane in lanes if (s := lane.meter.latest()) is not None}
+
+    def bulk_probe(
+        self, peer: str, nbytes: int, timeout: float = BULK_TIMEOUT_S
+    ) -> WireSample | None:
+        """The link to ``peer`` timed by the kernel under ``nbytes`` of filler on our lane to it
+        (lane/bulk.py), from this thread: None where no lane is open, it stayed busy with
+        frames, or no sample was trusted (then a stream probe measures). A lane whose write
+        failed is dropped, as a frame's would be."""
+        lane = self._by_peer.get(peer)
+        if lane is None:
+            return None
+        try:
+            sample = run_bulk(lane, nbytes, timeout)
+        except FusionError:
+            logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
+            self.drop(peer, lane)
+            return None
+        self._counters.sent(peer, nbytes)
+        return sample
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float

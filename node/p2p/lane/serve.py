@@ -16,9 +16,10 @@ from typing import Protocol
 
 import torch
 
+from fusionllm.common.errors import FrameError
 from fusionllm.compression import ParsedFrame, decode_frame
 from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
-from fusionllm.node.p2p.framing import FrameHeader, keep_warm
+from fusionllm.node.p2p.framing import MAX_FILLER_BYTES, FrameHeader, FrameKind, keep_warm
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.limits import ByteBudget
 from fusionllm.node.p2p.transport_types import PeerCounters, Received, TensorSpec, TransportConfig
@@ -67,6 +68,9 @@ class LaneFrames:
             if head is None:
                 return
             header, body_len = head
+            if header.kind is FrameKind.FILLER:
+                scratch = self._drop_filler(body_len, scratch)
+                continue
             spec = inbound.spec_for(header, body_len)
             tensor, scratch = self._receive_body(body_len, spec, scratch)
             received = Received(self.peer, header, tensor)
@@ -75,20 +79,37 @@ class LaneFrames:
             else:
                 inbound.queue_from_thread(received, body_len)
 
+    def _drop_filler(self, body_len: int, scratch: bytearray) -> bytearray:
+        """Read a bulk probe's frame (lane/bulk.py) and throw it away, within the same budget
+        and rate floor as a tensor's body; FrameError past MAX_FILLER_BYTES."""
+        if body_len > MAX_FILLER_BYTES:
+            raise FrameError(f"a filler frame of {body_len} bytes, over {MAX_FILLER_BYTES}")
+        self.inbound.reserve(self.peer, body_len)
+        try:
+            body = self._read(body_len, scratch, "filler")
+        finally:
+            self.inbound.budget.release(self.peer, body_len)
+        self.inbound.counters.received(self.peer, body_len)
+        return keep_warm(body, scratch)
+
+    def _read(self, body_len: int, scratch: bytearray, what: str) -> bytearray | memoryview:
+        config = self.inbound.config
+        return read_exactly_blocking(
+            self.reader,
+            body_len,
+            stall_timeout_s=config.read_timeout_s,
+            what=what,
+            into=scratch,
+            floor=config.rate_floor(),
+        )
+
     def _receive_body(
         self, body_len: int, spec: TensorSpec | None, scratch: bytearray
     ) -> tuple[torch.Tensor, bytearray]:
         inbound = self.inbound
         inbound.reserve(self.peer, body_len)
         try:
-            body = read_exactly_blocking(
-                self.reader,
-                body_len,
-                stall_timeout_s=inbound.config.read_timeout_s,
-                what="body",
-                into=scratch,
-                floor=inbound.config.rate_floor(),
-            )
+            body = self._read(body_len, scratch, "body")
             scratch = keep_warm(body, scratch)
             parsed = inbound.parse(body, spec)
             large = parsed.decoded_bytes >= inbound.config.decode_in_thread_bytes

@@ -30,7 +30,7 @@ from fusionllm.node.p2p.lane.seal import (
     Sealer,
     chunk_length,
 )
-from fusionllm.node.p2p.lane.tcp_info import TcpInfoError, read_tcp_info
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo, TcpInfoError, read_tcp_info
 from fusionllm.node.p2p.lane.wire_meter import WireMeter
 
 
@@ -134,6 +134,28 @@ class LaneWriter:
             self._fail(exc)
         self._measure()
         return None
+
+    def write_locked(self, parts: tuple[bytes | memoryview, ...], deadline: float) -> int:
+        """Seal and send a whole frame by ``deadline`` (monotonic), the caller holding ``lock``
+        (a bulk probe writes several in a row); the sealed bytes it put on the wire."""
+        if self.broken:
+            raise TransportError("the lane is broken")
+        sealed = 0
+
+        def counted() -> Iterator[memoryview]:
+            nonlocal sealed
+            for batch in self._batches(parts):
+                sealed += len(batch)
+                yield batch
+
+        self._finish(memoryview(b""), counted(), deadline)
+        return sealed
+
+    def kernel_info(self) -> TcpInfo:
+        """The kernel's view of the lane now; TcpInfoError where it cannot be read."""
+        if self.broken:
+            raise TcpInfoError("the lane is broken")
+        return read_tcp_info(self._blocking)
 
     def _batches(self, parts: tuple[bytes | memoryview, ...]) -> Iterator[memoryview]:
         """The frame's sealed chunks, up to ``_BATCH_CHUNKS`` at a time in one buffer (each

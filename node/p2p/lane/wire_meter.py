@@ -75,7 +75,7 @@ class WireMeter:
 
     def observe(self, info: TcpInfo, now: float) -> WireSample | None:
         """File ``info`` read at wall-clock ``now``; the figure it changed, or None."""
-        if not _trusted(info):
+        if not trusted(info):
             return None
         with self._lock:
             if info.bytes_acked - self._acked < self.config.min_bytes:
@@ -97,7 +97,8 @@ class WireMeter:
             return self._latest
 
 
-def _trusted(info: TcpInfo) -> bool:
+def trusted(info: TcpInfo) -> bool:
+    """A sample the kernel took while data was queued on an established lane, in bounds."""
     return (
         info.state == _ESTABLISHED
         and not info.app_limited

@@ -1,0 +1,100 @@
+"""What one tensor frame costs the CPU, on one side of a link: the planner's per-frame term.
+
+A stage pays for every frame it sends (pack, seal, write) and receives (read, open, check,
+decode) besides its operators: on topology C the planner's estimate was 0.58x of the measured
+step, about 0.18 s a step of such work it did not model (issue 25). ``measure_frame_overhead``
+times frames of a tiny activation's size, (8, 64, 64) fp32, written on a lane and read back
+in this thread over a socket pair (the lane's own code both ways, no event loop), and halves
+the round: the CPU a frame costs one side. Like the device's other figures, the fastest of a
+few repeats counts (probe.undisturbed_seconds), and the node caches it with them.
+"""
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.compression import decode_frame, pack_tensor, parse_frame
+from fusionllm.compression.codecs import Codec, TopKCodec
+from fusionllm.compression.limits import FrameLimits
+from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
+from fusionllm.node.p2p.framing import FrameHeader, FrameKind, encode_head
+from fusionllm.node.p2p.lane.seal import LANE_KEY_BYTES
+from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
+
+_TIMEOUT_S = 30.0
+_BUFFER_BYTES = 4 << 20  # a whole frame fits in the pair's buffers: write, then read, one thread
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameProbeConfig:
+    shape: tuple[int, ...] = (8, 64, 64)  # tiny's activation: (B, T, C), 128 KiB in fp32
+    frames: int = 16  # per repeat
+    repeats: int = 5
+    topk_ratio: float | None = None  # None: dense fp32 (what a node caches); else AdaTopK's codec
+
+    def __post_init__(self) -> None:
+        if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
+        if not self.shape or any(not 1 <= d <= 4096 for d in self.shape) or len(self.shape) > 4:
+            raise ConfigError(f"shape must be 1-4 dims in [1, 4096], got {self.shape}")
+        if not 1 <= self.frames <= 10_000 or not 1 <= self.repeats <= 100:
+            raise ConfigError(f"frames and repeats must be >= 1, got {self.frames}, {self.repeats}")
+
+
+def per_side(round_s: float, frames: int) -> float:
+    """Seconds one side pays per frame, from ``frames`` written and read back in ``round_s``."""
+    if not (round_s > 0 and frames >= 1):
+        raise ValueError(f"need round_s > 0 and frames >= 1, got {round_s}, {frames}")
+    return round_s / frames / 2
+
+
+def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
+    """Seconds of CPU a frame costs one side (the fastest repeat's, halved)."""
+    config = config or FrameProbeConfig()
+    tensor = torch.randn(config.shape)  # (B, T, C)
+    header = FrameHeader(step=0, micro_batch=0, kind=FrameKind.ACTIVATION, stage=0)
+    codec = None if config.topk_ratio is None else TopKCodec(ratio=config.topk_ratio)
+    left, right = socket.socketpair()
+    for sock in (left, right):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
+    key = bytes(LANE_KEY_BYTES)
+    writer = LaneWriter(trio.socket.from_stdlib_socket(left), key)
+    reader = BlockingLaneReader(right, key)
+    try:
+        one = lambda: _frame_round(writer, reader, tensor, header, codec)  # noqa: E731
+        one()  # warm-up: allocations, the codec's first call
+        times = []
+        for _ in range(config.repeats):
+            started = time.perf_counter()
+            for _ in range(config.frames):
+                one()
+            times.append(time.perf_counter() - started)
+    finally:
+        reader.close()
+        with contextlib.suppress(Exception):
+            trio.run(writer.close)
+    return per_side(min(times), config.frames)
+
+
+def _frame_round(
+    writer: LaneWriter,
+    reader: BlockingLaneReader,
+    tensor: torch.Tensor,
+    header: FrameHeader,
+    codec: Codec | None,
+) -> None:
+    body = pack_tensor(tensor, codec)
+    writer.write_frame((encode_head(header, len(body)), body), timeout=_TIMEOUT_S)
+    head = read_head_blocking(
+        reader, max_body_bytes=len(body), stall_timeout_s=_TIMEOUT_S, idle_timeout_s=_TIMEOUT_S
+    )
+    if head is None:
+        raise ConfigError("the frame probe's lane ended early")
+    got = read_exactly_blocking(reader, head[1], stall_timeout_s=_TIMEOUT_S)
+    decode_frame(parse_frame(got, limits=FrameLimits()))

@@ -1,0 +1,83 @@
+"""The per-frame term of the cost model (issue 25: topology C's estimate was 0.58x of the
+measured step): which frames a stage pays for, that a plan's stages pay them, that the figure
+travels in a node's record, and the measure's arithmetic (its timing is benchmarks/'s)."""
+
+from dataclasses import replace
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dag.baselines import naive_plan
+from fusionllm.dag.cost import DeviceProfile, LinkProfile, frame_time, mbps, stage_frames
+from fusionllm.dag.planner import PlanConfig
+from fusionllm.dag.swarm import Peer, Swarm
+from fusionllm.dht.records import DeviceInfo, RecordError
+from fusionllm.node.control.frame_cost import FrameProbeConfig, per_side
+from tests.unit.test_planner import chain_graph
+
+GIB = 2**30
+CPU = DeviceProfile(name="cpu", flops=1e11, memory_bandwidth=1e10, memory_bytes=16 * GIB)
+
+
+def test_a_stage_pays_for_the_frames_it_sends_and_receives_per_pass():
+    assert [stage_frames(k, 1) for k in range(1)] == [0]  # one stage: no frames at all
+    assert [stage_frames(k, 2) for k in range(2)] == [1, 1]
+    assert [stage_frames(k, 4) for k in range(4)] == [1, 2, 2, 1]
+    device = replace(CPU, frame_overhead=2e-3)
+    assert frame_time(1, 4, device) == pytest.approx(4e-3)
+    assert frame_time(0, 4, CPU) == 0.0  # not measured: no term
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 2\), got 2"):
+        stage_frames(2, 2)
+    with pytest.raises(ConfigError, match="frame_overhead must be finite and >= 0"):
+        replace(CPU, frame_overhead=-1.0)
+
+
+def _swarm(device: DeviceProfile, n: int) -> Swarm:
+    peers = [Peer(peer_id=f"p{i}", device=device, uplink=mbps(1000), downlink=mbps(1000),
+                  rtt=1e-3) for i in range(n)]  # fmt: skip
+    links = {
+        (x.peer_id, y.peer_id): LinkProfile(bandwidth=mbps(1000), rtt=1e-3)
+        for x in peers
+        for y in peers
+        if x is not y
+    }
+    return Swarm.from_links(peers, links)
+
+
+def test_every_stage_of_a_plan_pays_its_frames_on_both_passes():
+    graph, config = chain_graph(8), PlanConfig(micro_batches=4, batch_size=4, compression=False)
+    overhead = 5e-3
+    base = naive_plan(graph, _swarm(CPU, 4), config)
+    priced = naive_plan(graph, _swarm(replace(CPU, frame_overhead=overhead), 4), config)
+    assert [s.peers for s in priced.stages] == [s.peers for s in base.stages]
+    stages = len(priced.stages)
+    assert stages >= 2
+    for k, (a, b) in enumerate(zip(base.stages, priced.stages, strict=True)):
+        # A replica sends and receives the frames of its share of the micro-batches.
+        extra = max(b.shares) * stage_frames(k, stages) * overhead
+        assert b.forward_time == pytest.approx(a.forward_time + extra)
+        assert b.backward_time == pytest.approx(a.backward_time + extra)
+    assert priced.estimated_step_time > base.estimated_step_time
+
+
+def test_the_figure_travels_in_a_device_record_and_old_records_read_without_it():
+    info = DeviceInfo(name="cpu", kind="cpu", memory_bytes=GIB, flops=1e11,
+                      memory_bandwidth=1e10, op_overhead=2e-5, cpu_cores=1, ram_bytes=GIB,
+                      frame_overhead=6e-4)  # fmt: skip
+    assert DeviceInfo.from_wire(info.to_wire()) == info
+    old = {k: v for k, v in info.to_wire().items() if k != "frm"}
+    assert DeviceInfo.from_wire(old).frame_overhead == 0.0
+    assert "frm" not in replace(info, frame_overhead=0.0).to_wire()
+    for bad in (-1e-3, 2.0, float("nan"), "1e-3"):
+        with pytest.raises(RecordError, match="frame overhead"):
+            DeviceInfo.from_wire({**info.to_wire(), "frm": bad})
+
+
+def test_a_round_of_frames_is_halved_per_side_and_the_probe_config_is_checked():
+    assert per_side(0.032, 16) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="need round_s > 0"):
+        per_side(0.0, 16)
+    with pytest.raises(ConfigError, match="shape must be"):
+        FrameProbeConfig(shape=())
+    with pytest.raises(ConfigError, match="frames and repeats must be >= 1"):
+        FrameProbeConfig(frames=0)

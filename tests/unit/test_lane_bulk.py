@@ -1,0 +1,208 @@
+"""A bulk probe on a lane (lane/bulk.py): the pure figure from the kernel's readings, filler
+frames over a real loopback lane (dropped by the reader, a tensor after them arrives whole),
+a stream refusing filler, and LinkMonitor measuring by lane first, by stream where no lane."""
+
+import threading
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+import trio
+
+from fusionllm.common.errors import ConfigError, FrameError
+from fusionllm.compression import pack_tensor, parse_frame
+from fusionllm.node.control.bandwidth import BandwidthBook
+from fusionllm.node.control.links import LinkMonitor
+from fusionllm.node.p2p.framing import (
+    MAX_FILLER_BYTES,
+    FrameHeader,
+    FrameKind,
+    encode_head,
+)
+from fusionllm.node.p2p.inbound import Inbound
+from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, frame_sizes, run_bulk
+from fusionllm.node.p2p.lane.serve import LaneFrames
+from fusionllm.node.p2p.lane.stream import BlockingLaneReader
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo
+from fusionllm.node.p2p.lane.wire_meter import WireSample
+from fusionllm.node.p2p.limits import ByteBudget
+from fusionllm.node.p2p.transport_types import PeerCounters, TransportConfig
+from tests.support.lanes import KEY, loopback_lane
+
+BUSY = TcpInfo(
+    state=1, rtt_s=9e-4, min_rtt_s=5e-4, snd_cwnd=40, snd_mss=1448, bytes_acked=0,
+    delivery_rate=120e6, app_limited=False, busy_s=0.0, rwnd_limited_s=0.0,
+    sndbuf_limited_s=0.0,
+)  # fmt: skip
+
+
+def reading(acked: int, rate: float, *, at: float = 100.0, **fields) -> tuple[TcpInfo, float]:
+    return replace(BUSY, bytes_acked=acked, delivery_rate=rate, **fields), at
+
+
+def test_the_figure_is_the_median_of_busy_samples_each_after_min_bytes_more_acked():
+    start = replace(BUSY, bytes_acked=1000)
+    readings = [
+        reading(1000 + 100, 5e6),  # under min_bytes since the start: not a new sample
+        reading(1000 + 300, 100e6, at=1.0),
+        reading(1000 + 350, 1e6),  # the kernel's rate not renewed enough: skipped
+        reading(1000 + 600, 118e6, min_rtt_s=4e-4, at=2.0),
+        reading(1000 + 900, 121e6, app_limited=True),  # the queue ran dry: says nothing
+        reading(1000 + 1200, 122e6, at=3.0),
+    ]
+    assert bulk_figure(start, readings, min_bytes=256) == WireSample(118e6, 4e-4, 3.0)
+
+
+def test_no_trusted_sample_gives_no_figure():
+    start = replace(BUSY, bytes_acked=0)
+    idle = [reading(1 << 20, 3e6, app_limited=True), reading(2 << 20, 9e6, state=7)]
+    assert bulk_figure(start, idle, min_bytes=1) is None
+    assert bulk_figure(start, [], min_bytes=1) is None
+    with pytest.raises(ValueError, match="min_bytes must be >= 1"):
+        bulk_figure(start, [], min_bytes=0)
+
+
+def test_frames_cut_the_bytes_and_the_config_is_checked():
+    assert frame_sizes(3 << 20, 1 << 20) == [1 << 20] * 3
+    assert frame_sizes((1 << 20) + 5, 1 << 20) == [1 << 20, 5]
+    assert frame_sizes(7, 1 << 20) == [7]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        frame_sizes(0, 1 << 20)
+    with pytest.raises(ConfigError, match="over"):
+        BulkConfig(frame_bytes=MAX_FILLER_BYTES + 1)
+    with pytest.raises(ConfigError, match="samples must be an int >= 1"):
+        BulkConfig(samples=0)
+    with pytest.raises(ConfigError, match=r"lock_wait_s must be in \[0, 10\]"):
+        BulkConfig(lock_wait_s=-1.0)
+
+
+class LaneInboxFake:
+    """What LaneFrames needs of inbound.py, keeping what it delivers."""
+
+    def __init__(self) -> None:
+        self.config = TransportConfig(key_path="unused")
+        self.thread_decoders = threading.Semaphore(1)
+        self.budget = ByteBudget(per_peer=8 << 20, total=16 << 20)
+        self.counters = PeerCounters()
+        self.delivered_frames: list = []
+
+    def head_limits(self) -> dict[str, float]:
+        return {"max_body_bytes": 8 << 20, "stall_timeout_s": 10.0, "idle_timeout_s": 10.0}
+
+    def spec_for(self, header, body_len):
+        assert header.kind is not FrameKind.FILLER  # filler never reaches the tensor path
+        return None
+
+    def reserve(self, peer: str, body_len: int) -> None:
+        if not self.budget.reserve(peer, body_len):
+            raise FrameError("over budget")
+
+    def parse(self, body, spec):
+        return parse_frame(body, limits=self.config.limits)
+
+    def delivered(self, received) -> bool:
+        self.delivered_frames.append(received)
+        return True
+
+    def queue_from_thread(self, received, body_len: int) -> None:
+        raise AssertionError("every frame is delivered")
+
+
+@pytest.fixture
+def lane_pair():
+    writer, peer = loopback_lane()
+    yield writer, BlockingLaneReader(peer, KEY)
+    peer.close()
+    trio.run(writer.close)
+
+
+def test_a_bulk_probe_is_timed_on_the_lane_and_its_filler_dropped_by_the_reader(lane_pair):
+    writer, reader = lane_pair
+    inbox = LaneInboxFake()
+    frames = LaneFrames(inbox, "a", reader)
+    serving = threading.Thread(target=frames.serve, daemon=True)
+    serving.start()
+    sample, deadline, probes = None, time.monotonic() + 20, 0
+    while sample is None and time.monotonic() < deadline:  # a loaded box may mark it idle
+        sample = run_bulk(writer, 2 << 20, timeout=10.0, config=BulkConfig(frame_bytes=1 << 19))
+        probes += 1
+    assert sample is not None, f"no trusted kernel sample in {probes} bulk probes of 2 MiB"
+    assert sample.bandwidth > 1e6
+    assert 0 < sample.rtt < 1.0
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)  # (2, 3)
+    body = pack_tensor(tensor)
+    head = FrameHeader(step=3, micro_batch=1, kind=FrameKind.ACTIVATION, stage=0)
+    writer.write_frame((encode_head(head, len(body)), body), timeout=10)
+    trio.run(writer.close)
+    serving.join(timeout=20)
+    assert not serving.is_alive()
+    # Only the tensor was delivered, whole, after every filler byte was read and counted.
+    (received,) = inbox.delivered_frames
+    assert received.header == head
+    assert torch.equal(received.tensor, tensor)
+    assert inbox.counters.snapshot()["a"].bytes_in >= probes * (2 << 20) + len(body)
+    assert inbox.budget.used == 0
+
+
+def test_a_filler_frame_over_its_limit_is_refused_before_its_body(lane_pair):
+    writer, reader = lane_pair
+    inbox = LaneInboxFake()
+    size = MAX_FILLER_BYTES + 1
+    head = encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), size)
+    writer.write_frame((head, b"x"), timeout=10)  # the body need not come: refused at its length
+    with pytest.raises(FrameError, match="a filler frame of 4194305 bytes, over 4194304"):
+        LaneFrames(inbox, "a", reader).serve()
+    assert inbox.budget.used == 0
+
+
+def test_a_stream_refuses_filler_frames():
+    inbound = SimpleNamespace(_expect=None)
+    header = FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0)
+    with pytest.raises(FrameError, match="a filler frame on a stream"):
+        Inbound.spec_for(inbound, header, 1 << 20)
+
+
+class ProbeOnlyControl:
+    """A control host whose stream probe reads what a starved Python-paced probe read."""
+
+    def __init__(self) -> None:
+        self.probed: list[str] = []
+
+    def connected_peers(self) -> list[str]:
+        return ["b", "c"]
+
+    def probe(self, peer: str, *, nbytes: int):
+        self.probed.append(peer)
+        return SimpleNamespace(bandwidth=3e6, rtt=2e-3, bytes=nbytes, seconds=0.3, relayed=False)
+
+
+def test_links_with_a_lane_are_probed_on_it_the_others_by_stream():
+    book, control, asked = BandwidthBook(max_age_s=60.0), ProbeOnlyControl(), []
+
+    def lane_probe(peer: str, nbytes: int) -> WireSample | None:
+        asked.append((peer, nbytes))
+        return WireSample(118e6, 6e-4, time.time()) if peer == "b" else None  # no lane to c
+
+    members = {"a": object(), "b": object(), "c": object()}
+    monitor = LinkMonitor(
+        control=control, book=book, peer_id="a", swarm="demo", topic="t",
+        probe_interval_s=8.0, probe_fanout=2, probe_bytes=1 << 20, max_connections=8,
+        members=lambda: members, neighbours=lambda: ["b", "c"], stop=threading.Event(),
+        lane_probe=lane_probe,
+    )  # fmt: skip
+    monitor._probe_round(members)
+    assert sorted(asked) == [("b", 1 << 20), ("c", 1 << 20)]
+    assert control.probed == ["c"]  # the stream probe only where no lane carried it
+    measured = book.last_measured("a", time.time())
+    assert set(measured) == {"b", "c"}
+    now = time.time()
+    table = {(v.src, v.dst): v for v in book.link_table([_info(p) for p in members], now=now)}
+    assert (table["a", "b"].bandwidth, table["a", "b"].rtt) == (118e6, 6e-4)
+    assert (table["a", "c"].bandwidth, table["a", "c"].rtt) == (3e6, 2e-3)
+
+
+def _info(peer: str) -> SimpleNamespace:
+    """The fields of a NodeInfo that link_table reads."""
+    return SimpleNamespace(peer_id=peer, uplink=1e6, downlink=1e6)
