@@ -8,7 +8,9 @@
     python -m tests.support.punch_main away KEY ADDR PUBLIC_IP RELAY HOME_ID ROUNDS NUMEL
         # one line: {"event": "done", "first_s", "mb_s", "outbound", "punched"}, exits
 
-PUBLIC_IP is where members see the host (its router's address): the verdict's observed IP.
+PUBLIC_IP is where members see the host (its router's address), or "verdict": then the host
+asks RELAY's host to dial it back first, as a node's reachability check does, and punches
+from the verdict's observed IP (``punch_ip``); its first line says the verdict and the time.
 """
 
 import json
@@ -18,9 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from libp2p.peer.id import ID
 
 from fusionllm.node.errors import DeadlineError
+from fusionllm.node.p2p.dialback import DialBackConfig, ask
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
+from fusionllm.node.p2p.reachability import judge, punch_ip
 from fusionllm.node.p2p.relay_addrs import relayed_addr
 from fusionllm.node.p2p.relay_client import RelayClient
 from fusionllm.node.p2p.transport import Transport, TransportConfig
@@ -71,14 +76,25 @@ def _away(transport: Transport, relay: str, home: str, rounds: int, numel: int) 
          outbound=transport.outbound_lanes(), punched=transport.punched_lanes())  # fmt: skip
 
 
+def _verdict(host: PeerHost, relay_id: str) -> str | None:
+    """Ask the relay's host to dial us back; the verdict's punch IP (None: not private)."""
+    start = time.monotonic()
+    ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in host.bound_addrs})
+    answer = host.call(ask, host.libp2p, ID.from_base58(relay_id), ports, DialBackConfig())
+    reach = judge([answer], listen_ips=[host.config.listen_host], confirmations=1)
+    _say(event="verdict", verdict=reach.verdict, observed=list(reach.observed_ips),
+         verdict_s=round(time.monotonic() - start, 3))  # fmt: skip
+    return punch_ip(reach)
+
+
 def main(argv: list[str]) -> int:
     role, key, addr, public_ip, relay, *rest = argv
     host = PeerHost(HostConfig(key_path=Path(key), listen_host=addr, dial_timeout_s=10.0))
     host.start()
     client = RelayClient(host).start()
     relay_id = host.connect(relay)
-    transport = Transport(TransportConfig(key_path=Path(key)), host=host,
-                          public_ip=lambda: public_ip)  # fmt: skip
+    ip = _verdict(host, relay_id) if public_ip == "verdict" else public_ip
+    transport = Transport(TransportConfig(key_path=Path(key)), host=host, public_ip=lambda: ip)
     transport.start()
     try:
         if role == "home":

@@ -1,5 +1,7 @@
 """Hole punching's pure parts and its sockets on 127.0.0.1 (node/p2p/lane/punch.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 import trio
 
@@ -8,6 +10,7 @@ from fusionllm.node.p2p.lane.punch import (
     CANDIDATE_BYTES,
     Candidate,
     PunchError,
+    PunchServer,
     PunchSockets,
     candidate_of,
 )
@@ -92,3 +95,33 @@ def test_a_punch_nobody_answers_ends_at_its_deadline_and_a_stranger_is_not_taken
             ours.close()
 
     trio.run(main)
+
+
+class FakeStream:
+    """A punch request from ``peer`` that sends nothing: it only records how it ended."""
+
+    def __init__(self, peer: str) -> None:
+        self.muxed_conn = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer))
+        self.ended = ""
+
+    async def reset(self) -> None:
+        self.ended = "reset"
+
+    async def write(self, data: bytes) -> None:
+        raise AssertionError("a refused punch writes nothing")
+
+
+@pytest.mark.parametrize(
+    ("admitted", "ip", "busy"),
+    [(False, "198.51.100.2", False), (True, None, False), (True, "198.51.100.2", True)],
+    ids=["not a member", "no verdict here", "a punch of it under way"],
+)
+def test_a_punch_request_is_refused_before_any_socket_or_byte(admitted, ip, busy):
+    redeemed = []
+    server = PunchServer(admit=lambda peer: admitted, public_ip=lambda: ip,
+                         redeem=redeemed.append, bind_host="127.0.0.1", timeout_s=1.0)  # fmt: skip
+    if busy:
+        server._busy.add("QmPeer")
+    stream = FakeStream("QmPeer")
+    trio.run(server.serve, stream)
+    assert (stream.ended, redeemed) == ("reset", [])

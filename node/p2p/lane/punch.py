@@ -215,7 +215,8 @@ class PunchServer:
 
     async def serve(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
-        if peer in self._busy or len(self._busy) >= MAX_PUNCHES or not self._admit(peer):
+        crowded = peer in self._busy or len(self._busy) >= MAX_PUNCHES
+        if crowded or not self._public_ip() or not self._admit(peer):
             await reset_quietly(stream)
             return
         self._busy.add(peer)
