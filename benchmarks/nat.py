@@ -43,13 +43,14 @@ def _topology(rate: float | None, delay_ms: float) -> dict:
 
 
 def _away(bed: Testbed, host: str, key: Path, relay: str, home: str, args) -> dict:
-    argv = [*PUNCH, "away", str(key), bed.address(host), "verdict", relay, home,
+    ip = "verdict" if args.ip == "verdict" else bed.wan_address(host)
+    argv = [*PUNCH, "away", str(key), bed.address(host), ip, relay, home,
             str(args.frames), str(args.numel)]  # fmt: skip
     done = bed.run(host, argv, timeout=_START_S + 120)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     found = {e["event"]: e for e in events}
     if "done" not in found:
-        return {"host": host, "error": done.stderr[-2000:]}
+        return {"host": host, "error": done.stderr[-2000:], "log": done.stderr[-20000:]}
     return {"host": host, **found.get("verdict", {}), **found["done"]}
 
 
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace, keys_dir: Path) -> dict:
         with JsonChild(bed.command("pub", relay_argv), stdin=True, name="relay", **quiet) as relay:
             addr = relay.next_event(_START_S)["addr"]
             argv = [*PUNCH, "home", str(keys["cone"]), bed.address("cone"), "verdict", addr]
-            with JsonChild(bed.command("cone", argv), stdin=True, name="home", **quiet) as home:
+            home_log = {"stderr": args.home_log} if args.home_log else quiet
+            with JsonChild(bed.command("cone", argv), stdin=True, name="home", **home_log) as home:
                 home_verdict = home.next_event(_START_S)
                 reserved = home.next_event(_START_S)["ok"]
                 for i in range(args.rounds):
@@ -111,7 +113,8 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         if s["mb_s"] is None:
             print(f"  {path:<9} no run finished")
             continue
-        print(f"  {path:<9} {s['punched']:>4}/{s['runs']:<3} {s['verdict_s']:>10.2f} "
+        verdict_s = "-" if s["verdict_s"] is None else f"{s['verdict_s']:.2f}"
+        print(f"  {path:<9} {s['punched']:>4}/{s['runs']:<3} {verdict_s:>10} "
               f"{s['first_s']:>8.2f} {s['mb_s']:>8.2f} {s['tokens_s']:>9.0f}")  # fmt: skip
 
 
@@ -125,15 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=1 << 18, help="fp32 values per tensor")
     parser.add_argument("--keys", type=Path, default=Path("/tmp/fusionllm-nat-bench"),
                         help="where the hosts' identity files are kept")  # fmt: skip
+    parser.add_argument("--ip", choices=("verdict", "wan"), default="verdict",
+                        help="the away homes punch from their dial-back verdict's IP, or are "
+                        "told their router's (no dial-back: no verdict time)")  # fmt: skip
+    parser.add_argument("--home-log", type=Path, help="the echoing home's log goes here")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if (why := unavailable() or no_routers()) is not None:
         parser.error(f"the testbed cannot run here: {why}")
     args.keys.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, **run(args, args.keys)}
-    _print(result, args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    _print(result, args)
     return 0
 
 
