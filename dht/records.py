@@ -201,24 +201,32 @@ class LinkReport:
     rtt: float  # s
     age: float  # s since the measurement, at the record's time
     relayed: bool = False  # measured through a relay: the path this link's traffic takes
+    punched: bool = False  # on a lane punched through NATs (a direct path, where dials fail)
+
+    def __post_init__(self) -> None:
+        if self.relayed and self.punched:
+            raise RecordError("a link is relayed or punched, not both")
 
     def to_wire(self) -> list:
-        # A fifth field only for a relayed link: a direct one reads as before.
-        return [self.peer, self.bandwidth, self.rtt, self.age, *([1] if self.relayed else [])]
+        # A fifth field only for a relayed (1) or punched (2) link: a direct one reads as before.
+        path = [1] if self.relayed else [2] if self.punched else []
+        return [self.peer, self.bandwidth, self.rtt, self.age, *path]
 
     @classmethod
     def from_wire(cls, wire: Any) -> "LinkReport":
         items = _list(wire, "link", 5)
         if len(items) not in (4, 5):
             raise RecordError(f"link must have 4 or 5 fields, got {len(items)}")
-        if len(items) == 5 and (items[4] is not True and items[4] != 1):
-            raise RecordError(f"link's relayed field must be 1, got {peer_repr(items[4])}")
+        path = items[4] if len(items) == 5 else 0
+        if len(items) == 5 and path not in (1, 2):
+            raise RecordError(f"link's relayed field must be 1 (2: punched), got {peer_repr(path)}")
         return cls(
             peer=_str(items[0], "link peer", MAX_PEER_ID_CHARS),
             bandwidth=_float(items[1], "link bandwidth", 0.0, _MAX_BYTES_PER_S, low_open=True),
             rtt=_float(items[2], "link rtt", 0.0, 600.0),
             age=_float(items[3], "link age", 0.0, 1e7),
-            relayed=len(items) == 5,
+            relayed=path == 1,
+            punched=path == 2,
         )
 
 

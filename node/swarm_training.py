@@ -22,6 +22,7 @@ from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
+from fusionllm.node.p2p.reachability import punch_ip
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.compute import pins_frames
 from fusionllm.node.pipeline.data import DataError, TokenDataset
@@ -173,6 +174,7 @@ def start_training(
         expect=expect,
         admit=admit,
         host=daemon.host,
+        public_ip=lambda: punch_ip(daemon.reach.current) if daemon.reach is not None else None,
     ).start()
     daemon.wire_samples = transport.lane_senders.wire_samples
     daemon.lane_probe = transport.lane_senders.bulk_probe

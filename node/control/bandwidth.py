@@ -106,6 +106,7 @@ class LinkSample:
     rtt: float  # s
     measured_at: float  # wall clock
     relayed: bool = False  # through a relay (node/p2p/relay_client.py)
+    punched: bool = False  # on a lane punched through NATs (node/p2p/lane/punch.py)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,10 @@ class BandwidthBook:
                 continue
             at = report.time - link.age
             kept += self.record(
-                author, link.peer, LinkSample(link.bandwidth, link.rtt, at, link.relayed), now=now
+                author,
+                link.peer,
+                LinkSample(link.bandwidth, link.rtt, at, link.relayed, link.punched),
+                now=now,
             )
         return kept
 
@@ -183,6 +187,7 @@ class BandwidthBook:
                 rtt=s.rtt,
                 age=max(0.0, now - s.measured_at),
                 relayed=s.relayed,
+                punched=s.punched,
             )
             for dst, s in mine
         )
@@ -257,6 +262,7 @@ def _best_of(samples: tuple[LinkSample, ...]) -> LinkSample:
         rtt=min(s.rtt for s in samples),
         measured_at=samples[-1].measured_at,
         relayed=samples[-1].relayed,
+        punched=samples[-1].punched,
     )
 
 

@@ -197,7 +197,8 @@ class LinkMonitor:
         now, kept = time.time(), 0
         for peer, wire in self._wire().items():
             if peer != self.peer_id and peer in members:
-                sample = LinkSample(wire.bandwidth, wire.rtt, wire.measured_at)
+                at, punched = wire.measured_at, wire.punched
+                sample = LinkSample(wire.bandwidth, wire.rtt, at, punched=punched)
                 window = self.PROBE_WINDOW
                 kept += self.book.record(self.peer_id, peer, sample, now=now, window=window)
         return kept
@@ -216,9 +217,12 @@ class LinkMonitor:
     def _probe_round(self, members: dict[str, NodeInfo]) -> None:
         priority = self._neighbours()
         connected = set(self.control.connected_peers())
+        # A punched lane's own kernel-timed figures (file_wire) measure the path its frames
+        # take; a probe would cross the relay that the libp2p connection still goes through.
+        punched = {peer for peer, wire in self._wire().items() if wire.punched}
         targets = choose_probe_targets(
             self.peer_id,
-            [p for p in members if p in connected],
+            [p for p in members if p in connected and p not in punched],
             self.book.last_measured(self.peer_id, time.time()),
             count=self.probe_fanout,
             priority=priority,

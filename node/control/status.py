@@ -233,6 +233,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "rtt_ms": round(link.rtt * 1e3, 3),
                 "age_s": round(link.age + max(0.0, now - m.time), 1),
                 "relayed": link.relayed,  # measured through a relay, the path it takes
+                "punched": link.punched,  # direct, on a lane punched through NATs
             }
             for m in sorted(members.values(), key=lambda m: m.peer_id)
             for link in m.links
@@ -367,8 +368,7 @@ def format_status(status: dict[str, Any]) -> str:
     for link in status["links"]:
         lines.append(
             f"  {_short(link['src'])} -> {_short(link['dst'])}  {link['mb_s']:>9.2f} MB/s  "
-            f"rtt {link['rtt_ms']:>7.2f} ms  age {link['age_s']:>5.1f} s"
-            + ("  relayed" if link.get("relayed") else "")
+            f"rtt {link['rtt_ms']:>7.2f} ms  age {link['age_s']:>5.1f} s" + _path(link)
         )
     plan = status["plan"]
     if plan is None:
@@ -396,3 +396,11 @@ def format_status(status: dict[str, Any]) -> str:
     if status["skipped_records"]:
         lines.append(f"skipped {status['skipped_records']} malformed records")
     return "\n".join(lines)
+
+
+def _path(link: dict[str, Any]) -> str:
+    """How the link's traffic goes, where it is not a plain dial: through a relay, or direct
+    on a lane punched through both ends' NATs."""
+    if link.get("relayed"):
+        return "  relayed"
+    return "  direct (punched)" if link.get("punched") else ""

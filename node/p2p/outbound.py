@@ -60,6 +60,11 @@ class Outbound:
         """The peers our frames go to over a lane now (not a libp2p stream)."""
         return sorted(p for p, w in self._writers.items() if isinstance(w.stream, LaneWriter))
 
+    def punched_peers(self) -> list[str]:
+        """Those of ``lane_peers`` whose lane's socket was punched, not dialled."""
+        lanes = ((p, w.stream) for p, w in self._writers.items())
+        return sorted(p for p, lane in lanes if isinstance(lane, LaneWriter) and lane.punched)
+
     async def write_frame(self, peer: str, head: bytes, body: bytes, timeout: float) -> None:
         out = self._writers.setdefault(peer, _Writer())
         async with out.lock:

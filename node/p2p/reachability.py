@@ -67,6 +67,15 @@ def judge(
     )
 
 
+def punch_ip(reach: Reachability) -> str | None:
+    """Where a private node punches from (lane/punch.py): the one IP its members saw it at.
+    None while it is not private (nothing to punch: peers dial it), or was seen at several
+    IPs (it cannot tell which one a peer will see)."""
+    if reach.verdict != "private" or len(reach.observed_ips) != 1:
+        return None
+    return reach.observed_ips[0]
+
+
 def explain(verdict: str, addrs: Sequence[str] = (), observed: Sequence[str] = ()) -> str:
     """What a verdict means to the person running the node, and what they may do."""
     at = ", ".join(addrs) or "?"

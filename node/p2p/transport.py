@@ -23,7 +23,7 @@ only its stream, counted against the peer. The state of a peer that disconnects 
 import contextlib
 import queue
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, Self
 
@@ -86,6 +86,9 @@ class Transport:
     ``expect``: what a frame must hold, by header (checked before its tensor is allocated).
     ``admit``: whether a peer may open tensor streams to us at all (None: anyone may); it
     runs in the host's thread at every stream open, so it must be quick and thread-safe.
+    ``public_ip``: where members see this node (its reachability verdict), asked from the
+    host's thread when a peer is reached through a relay only: with it lanes are punched
+    (lane/punch.py); None (the callable, or what it returns): such peers get streams.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Transport:
         expect: SpecFor | None = None,
         admit: AdmitPeer | None = None,
         host: PeerHost | None = None,
+        public_ip: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
         self._expect = expect
@@ -115,7 +119,7 @@ class Transport:
         self._closed = False
         # Owned by the trio thread (the service) from here on.
         self._inbound: Inbound | None = None
-        self._lanes = Lanes(config, host)
+        self._lanes = Lanes(config, host, public_ip=public_ip)
         self._deliver: Deliver | None = None
         self.lane_senders = LaneSenders(self._counters)  # also where lanes' wire figures are
         self._outbound = Outbound(host, self._lanes, self.lane_senders, self._counters,
@@ -261,6 +265,10 @@ class Transport:
     def outbound_lanes(self) -> list[str]:
         """The peers our frames go to over a lane now (not a libp2p stream)."""
         return self.host.call_sync(self._outbound.lane_peers)
+
+    def punched_lanes(self) -> list[str]:
+        """The peers of ``outbound_lanes`` whose lane was punched through NATs (lane/punch.py)."""
+        return self.host.call_sync(self._outbound.punched_peers)
 
     def _tracked_peers(self) -> dict[str, int]:
         inbound = self._inbound.tracked_peers() if self._inbound is not None else 0

@@ -2,7 +2,6 @@
 meet through it, a stranger can neither reserve nor open a circuit."""
 
 import pytest
-import torch
 from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
@@ -15,7 +14,7 @@ from fusionllm.node.p2p.probes import PROBE_PROTOCOL, ProbeServer, run_probe
 from fusionllm.node.p2p.relay_addrs import relayed_addr
 from fusionllm.node.p2p.relay_client import RelayClient
 from fusionllm.node.p2p.transport import Transport, TransportConfig
-from tests.support.transport_node import _WAIT_S, HEADER
+from tests.support.relayed import exchange_both_ways, relayed_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -70,18 +69,8 @@ def test_members_meet_through_a_members_relay_and_a_stranger_does_not(tmp_path):
 def relayed(tmp_path):
     """A member's relay, a member with a relay client ("home") and another ("other"),
     both connected to the relay; home has no slot yet."""
-    hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
-             for n in ("relay", "home", "other")}  # fmt: skip
-    try:
-        members = {h.peer_id for h in hosts.values()}
-        MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
-        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
-        for name in ("home", "other"):
-            hosts[name].connect(hosts["relay"].addrs[0])
+    with relayed_hosts(tmp_path) as (hosts, clients):
         yield hosts, clients
-    finally:
-        for host in hosts.values():
-            host.close()
 
 
 def test_a_node_reaches_a_member_at_its_relayed_address(relayed):
@@ -131,13 +120,7 @@ def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_ci
             transport.start()
         at_home, away = transports
         away.connect(relayed_addr(relay_addr, home.peer_id))
-        for i in range(5):
-            tensor = torch.arange(1000.0) + i
-            away.send_tensor(home.peer_id, HEADER, tensor, timeout=_WAIT_S)
-            got = at_home.recv(timeout=_WAIT_S)
-            assert (got.peer, got.tensor.tolist()) == (other.peer_id, tensor.tolist())
-            at_home.send_tensor(other.peer_id, HEADER, -tensor, timeout=_WAIT_S)
-            assert torch.equal(away.recv(timeout=_WAIT_S).tensor, -tensor)
+        exchange_both_ways(at_home, away, rounds=5)
         assert away.outbound_lanes() == at_home.outbound_lanes() == []
         conns = other.libp2p.get_network().get_connections(ID.from_base58(home.peer_id))
         kinds = {c.muxed_conn.get_connection_type() for c in conns}

@@ -1,7 +1,8 @@
 """A members-only relay (node/p2p/member_relay.py) between testbed hosts, bare PeerHosts.
 
     python -m tests.support.relay_main relay KEY ADDR MEMBER_ID...   # {"event": "ready"},
-                                                      # its counts when its stdin closes
+                                                      # its counts when its stdin closes;
+                                                      # dials members back (dialback.py)
     python -m tests.support.relay_main listener KEY ADDR RELAY       # {"event": "reserved"}
     python -m tests.support.relay_main dialer KEY ADDR RELAY LISTENER_ID  # one line, exits
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
 from fusionllm.node.p2p.relay_addrs import relayed_addr
@@ -48,6 +50,8 @@ def main(argv: list[str]) -> int:
     if role == "relay":
         relay = MemberRelay(host, MemberRelayConfig(), is_member=set(rest).__contains__)
         relay.start()
+        dialback = DialBackServer(DialBackConfig(), allow=set(rest).__contains__)
+        host.set_stream_handler(DIALBACK_PROTOCOL, dialback.serve)  # members learn their reach
         _say(event="ready", addr=host.addrs[0])
         sys.stdin.read()
         _say(event="counts", **relay.counts)  # once the parent closed our stdin

@@ -23,7 +23,7 @@ from fusionllm.node.p2p.dialback import (
     decode_answer,
     encode_request,
 )
-from fusionllm.node.p2p.reachability import announced, judge
+from fusionllm.node.p2p.reachability import Reachability, announced, judge, punch_ip
 
 PEER = ID.from_pubkey(create_new_key_pair().public_key)
 OTHER = ID.from_pubkey(create_new_key_pair().public_key)
@@ -206,3 +206,13 @@ def test_a_verdict_needs_members_to_agree():
     # a member's latest answer counts: m1 and m2 now reach us
     assert judge([*blind, *reached], listen_ips=listen).verdict == "public"
     assert announced(["1.2.3.4:4001"]).verdict == "announced"
+
+
+def test_a_private_node_punches_from_the_one_ip_its_members_saw():
+    seen = Reachability(verdict="private", observed_ips=("198.51.100.7",), answers=2)
+    assert punch_ip(seen) == "198.51.100.7"
+    two = Reachability(verdict="private", observed_ips=("198.51.100.7", "203.0.113.9"))
+    assert punch_ip(two) is None  # which one would a peer see? not known
+    public = Reachability(verdict="public", observed_ips=("198.51.100.7",))
+    assert punch_ip(public) is None  # peers dial it: nothing to punch
+    assert punch_ip(Reachability(verdict="unknown")) is None

@@ -23,6 +23,14 @@ from fusionllm.node.errors import DeadlineError, TransportError
 from fusionllm.node.p2p.checks import address_family
 from fusionllm.node.p2p.framing import read_exactly
 from fusionllm.node.p2p.lane.offer import ACCEPTED, LANE_PROTOCOL, OFFER_BYTES, Offer
+from fusionllm.node.p2p.lane.punch import (
+    PUNCH_PROTOCOL,
+    PunchError,
+    PunchFrom,
+    PunchSockets,
+    candidate_of,
+    exchange,
+)
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
 from fusionllm.node.p2p.relay_client import relayed_conn
@@ -46,11 +54,16 @@ class LaneRefusedError(TransportError):
 _REFUSALS = (StreamFailure, StreamReset, StreamEOF, FrameError)
 
 
-async def open_lane(host: IHost, peer: str, timeout_s: float) -> LaneWriter:
+async def open_lane(
+    host: IHost, peer: str, timeout_s: float, *, punch: PunchFrom | None = None
+) -> LaneWriter:
     """A lane to ``peer``, set up within ``timeout_s``; LaneRefusedError if the peer refuses
-    to offer one, TransportError (or DeadlineError) if its port cannot be reached from here."""
+    to offer one, TransportError (or DeadlineError) if its port cannot be reached from here.
+    Reached through a relay only: punched (``punch``; PunchError if that fails), or none."""
     if only_relayed(host, ID.from_base58(peer)):
-        raise RelayedError(f"{peer} is reached through a relay only")
+        if punch is None:
+            raise RelayedError(f"{peer} is reached through a relay only")
+        return await _punched(host, peer, timeout_s, punch)
     try:
         with trio.fail_after(timeout_s):
             try:
@@ -100,9 +113,40 @@ def _listen_ips(host: IHost, peer: ID) -> list[str]:
     return found
 
 
-async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, list[str]]:
-    peer_id = ID.from_base58(peer)
-    stream = await host.new_stream(peer_id, [LANE_PROTOCOL])
+async def _punched(host: IHost, peer: str, timeout_s: float, punch: PunchFrom) -> LaneWriter:
+    """A lane on a socket punched with the peer (punch.py); the offer and the candidates
+    cross the relay, hence twice the deadline of a dialled lane."""
+    try:
+        with trio.fail_after(2 * timeout_s):
+            try:
+                offer, _, _ = await _fetch_offer(host, peer, timeout_s)
+            except _REFUSALS as exc:
+                raise LaneRefusedError(f"{peer} refused a lane: {type(exc).__name__}") from exc
+            sockets = PunchSockets(punch.bind_host)
+            try:
+                ours = candidate_of(punch.public_ip, sockets.port)
+                try:
+                    stream = await host.new_stream(ID.from_base58(peer), [PUNCH_PROTOCOL])
+                    theirs = await exchange(stream, ours, timeout_s)
+                except _REFUSALS as exc:  # not admitted, busy, or no verdict of its own
+                    raise PunchError(f"{peer} refused to punch: {type(exc).__name__}") from exc
+                sock = await sockets.meet(theirs, timeout_s)
+            finally:
+                sockets.close()
+            lane = await _present_token(sock, offer)
+    except trio.TooSlowError as exc:
+        raise PunchError(f"punching to {peer} took over {2 * timeout_s}s") from exc
+    except (OSError, FrameError) as exc:
+        raise PunchError(f"punching to {peer} failed: {exc}") from exc
+    lane.punched = True
+    return lane
+
+
+async def _fetch_offer(
+    host: IHost, peer: str, timeout_s: float
+) -> tuple[Offer, tuple[str, int] | None, bool]:
+    """The peer's offer, the connection's remote address and whether we dialled it."""
+    stream = await host.new_stream(ID.from_base58(peer), [LANE_PROTOCOL])
     try:
         data = await read_exactly(
             StreamReader(stream), OFFER_BYTES, stall_timeout_s=timeout_s, what="lane offer"
@@ -114,6 +158,12 @@ async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, l
         await reset_quietly(stream)
         raise
     await close_quietly(stream)
+    return offer, remote, dialled
+
+
+async def _ask_offer(host: IHost, peer: str, timeout_s: float) -> tuple[Offer, list[str]]:
+    peer_id = ID.from_base58(peer)
+    offer, remote, dialled = await _fetch_offer(host, peer, timeout_s)
     if remote is None:
         raise TransportError(f"the connection to {peer} has no IP address for a lane")
     listen = () if dialled else _listen_ips(host, peer_id)
@@ -134,6 +184,16 @@ async def _redeem(offer: Offer, remote_ip: str) -> LaneWriter:
     sock = trio.socket.socket(address_family("remote address", remote_ip), socket.SOCK_STREAM)
     try:
         await sock.connect((remote_ip, offer.port))
+    except BaseException:
+        sock.close()
+        raise
+    return await _present_token(sock, offer)
+
+
+async def _present_token(sock: trio.socket.SocketType, offer: Offer) -> LaneWriter:
+    """The lane on a connected ``sock`` once the peer accepted the offer's token (closes
+    ``sock`` if not)."""
+    try:
         tune(sock)
         await send_all(sock, offer.token)
         answer = bytearray(len(ACCEPTED))

@@ -120,6 +120,16 @@ class LaneListener:
             self._unredeemed += 1
             nursery.start_soon(self._redeem, conn)
 
+    async def redeem(self, conn: trio.socket.SocketType) -> None:
+        """A connection made another way (a hole punch, punch.py), held to the same token
+        check as one accepted on the port, and within the same bound."""
+        if self._unredeemed >= _MAX_UNREDEEMED:
+            self._refuse(LANE_CROWDED, "an unnamed connection")
+            conn.close()
+            return
+        self._unredeemed += 1
+        await self._redeem(conn)
+
     async def _redeem(self, conn: trio.socket.SocketType) -> None:
         try:
             redeemed = await self._take_token(conn)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -40,7 +41,11 @@ class LaneSenders:
     def wire_samples(self) -> dict[str, WireSample]:
         """Each open lane's newest kernel-timed figure (wire_meter.py), by peer; any thread."""
         lanes = list(self._by_peer.items())  # one operation: a copy safe across threads
-        return {peer: s for peer, lane in lanes if (s := lane.meter.latest()) is not None}
+        return {
+            peer: replace(s, punched=True) if lane.punched else s
+            for peer, lane in lanes
+            if (s := lane.meter.latest()) is not None
+        }
 
     def bulk_probe(
         self, peer: str, nbytes: int, timeout: float = BULK_TIMEOUT_S

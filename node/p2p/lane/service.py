@@ -8,6 +8,13 @@ from fusionllm.common.logs import get_logger
 from fusionllm.node.p2p.lane.dial import LaneRefusedError, open_lane
 from fusionllm.node.p2p.lane.listener import LaneListener, Refuse, ServeLane
 from fusionllm.node.p2p.lane.offer import LANE_PROTOCOL, Tickets
+from fusionllm.node.p2p.lane.punch import (
+    PUNCH_PROTOCOL,
+    PublicIp,
+    PunchError,
+    PunchFrom,
+    PunchServer,
+)
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, PeerHost
 from fusionllm.node.p2p.transport_types import AdmitPeer, TransportConfig
@@ -52,11 +59,19 @@ class RetryAfter:
 class Lanes:
     """Serves lanes to this node while ``serving`` runs, and opens lanes to peers."""
 
-    def __init__(self, config: TransportConfig, host: PeerHost) -> None:
+    def __init__(
+        self, config: TransportConfig, host: PeerHost, *, public_ip: PublicIp | None = None
+    ) -> None:
         self.config = config
         self._host = host
         self._listener: LaneListener | None = None
         self._retry = RetryAfter(config.lane_retry_s)  # on the trio clock
+        # Peers reached through a relay only get a punched lane while members tell us where
+        # they see us (None: never punch).
+        self._punch = None if public_ip is None else PunchFrom(
+            public_ip=public_ip, bind_host=host.config.listen_host
+        )  # fmt: skip
+        self._punch_told: set[str] = set()  # peers whose failed punch the log told of
 
     @property
     def port(self) -> int:
@@ -89,6 +104,15 @@ class Lanes:
         port = await listener.bind(self._host.config.listen_host, config.lane_port)
         self._host.set_stream_handler(LANE_PROTOCOL, listener.offer)
         self._listener = listener
+        if self._punch is not None:
+            punches = PunchServer(
+                admit=admit,
+                public_ip=self._punch.public_ip,
+                redeem=lambda conn: nursery.start_soon(listener.redeem, conn),
+                bind_host=self._punch.bind_host,
+                timeout_s=config.lane_timeout_s,
+            )
+            self._host.set_stream_handler(PUNCH_PROTOCOL, punches.serve)
         nursery.start_soon(listener.serve_port, nursery)
         logger.debug("accepting lanes on port %d", port)
 
@@ -97,6 +121,8 @@ class Lanes:
         if self._listener is None:
             return
         self._host.remove_stream_handler(LANE_PROTOCOL)
+        if self._punch is not None:
+            self._host.remove_stream_handler(PUNCH_PROTOCOL)
         self._listener.close()
         self._listener = None
 
@@ -105,10 +131,17 @@ class Lanes:
         if not self.config.lanes or not self._retry.allowed(peer, trio.current_time()):
             return None
         try:
-            lane = await open_lane(libp2p, peer, self.config.lane_timeout_s)
+            lane = await open_lane(libp2p, peer, self.config.lane_timeout_s, punch=self._punch)
         except (FusionError, *NETWORK_ERRORS) as exc:
             refused = isinstance(exc, LaneRefusedError)
             delay = self._retry.failed(peer, trio.current_time(), refused=refused)
+            if isinstance(exc, PunchError) and peer not in self._punch_told:
+                self._punch_told.add(peer)  # once: behind a symmetric NAT it fails every time
+                logger.warning(
+                    "no direct path to %s could be punched (%s): its frames go through the relay",
+                    peer,
+                    exc,
+                )
             logger.info(
                 "no lane to %s (%s); its frames go over a libp2p stream for %.0fs",
                 peer,
@@ -117,6 +150,8 @@ class Lanes:
             )
             return None
         self._retry.forget(peer)
+        if lane.punched:
+            logger.info("punched a direct lane to %s through both NATs", peer)
         return lane
 
     def forget(self, peer: str) -> None:

@@ -101,6 +101,7 @@ class LaneWriter:
         self._batch = bytearray(_BATCH_CHUNKS * MAX_SEALED_CHUNK)
         self.lock = threading.Lock()
         self.broken = False
+        self.punched = False  # its socket came from a hole punch (punch.py), not a dial
         self.meter = WireMeter()  # the link's rate as the kernel timed our frames
 
     def write_frame(self, parts: tuple[bytes | memoryview, ...], timeout: float) -> None:

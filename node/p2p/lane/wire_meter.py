@@ -44,6 +44,7 @@ class WireSample:
     bandwidth: float  # bytes/s
     rtt: float  # s
     measured_at: float  # wall clock
+    punched: bool = False  # the lane's socket was punched through NATs (punch.py)
 
 
 @dataclass(frozen=True, kw_only=True)
