@@ -8,12 +8,12 @@ and skips such an entry, it never crashes on it.
 
 import enum
 import hashlib
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fusionllm.common.errors import ConfigError, PeerError, peer_repr
+from fusionllm.common.errors import ConfigError, peer_repr
+from fusionllm.dht import record_checks as check
+from fusionllm.dht.record_checks import RecordError
 
 NODE_INFO_VERSION = 1
 # Whether peers can dial a node, as it judged from members' dial-backs (node/p2p/reachability.py)
@@ -40,94 +40,11 @@ _MAX_FLOPS = 1e18
 _MAX_MEMORY = 1 << 50
 
 
-class RecordError(PeerError):
-    """A record from the DHT or gossip is malformed, unsigned, misattributed or unsupported."""
-
-
 class NodeState(enum.StrEnum):
     JOINING = "joining"
     BACKUP = "backup"
     SERVING = "serving"
     LEAVING = "leaving"
-
-
-# ----------------------------------------------------------------------------- field checks
-
-
-def _fields(
-    wire: Any, required: set[str], what: str, optional: frozenset[str] = frozenset()
-) -> Mapping[str, Any]:
-    if not isinstance(wire, Mapping):
-        raise RecordError(f"{what} must be a map, got {type(wire).__name__}")
-    keys = set(wire)
-    if not required <= keys <= required | optional:
-        required = required | (keys & optional)
-        missing, extra = sorted(required - keys, key=str), sorted(keys - required, key=str)
-        raise RecordError(f"{what}: missing fields {missing}, unexpected fields {extra}")
-    return wire
-
-
-def _str(value: Any, what: str, max_chars: int, *, empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise RecordError(f"{what} must be a string, got {type(value).__name__}")
-    if len(value) > max_chars or (not value and not empty):
-        raise RecordError(f"{what} must have 1..{max_chars} characters, got {len(value)}")
-    if not value.isprintable():
-        raise RecordError(f"{what} has non-printable characters")
-    return value
-
-
-def _int(value: Any, what: str, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RecordError(f"{what} must be an integer, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise RecordError(f"{what} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def _float(value: Any, what: str, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RecordError(f"{what} must be a number, got {type(value).__name__}")
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond float range
-        raise RecordError(f"{what} is out of range") from None
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        raise RecordError(f"{what} must be a finite number in {'(' if low_open else '['}"
-                          f"{low}, {high}], got {value}")  # fmt: skip
-    return value
-
-
-def _exactly(value: Any, what: str, n: int) -> list:
-    items = _list(value, what, n)
-    if len(items) != n:
-        raise RecordError(f"{what} must have {n} fields, got {len(items)}")
-    return items
-
-
-def _list(value: Any, what: str, max_items: int) -> list:
-    if not isinstance(value, list | tuple):
-        raise RecordError(f"{what} must be a list, got {type(value).__name__}")
-    if len(value) > max_items:
-        raise RecordError(f"{what} has {len(value)} items, at most {max_items} allowed")
-    return list(value)
-
-
-def _digest(value: Any) -> str:
-    text = _str(value, "digest", 64)
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        raise RecordError("digest must be 64 lowercase hex characters")
-    return text
-
-
-def _version(wire: Any, what: str, supported: int) -> None:
-    if not isinstance(wire, Mapping) or "v" not in wire:
-        raise RecordError(f"{what} has no schema version")
-    version = wire["v"]
-    if type(version) is not int or version != supported:  # True == 1 == 1.0: not versions
-        raise RecordError(
-            f"{what} schema version {peer_repr(version)} is not supported (we speak v{supported})"
-        )
 
 
 # ----------------------------------------------------------------------------- node records
@@ -169,22 +86,24 @@ class DeviceInfo:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "DeviceInfo":
-        w = _fields(
+        w = check.fields(
             wire,
             {"name", "kind", "mem", "flops", "membw", "ovh", "cores", "ram"},
             "device",
             frozenset({"frm"}),
         )
         values = {
-            "name": _str(w["name"], "device name", MAX_NAME_CHARS),
-            "kind": _str(w["kind"], "device kind", 16),
-            "memory_bytes": _int(w["mem"], "device memory", 1, _MAX_MEMORY),
-            "flops": _float(w["flops"], "device flops", 0.0, _MAX_FLOPS, low_open=True),
-            "memory_bandwidth": _float(w["membw"], "memory bandwidth", 0, 1e15, low_open=True),
-            "op_overhead": _float(w["ovh"], "op overhead", 0.0, 1.0),
-            "cpu_cores": _int(w["cores"], "cpu cores", 1, 1 << 16),
-            "ram_bytes": _int(w["ram"], "ram", 1, _MAX_MEMORY),
-            "frame_overhead": _float(w.get("frm", 0.0), "frame overhead", 0.0, 1.0),
+            "name": check.text(w["name"], "device name", MAX_NAME_CHARS),
+            "kind": check.text(w["kind"], "device kind", 16),
+            "memory_bytes": check.integer(w["mem"], "device memory", 1, _MAX_MEMORY),
+            "flops": check.number(w["flops"], "device flops", 0.0, _MAX_FLOPS, low_open=True),
+            "memory_bandwidth": check.number(
+                w["membw"], "memory bandwidth", 0, 1e15, low_open=True
+            ),
+            "op_overhead": check.number(w["ovh"], "op overhead", 0.0, 1.0),
+            "cpu_cores": check.integer(w["cores"], "cpu cores", 1, 1 << 16),
+            "ram_bytes": check.integer(w["ram"], "ram", 1, _MAX_MEMORY),
+            "frame_overhead": check.number(w.get("frm", 0.0), "frame overhead", 0.0, 1.0),
         }
         obj = object.__new__(cls)
         for name, value in values.items():
@@ -214,17 +133,19 @@ class LinkReport:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "LinkReport":
-        items = _list(wire, "link", 5)
+        items = check.items(wire, "link", 5)
         if len(items) not in (4, 5):
             raise RecordError(f"link must have 4 or 5 fields, got {len(items)}")
         path = items[4] if len(items) == 5 else 0
         if len(items) == 5 and path not in (1, 2):
             raise RecordError(f"link's relayed field must be 1 (2: punched), got {peer_repr(path)}")
         return cls(
-            peer=_str(items[0], "link peer", MAX_PEER_ID_CHARS),
-            bandwidth=_float(items[1], "link bandwidth", 0.0, _MAX_BYTES_PER_S, low_open=True),
-            rtt=_float(items[2], "link rtt", 0.0, 600.0),
-            age=_float(items[3], "link age", 0.0, 1e7),
+            peer=check.text(items[0], "link peer", MAX_PEER_ID_CHARS),
+            bandwidth=check.number(
+                items[1], "link bandwidth", 0.0, _MAX_BYTES_PER_S, low_open=True
+            ),
+            rtt=check.number(items[2], "link rtt", 0.0, 600.0),
+            age=check.number(items[3], "link age", 0.0, 1e7),
             relayed=path == 1,
             punched=path == 2,
         )
@@ -248,23 +169,23 @@ class TrainingProgress:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "TrainingProgress":
-        items = _list(wire, "training", 5)
+        items = check.items(wire, "training", 5)
         if len(items) not in (4, 5):
             raise RecordError(f"training must have 4 or 5 fields, got {len(items)}")
         evaluation = None
         if len(items) == 5:
-            pair = _list(items[4], "evaluation", 2)
+            pair = check.items(items[4], "evaluation", 2)
             if len(pair) != 2:
                 raise RecordError(f"evaluation must be (step, loss), got {len(pair)} fields")
             evaluation = (
-                _int(pair[0], "eval step", 0, 1 << 62),
-                _float(pair[1], "eval loss", 0.0, 1e6),
+                check.integer(pair[0], "eval step", 0, 1 << 62),
+                check.number(pair[1], "eval loss", 0.0, 1e6),
             )
-        replica = None if items[0] is None else _int(items[0], "replica", 0, 1 << 16)
-        loss = None if items[2] is None else _float(items[2], "loss", 0.0, 1e6)
+        replica = None if items[0] is None else check.integer(items[0], "replica", 0, 1 << 16)
+        loss = None if items[2] is None else check.number(items[2], "loss", 0.0, 1e6)
         if not isinstance(items[3], bool):
             raise RecordError("training finished must be a bool")
-        return cls(replica, _int(items[1], "step", 0, 1 << 62), loss, items[3], evaluation)
+        return cls(replica, check.integer(items[1], "step", 0, 1 << 62), loss, items[3], evaluation)
 
 
 @dataclass(frozen=True)
@@ -281,12 +202,12 @@ class Suspicion:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "Suspicion":
-        items = _exactly(wire, "suspicion", 4)
+        items = check.exactly(wire, "suspicion", 4)
         return cls(
-            _str(items[0], "suspect", MAX_PEER_ID_CHARS),
-            _float(items[1], "suspected until", 0.0, 1e11),
-            _str(items[2], "suspicion reason", MAX_REASON_CHARS),
-            _int(items[3], "strikes", 1, MAX_STRIKES),
+            check.text(items[0], "suspect", MAX_PEER_ID_CHARS),
+            check.number(items[1], "suspected until", 0.0, 1e11),
+            check.text(items[2], "suspicion reason", MAX_REASON_CHARS),
+            check.integer(items[3], "strikes", 1, MAX_STRIKES),
         )
 
 
@@ -303,10 +224,10 @@ class Witnessed:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "Witnessed":
-        items = _exactly(wire, "witnessed pace", 2)
+        items = check.exactly(wire, "witnessed pace", 2)
         return cls(
-            _str(items[0], "witnessed peer", MAX_PEER_ID_CHARS),
-            _float(items[1], "witnessed pace", 1.0, MAX_PACE),
+            check.text(items[0], "witnessed peer", MAX_PEER_ID_CHARS),
+            check.number(items[1], "witnessed pace", 1.0, MAX_PACE),
         )
 
 
@@ -380,52 +301,58 @@ class NodeInfo:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
-        _version(wire, "node record", NODE_INFO_VERSION)
+        check.version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
         optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit", "reach"})
-        w = _fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
+        w = check.fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
         except ValueError:
             raise RecordError(
                 f"node state {peer_repr(w['state'])} is not one of {list(NodeState)}"
             ) from None
-        stage = None if w["stage"] is None else _int(w["stage"], "stage", 0, 1 << 16)
+        stage = None if w["stage"] is None else check.integer(w["stage"], "stage", 0, 1 << 16)
         adopted = None
         if w["plan"] is not None:
-            pair = _list(w["plan"], "adopted plan", 2)
+            pair = check.items(w["plan"], "adopted plan", 2)
             if len(pair) != 2:
                 raise RecordError("adopted plan must be [epoch, digest]")
-            adopted = (_int(pair[0], "adopted epoch", 0, 1 << 62), _digest(pair[1]))
+            adopted = (check.integer(pair[0], "adopted epoch", 0, 1 << 62), check.digest(pair[1]))
         obj = object.__new__(cls)
         values = {
-            "peer_id": _str(w["id"], "peer id", MAX_PEER_ID_CHARS),
-            "swarm": _str(w["swarm"], "swarm", MAX_NAME_CHARS),
+            "peer_id": check.text(w["id"], "peer id", MAX_PEER_ID_CHARS),
+            "swarm": check.text(w["swarm"], "swarm", MAX_NAME_CHARS),
             "addrs": tuple(
-                _str(a, "addr", MAX_ADDR_CHARS) for a in _list(w["addrs"], "addrs", MAX_ADDRS)
+                check.text(a, "addr", MAX_ADDR_CHARS)
+                for a in check.items(w["addrs"], "addrs", MAX_ADDRS)
             ),
             "dht_addrs": tuple(
-                _str(a, "dht addr", MAX_ADDR_CHARS) for a in _list(w["dht"], "dht", MAX_ADDRS)
+                check.text(a, "dht addr", MAX_ADDR_CHARS)
+                for a in check.items(w["dht"], "dht", MAX_ADDRS)
             ),
             "device": DeviceInfo.from_wire(w["dev"]),
-            "uplink": _float(w["up"], "uplink", 0.0, _MAX_BYTES_PER_S, low_open=True),
-            "downlink": _float(w["down"], "downlink", 0.0, _MAX_BYTES_PER_S, low_open=True),
-            "links": tuple(LinkReport.from_wire(x) for x in _list(w["links"], "links", MAX_LINKS)),
-            "software": _str(w["sw"], "software", MAX_NAME_CHARS),
-            "config_digest": _str(w["cfg"], "config digest", 64),
+            "uplink": check.number(w["up"], "uplink", 0.0, _MAX_BYTES_PER_S, low_open=True),
+            "downlink": check.number(w["down"], "downlink", 0.0, _MAX_BYTES_PER_S, low_open=True),
+            "links": tuple(
+                LinkReport.from_wire(x) for x in check.items(w["links"], "links", MAX_LINKS)
+            ),
+            "software": check.text(w["sw"], "software", MAX_NAME_CHARS),
+            "config_digest": check.text(w["cfg"], "config digest", 64),
             "state": state,
             "stage": stage,
             "adopted": adopted,
-            "time": _float(w["t"], "time", 0.0, 1e11),
+            "time": check.number(w["t"], "time", 0.0, 1e11),
             "training": TrainingProgress.from_wire(w["train"]) if "train" in w else None,
-            "beat": _int(w["beat"], "beat", 1, MAX_WIRE_BEAT) if "beat" in w else 1,
+            "beat": check.integer(w["beat"], "beat", 1, MAX_WIRE_BEAT) if "beat" in w else 1,
             "observer": _observer(w.get("obs", False)),
             "suspects": tuple(
-                Suspicion.from_wire(x) for x in _list(w.get("sus", []), "suspects", MAX_SUSPECTS)
+                Suspicion.from_wire(x)
+                for x in check.items(w.get("sus", []), "suspects", MAX_SUSPECTS)
             ),
-            "pace": _float(w["pace"], "pace", 1.0, MAX_PACE) if "pace" in w else 1.0,
+            "pace": check.number(w["pace"], "pace", 1.0, MAX_PACE) if "pace" in w else 1.0,
             "witnessed": tuple(
-                Witnessed.from_wire(x) for x in _list(w.get("wit", []), "witnessed", MAX_WITNESSED)
+                Witnessed.from_wire(x)
+                for x in check.items(w.get("wit", []), "witnessed", MAX_WITNESSED)
             ),
             "reach": _reach(w.get("reach", "")),
         }
@@ -485,17 +412,17 @@ class PlanProposal:
 
     @classmethod
     def from_wire(cls, wire: Any) -> "PlanProposal":
-        _version(wire, "plan proposal", PLAN_PROPOSAL_VERSION)
-        w = _fields(wire, {"v", "swarm", "epoch", "by", "est", "plan"}, "plan proposal")
+        check.version(wire, "plan proposal", PLAN_PROPOSAL_VERSION)
+        w = check.fields(wire, {"v", "swarm", "epoch", "by", "est", "plan"}, "plan proposal")
         plan = w["plan"]
         if not isinstance(plan, bytes) or not 0 < len(plan) <= MAX_PLAN_BYTES:
             raise RecordError(f"plan must be 1..{MAX_PLAN_BYTES} bytes")
         obj = object.__new__(cls)
         values = {
-            "swarm": _str(w["swarm"], "swarm", MAX_NAME_CHARS),
-            "epoch": _int(w["epoch"], "epoch", 0, 1 << 62),
-            "proposer": _str(w["by"], "proposer", MAX_PEER_ID_CHARS),
-            "estimate": _float(w["est"], "estimate", 0.0, 1e9, low_open=True),
+            "swarm": check.text(w["swarm"], "swarm", MAX_NAME_CHARS),
+            "epoch": check.integer(w["epoch"], "epoch", 0, 1 << 62),
+            "proposer": check.text(w["by"], "proposer", MAX_PEER_ID_CHARS),
+            "estimate": check.number(w["est"], "estimate", 0.0, 1e9, low_open=True),
             "plan": plan,
         }
         for name, value in values.items():
