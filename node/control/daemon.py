@@ -42,6 +42,7 @@ from fusionllm.node.control.pace import (
     Timing,
     checked_compute,
     predicted_compute_s,
+    ranks_fit,
 )
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
@@ -420,7 +421,7 @@ class NodeDaemon:
         Each other member's checked compute against what its advertised device predicts;
         a pace newly witnessed goes out at once (pace.py)."""
         adopted, members = self.adopted, self._members_now()
-        if adopted is None or len(ranks) != len(timings):
+        if adopted is None or len(ranks) != len(timings) or not ranks_fit(adopted.plan, ranks):
             return
         config = self.settings.plan_config()
         checked = checked_compute(
