@@ -131,6 +131,11 @@ class ReachCheck:
         # yet) was not asked: its silence must not keep us from a verdict for ever.
         confirmations = min(self._config.confirmations, max(1, asked))
         verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
+        if not asked and self.current.verdict != "unknown":
+            # Nobody to ask is no news: a public node whose other members all sit behind NAT
+            # (they ask it, it may not ask them) would turn "unknown" at its next check, and
+            # the homes relaying through it would drop it as a relay.
+            verdict = self.current
         if verdict != self.current:
             logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
             self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),

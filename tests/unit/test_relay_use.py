@@ -184,3 +184,24 @@ def test_a_member_that_cannot_be_dialled_to_ask_does_not_hold_back_the_verdict()
                        is_member=lambda p: True, listen_ips=["192.168.1.2"])  # fmt: skip
     verdict = check.check_once()
     assert (verdict.verdict, verdict.answers) == ("private", 1)
+
+
+class ReachedHost(UnreachableHost):
+    """Every member asked reached us at the address we listen on."""
+
+    def call(self, fn, libp2p, peer, ports, config):
+        return DialBackAnswer(peer=peer.to_base58(), observed_ip="192.168.1.2",
+                              reached={4001: True})  # fmt: skip
+
+
+def test_a_public_node_whose_other_members_are_all_private_stays_public():
+    a, b = (ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(2))
+    members = {a: _member(a, reach="public")}
+    check = ReachCheck(host=ReachedHost(), config=ReachConfig(), members=lambda: members,
+                       is_member=lambda p: True, listen_ips=["192.168.1.2"])  # fmt: skip
+    assert check.check_once().verdict == "public"
+    # a left; the homes that stay may not be asked (private): no news, not "unknown", or the
+    # homes that relay through us would drop us as their relay at their next check
+    members = {b: _member(b, reach="private")}
+    assert check.check_once().verdict == "public"
+    assert check.published == "public"
