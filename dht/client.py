@@ -236,6 +236,25 @@ class DhtClient:
             raise DhtError(f"DHT {message['op']} failed: {reply.get('error')}")
         return reply
 
+    def set_client_mode(self, client_mode: bool) -> bool:
+        """Restart the worker as a DHT client (or server again), on the same port; whether it
+        had to. A node nobody can dial (behind NAT) must not be a DHT server: others put it in
+        their routing tables and every store and get that picks it waits out a dial to its
+        LAN address (``peer_timeout_s``). Requests fail with DhtError while it restarts (in
+        the background, as after a crash)."""
+        with self._lock:
+            worker = self._worker
+            if self.config.client_mode == client_mode or self._closed.is_set() or worker is None:
+                return False
+            self._worker = None
+            self.config = replace(self.config, client_mode=client_mode)
+            restarter = self._restarter = threading.Thread(
+                target=self._restart, args=(worker,), name="dht-restart", daemon=True
+            )
+        logger.info("restarting the DHT worker as a %s", "client" if client_mode else "server")
+        restarter.start()
+        return True
+
     # ------------------------------------------------------------------ worker lifecycle
 
     def _spawn(self, config: DhtConfig) -> WorkerProcess:

@@ -474,6 +474,10 @@ class NodeDaemon:
 
     def _emit_reach(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields)
+        if fields.get("verdict") == "private" and self.dht is not None:
+            # Nobody can dial us: as a DHT server we would only make every member's store and
+            # get that picks us wait out a dial to our LAN address (docs/nat.md).
+            self.dht.set_client_mode(True)
         self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:
