@@ -62,6 +62,10 @@ class FakeHost:
 
     def __init__(self, unreachable=()) -> None:
         self.unreachable = set(unreachable)
+        self.connected = set(MEMBERS)
+
+    def connected_peers(self) -> list[str]:
+        return sorted(self.connected)
 
     def connect(self, addr: str, timeout: float) -> str:
         if addr in self.unreachable:
@@ -92,6 +96,22 @@ def test_a_refused_or_unreachable_relay_gives_no_address():
     use.follow("private")
     assert use.addrs == ()
     assert use.wanting  # checked again soon, not in 5 min
+
+
+def test_a_relay_that_went_leaves_the_record_at_once_not_at_the_next_check():
+    members = dict(MEMBERS)
+    host = FakeHost()
+    use = RelayUse(host=host, config=RelayUseConfig(), members=lambda: members,
+                   client=FakeClient({"b": True, "c": True}), start_relay=lambda: "relay")  # fmt: skip
+    use.follow("private")
+    assert use.prune() is False  # both still there
+    host.connected.discard("b")  # our connection to b closed: the slot on it went with it
+    assert use.prune() is True
+    assert use.addrs == (f"{_addr('c')}/p2p-circuit/p2p/me",)
+    del members["c"]  # c's record expired
+    assert use.prune() is True
+    assert use.addrs == ()
+    assert use.wanting  # the caller looks for other relays now
 
 
 def test_a_node_others_can_dial_relays_once_and_drops_its_slots():
