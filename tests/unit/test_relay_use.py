@@ -101,8 +101,9 @@ def test_a_refused_or_unreachable_relay_gives_no_address():
 def test_a_relay_that_went_leaves_the_record_at_once_not_at_the_next_check():
     members = dict(MEMBERS)
     host = FakeHost()
-    use = RelayUse(host=host, config=RelayUseConfig(), members=lambda: members,
-                   client=FakeClient({"b": True, "c": True}), start_relay=lambda: "relay")  # fmt: skip
+    client = FakeClient({"b": True, "c": True})
+    use = RelayUse(host=host, config=RelayUseConfig(), members=lambda: members, client=client,
+                   start_relay=lambda: "relay")  # fmt: skip
     use.follow("private")
     assert use.prune() is False  # both still there
     host.connected.discard("b")  # our connection to b closed: the slot on it went with it
