@@ -3,6 +3,8 @@
 
 import collections
 import dataclasses
+import threading
+import time
 
 import msgpack
 import pytest
@@ -226,3 +228,50 @@ def test_a_public_node_whose_other_members_are_all_private_stays_public():
     members = {b: _member(b, reach="private")}
     assert check.check_once().verdict == "public"
     assert check.published == "public"
+
+
+class CountingRelays:
+    """RelayUse's face to ReachCheck: counts the checks, says a relay went when told to."""
+
+    def __init__(self) -> None:
+        self.addrs: tuple[str, ...] = ("held",)
+        self.wanting = False
+        self.follows = 0
+        self.gone = threading.Event()
+
+    def follow(self, verdict: str) -> None:
+        self.follows += 1
+
+    def prune(self) -> bool:
+        if self.gone.is_set():
+            self.gone.clear()
+            return True
+        return False
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_relay_that_went_brings_the_next_check_forward_from_minutes_to_retry_s():
+    a = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    relays = CountingRelays()
+    config = ReachConfig(first_after_s=0.01, retry_s=0.05, interval_s=3600)
+    members = {a: _member(a, reach="public")}
+    check = ReachCheck(host=UnreachableHost(), config=config, members=lambda: members,
+                       is_member=lambda p: True, listen_ips=["192.168.1.2"],
+                       relays=relays)  # fmt: skip
+    stop = threading.Event()
+    loop = threading.Thread(target=check.loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _wait_until(lambda: relays.follows == 1)  # the first check; the next is an hour away
+        relays.gone.set()
+        _wait_until(lambda: relays.follows == 2)  # within a retry_s of the relay going
+        assert check.current.verdict == "private"
+    finally:
+        stop.set()
+        loop.join(timeout=5)
