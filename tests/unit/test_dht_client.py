@@ -87,11 +87,14 @@ def test_dead_worker_is_restarted():
         assert client.peer_id == "FakePeer"
 
 
-def test_worker_restarts_as_a_client_on_its_port_once():
-    with _client(listen_port=0) as client:
+@pytest.mark.parametrize("port", [0, 47123])
+def test_worker_restarts_as_a_client_once(port):
+    with _client(listen_port=port) as client:
         pid = _worker_pid(client)
         assert client.visible_maddrs()[1] == "/server"
         assert client.set_client_mode(True) is True
+        if port == 0:  # the old worker serves until the new one is up
+            assert client.get("meanwhile") == [("s", b"meanwhile", 1.0)]
         _wait_for_restart(client, 1)
         assert client.visible_maddrs()[1] == "/client"
         assert _worker_pid(client) != pid
