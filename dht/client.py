@@ -236,6 +236,47 @@ class DhtClient:
             raise DhtError(f"DHT {message['op']} failed: {reply.get('error')}")
         return reply
 
+    def set_client_mode(self, client_mode: bool) -> bool:
+        """Run the worker as a DHT client (or a server again); whether it had to change. A
+        node nobody can dial (behind NAT) must not be a DHT server: others put it in their
+        routing tables and every store and get that picks it waits out a dial to its LAN
+        address (``peer_timeout_s``). The new worker starts beside the old one, which serves
+        until it is up (a DHT start took 30-50 s on the loaded testbed); on a fixed port the
+        old one stops first and requests fail with DhtError meanwhile, as after a crash."""
+        with self._lock:
+            worker = self._worker
+            if self.config.client_mode == client_mode or self._closed.is_set() or worker is None:
+                return False
+            self.config = replace(self.config, client_mode=client_mode)
+            beside = self.config.listen_port == 0  # else the new one could not bind
+            if not beside:
+                self._worker = None
+            target = self._switch if beside else self._restart
+            switcher = self._restarter = threading.Thread(
+                target=target, args=(worker,), name="dht-switch", daemon=True
+            )
+        logger.info("restarting the DHT worker as a %s", "client" if client_mode else "server")
+        switcher.start()
+        return True
+
+    def _switch(self, old: WorkerProcess) -> None:
+        """Start a worker on ``self.config`` and hand requests to it, then stop ``old``."""
+        try:
+            new = self._spawn(self.config)
+        except DhtError as exc:
+            logger.warning("the new DHT worker did not start (%s): the old one goes on", exc)
+            return
+        with self._lock:
+            installed = self._worker is old and not self._closed.is_set()
+            if installed:
+                self._worker = new
+                self.restarts += 1
+        if not installed:  # closed, or the old one died and a restart took over
+            new.kill()
+            return
+        logger.info("DHT worker restarted (pid %d) on %s", new.pid, self.maddrs)
+        old.close()
+
     # ------------------------------------------------------------------ worker lifecycle
 
     def _spawn(self, config: DhtConfig) -> WorkerProcess:

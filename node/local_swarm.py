@@ -56,8 +56,22 @@ class NodeProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
         argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
-        self._child = JsonChild([*prefix, *argv, *args], name=name, env=env, stderr=log_path)
+        # Its events go next to its log too: what a failed run did, step by step, stays on disk.
+        self._events_file = log_path.with_suffix(".events.jsonl").open("a", encoding="utf-8")
+        try:
+            self._child = JsonChild([*prefix, *argv, *args], name=name, env=env,
+                                    stderr=log_path, on_event=self._keep)  # fmt: skip
+        except BaseException:
+            self._events_file.close()
+            raise
         self.process = self._child.process
+
+    def _keep(self, event: dict | None) -> None:
+        if event is None:  # its output ended
+            self._events_file.close()
+            return
+        self._events_file.write(json.dumps(event) + "\n")
+        self._events_file.flush()
 
     @property
     def events(self) -> list[dict]:

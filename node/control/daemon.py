@@ -36,13 +36,8 @@ from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
-from fusionllm.node.control.pace import (
-    PaceMeter,
-    PaceWitness,
-    Timing,
-    checked_compute,
-    predicted_compute_s,
-)
+from fusionllm.node.control.pace import Timing
+from fusionllm.node.control.pacing import StepPacing
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.relay_use import RelayUse
@@ -85,10 +80,8 @@ class NodeDaemon:
         self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
         self.suspicions = SuspicionBook()  # members our trainer waited for in vain
         self._beat_now = threading.Event()  # refresh our record before the next heartbeat
-        self.pace = PaceMeter()  # our measured compute against our device's (pace.py)
+        self.pacing = StepPacing()  # our pace and the others' we witnessed (pacing.py)
         self.timings = Timings()  # our DHT rounds' durations (the node's metrics read them)
-        self._paced_plan: str | None = None  # the plan the meter's steps were measured in
-        self.witness = PaceWitness()  # the other members' paces, from the step summaries
 
     # What the agreement decided (read by the trainer, the status command and our record).
 
@@ -334,8 +327,8 @@ class NodeDaemon:
             beat=beat,
             observer=self.config.observer,
             suspects=self.suspicions.current(),
-            pace=self.pace.published,
-            witnessed=self.witness.current(),
+            pace=self.pacing.meter.published,
+            witnessed=self.pacing.witness.current(),
             reach=self.reach.published if self.reach is not None else "",
         )
 
@@ -401,47 +394,21 @@ class NodeDaemon:
             self._beat_now.set()
 
     def measured(self, digest: str, compute_s: float) -> None:
-        """One step's compute of our stage (the trainer's report), against what our device
-        predicts for it in the plan we follow; a new pace goes out at once (pace.py)."""
-        adopted = self.adopted
-        if adopted is None or adopted.digest != digest:  # a step of the plan we switch from
-            return
-        if adopted.digest != self._paced_plan:
-            self.pace.reset()
-            self._paced_plan = adopted.digest
+        """One step's compute of our stage (the trainer's report); a new pace goes out at once."""
         config = self.settings.plan_config()
-        predicted = predicted_compute_s(self.costs, adopted.plan, self.peer_id, self.device, config)
-        if predicted is None:
-            return
-        before = self.pace.published
-        if self.pace.add(compute_s, predicted) != before:
-            logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
-                           self.pace.published)  # fmt: skip
+        if self.pacing.measured(
+            self.adopted, digest, compute_s,
+            costs=self.costs, peer_id=self.peer_id, device=self.device, config=config,
+        ):  # fmt: skip
             self._beat_now.set()
 
     def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
-        """One step's summaries of the plan we follow: every rank's (peer, stage) and timings.
-        Each other member's checked compute against what its advertised device predicts;
-        a pace newly witnessed goes out at once (pace.py). A step of another plan than the
-        adopted one (the trainer runs the old plan to its switch step) is not read against it:
-        its stages are not this plan's (3 stages against 2 once killed every trainer)."""
-        adopted, members = self.adopted, self._members_now()
-        if adopted is None or adopted.digest != digest or len(ranks) != len(timings):
-            return
-        config = self.settings.plan_config()
-        checked = checked_compute(
-            adopted.plan, [s for _, s in ranks], timings, config.micro_batches
-        )
-        before = self.witness.current()
-        for (peer, _), compute_s in zip(ranks, checked, strict=True):
-            info = members.get(peer)
-            if peer == self.peer_id or info is None:
-                continue
-            predicted = predicted_compute_s(self.costs, adopted.plan, peer, info.device, config)
-            if predicted is not None:
-                self.witness.add(adopted.digest, peer, compute_s, predicted)
-        if self.witness.current() != before:
-            logger.info("witnessed paces: %s", self.witness.current())
+        """One step's summaries of the plan we follow: every rank's (peer, stage) and timings;
+        a pace newly witnessed goes out at once (pacing.py)."""
+        if self.pacing.witnessed(
+            self.adopted, digest, ranks, timings, members=self._members_now(),
+            costs=self.costs, peer_id=self.peer_id, config=self.settings.plan_config(),
+        ):  # fmt: skip
             self._beat_now.set()
 
     def health(self) -> dict[str, int]:
@@ -479,6 +446,10 @@ class NodeDaemon:
 
     def _emit_reach(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields)
+        if fields.get("verdict") == "private" and self.dht is not None:
+            # Nobody can dial us: as a DHT server we would only make every member's store and
+            # get that picks us wait out a dial to our LAN address (docs/nat.md).
+            self.dht.set_client_mode(True)
         self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:

@@ -117,6 +117,14 @@ def _link_s(plan: Plan, link: int, micro_batches: int) -> float:
     return micro_batches * sum(b / max(bw, 1.0) + rtt / 2 for b, bw, rtt in one_way)
 
 
+def ranks_fit(plan: Plan, ranks: Sequence[tuple[str, int]]) -> bool:
+    """Whether a step's (peer, stage) per rank belong to ``plan``: a session finishes the
+    steps of the plan it runs after the node adopted the next one (fewer stages, other
+    seats), and its summaries must not be read against the new one."""
+    return all(0 <= stage < len(plan.stages) and peer in plan.stages[stage].peers
+               for peer, stage in ranks)  # fmt: skip
+
+
 def checked_compute(
     plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int
 ) -> list[float]:

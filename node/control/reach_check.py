@@ -8,6 +8,7 @@ and ``fusionllm status``. A node given ``--announce-addr`` asks nothing: it is "
 """
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -107,12 +108,19 @@ class ReachCheck:
             if self._relays is not None:
                 self._relays.follow(self.current.verdict)
             return
-        wait = self._config.first_after_s
-        while not stop.wait(wait):
+        due = time.monotonic() + self._config.first_after_s
+        while not stop.wait(max(0.0, min(due - time.monotonic(), self._config.retry_s))):
+            # Between checks, every retry_s: a relay we hold a slot on that went (our
+            # connection to it closed, its record expired) leaves our record now, and we
+            # look for another, not at the next check, up to interval_s (5 min) away.
+            lost = self._relays is not None and self._relays.prune()
+            if time.monotonic() < due and not lost:
+                continue
             judged = self.check_once().verdict != "unknown"
             wanting = self._relays is not None and self._relays.wanting
             settled = self._asked and judged and not wanting
             wait = self._config.interval_s if settled else self._config.retry_s
+            due = time.monotonic() + wait
 
     def check_once(self) -> Reachability:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
@@ -131,6 +139,11 @@ class ReachCheck:
         # yet) was not asked: its silence must not keep us from a verdict for ever.
         confirmations = min(self._config.confirmations, max(1, asked))
         verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
+        if not asked and self.current.verdict != "unknown":
+            # Nobody to ask is no news: a public node whose other members all sit behind NAT
+            # (they ask it, it may not ask them) would turn "unknown" at its next check, and
+            # the homes relaying through it would drop it as a relay.
+            verdict = self.current
         if verdict != self.current:
             logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
             self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),

@@ -19,7 +19,7 @@ from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import PeerHost
-from fusionllm.node.p2p.relay_addrs import is_relayed, relayed_addr
+from fusionllm.node.p2p.relay_addrs import is_relayed, relay_of, relayed_addr
 from fusionllm.node.p2p.relay_client import RelayClient
 
 logger = get_logger(__name__)
@@ -109,6 +109,24 @@ class RelayUse:
         elif verdict == "private":
             self.addrs = tuple(self._reserve(pick_relays(self._members(), self._host.peer_id,
                                                          self._config.relays)))  # fmt: skip
+
+    def prune(self) -> bool:
+        """Drop the relayed addresses whose relay went: no connection to it left (a slot
+        lives on it), or no fresh record of it that says others can dial it. Whether any
+        went (then the caller checks again at once, and reserves elsewhere)."""
+        if not self.addrs:
+            return False
+        members, connected = self._members(), set(self._host.connected_peers())
+        kept = tuple(a for a in self.addrs if (relay := relay_of(a)) in connected
+                     and relay in members and members[relay].reach in REACHABLE)  # fmt: skip
+        if kept == self.addrs:
+            return False
+        logger.info(
+            "relays gone: %s",
+            sorted({relay_of(a) for a in self.addrs} - {relay_of(a) for a in kept}),
+        )
+        self.addrs = kept
+        return True
 
     def _reserve(self, relays: list[NodeInfo]) -> list[str]:
         held = []

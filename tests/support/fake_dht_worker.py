@@ -48,7 +48,8 @@ def _get(out, tag: int, key: str) -> None:
 def main() -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     inp = sys.stdin.buffer
-    read_message(inp)  # the config
+    config = read_message(inp)
+    mode = "client" if config.get("client_mode") else "server"
     write_message(out, {"ok": True, "peer_id": "FakePeer", "maddrs": ["/ip4/127.0.0.1/tcp/1"]})
     while True:
         tag, message = read_tagged(inp)
@@ -58,7 +59,7 @@ def main() -> None:
         if op == "store":
             write_message(out, {"ok": True, "stored": True}, tag=tag)
         elif op == "maddrs":
-            write_message(out, {"ok": True, "maddrs": [f"/pid/{os.getpid()}"]}, tag=tag)
+            write_message(out, {"ok": True, "maddrs": [f"/pid/{os.getpid()}", f"/{mode}"]}, tag=tag)
         elif op == "get":
             _get(out, tag, message["key"])
 

@@ -7,9 +7,10 @@ only through that relay (no hole can be punched to a symmetric NAT, and we punch
 reaches the public node over the connection it dialled. The test waits until ``fusionllm
 status`` on the public host shows every link measured over the path it takes (home to home
 relayed, the rest direct), then for ``STEPS`` more steps; the loss of their last steps must
-be below that of the run's first steps; and ``fusionllm status`` run behind the symmetric NAT
-sees the same swarm. It also checks what test_home_node.py did before it (each verdict, where
-members saw each node, status on the public host), which it replaced.
+be below that of the run's first steps; the homes' DHT daemons run as clients (the public
+one's daemon dials their LAN addresses no more); and ``fusionllm status`` run behind the
+symmetric NAT sees the same swarm. It also checks what test_home_node.py did before it (each
+verdict, where members saw each node, status on the public host), which it replaced.
 """
 
 import json
@@ -72,6 +73,11 @@ def _start(swarm: LocalSwarm, bed: Testbed, name: str, bootstrap: str | None = N
     return swarm.start(name, bootstrap=bootstrap, extra=extra, prefix=bed.command(name, []))
 
 
+def _dials_to(log_path, ip: str) -> int:
+    """Dials of the node's DHT daemon (p2pd) to ``ip`` that failed, as its log tells."""
+    return log_path.read_text().count(f"connect to {ip}:")
+
+
 def test_two_homes_behind_nat_train_with_a_public_node_through_its_relay(tmp_path):
     with Testbed(parse_topology(TOPOLOGY)) as bed:
         swarm = LocalSwarm(tmp_path, extra=RUN)
@@ -102,9 +108,16 @@ def test_two_homes_behind_nat_train_with_a_public_node_through_its_relay(tmp_pat
             for home in nodes[1:]:  # members saw each home at its router's address
                 assert home.last("reachability")["observed"] == [bed.wan_address(home.name)]
             assert pub.last("reachability")["addrs"][0].startswith(bed.address("pub") + ":")
+            # The homes' DHT daemons run as clients now: the public one dials their LAN
+            # addresses no more (as servers, every store and get that picked one did).
+            lan = {home.name: bed.address(home.name) for home in nodes[1:]}
+            dials = {name: _dials_to(pub.log_path, ip) for name, ip in lan.items()}
+            for home in nodes[1:]:
+                assert "restarting the DHT worker as a client" in home.log_path.read_text()
             # STEPS more steps from here, every path in place (a run with no end: --steps 0)
             start = last_step(nodes)
             wait_for(lambda: last_step(nodes) >= start + STEPS, 240, f"{STEPS} more steps")
+            assert {name: _dials_to(pub.log_path, ip) for name, ip in lan.items()} == dials
             merged: dict[int, float] = {}
             for node in nodes:
                 merged.update(trained_steps(node))

@@ -87,6 +87,23 @@ def test_dead_worker_is_restarted():
         assert client.peer_id == "FakePeer"
 
 
+@pytest.mark.parametrize("port", [0, 47123])
+def test_worker_restarts_as_a_client_once(port):
+    with _client(listen_port=port) as client:
+        pid = _worker_pid(client)
+        assert client.visible_maddrs()[1] == "/server"
+        assert client.set_client_mode(True) is True
+        if port == 0:  # the old worker serves until the new one is up
+            assert client.get("meanwhile") == [("s", b"meanwhile", 1.0)]
+        _wait_for_restart(client, 1)
+        assert client.visible_maddrs()[1] == "/client"
+        assert _worker_pid(client) != pid
+        assert client.config.client_mode is True
+        assert client.set_client_mode(True) is False  # already one: nothing restarts
+        assert client.get("back") == [("s", b"back", 1.0)]
+        assert client.restarts == 1
+
+
 def test_reader_that_loses_framing_gets_the_worker_killed_and_restarted():
     with _client() as client:
         old = psutil.Process(_worker_pid(client))

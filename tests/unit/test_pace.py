@@ -2,7 +2,6 @@
 against, and the planner's view of a paced node."""
 
 import dataclasses
-import types
 
 import pytest
 
@@ -10,13 +9,12 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import NodeInfo, RecordError
 from fusionllm.node.control.agreement import serving_peers
 from fusionllm.node.control.bandwidth import peer_of
-from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.control.pace import (
     PaceMeter,
-    PaceWitness,
     checked_compute,
     predicted_compute_s,
 )
+from fusionllm.node.control.pacing import StepPacing
 from tests.unit.test_epochs import GRAPH, SETTINGS, FakeClock, epoch_round, record, swarm_of
 from tests.unit.test_records import node
 from tests.unit.test_seating import FAST, Marked
@@ -120,8 +118,10 @@ def test_a_step_of_the_plan_we_switch_from_is_not_witnessed_against_the_next():
     timings = [(0.01, 0.0, 0.0)] * len(ranks)
     with pytest.raises(IndexError):  # what the old plan's step did to the new plan's figures
         checked_compute(adopted.plan, [s for _, s in ranks], timings, 4)
-    witness = PaceWitness()
-    daemon = types.SimpleNamespace(adopted=adopted, _members_now=dict, witness=witness)
-    NodeDaemon.witnessed(daemon, "the-old-plan", ranks, timings)
-    NodeDaemon.measured(daemon, "the-old-plan", 0.01)  # nothing read: no settings needed
-    assert witness.current() == ()
+    pacing, unread = StepPacing(), None  # a step of another plan reads neither costs nor config
+    assert not pacing.witnessed(adopted, "the-old-plan", ranks, timings, members={},
+                                costs=unread, peer_id="peer0", config=unread)  # fmt: skip
+    assert not pacing.measured(adopted, "the-old-plan", 0.01, costs=unread, peer_id="peer0",
+                               device=unread, config=unread)  # fmt: skip
+    assert pacing.witness.current() == ()
+    assert pacing.meter.published == 1.0

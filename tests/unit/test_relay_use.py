@@ -3,6 +3,8 @@
 
 import collections
 import dataclasses
+import threading
+import time
 
 import msgpack
 import pytest
@@ -62,6 +64,10 @@ class FakeHost:
 
     def __init__(self, unreachable=()) -> None:
         self.unreachable = set(unreachable)
+        self.connected = set(MEMBERS)
+
+    def connected_peers(self) -> list[str]:
+        return sorted(self.connected)
 
     def connect(self, addr: str, timeout: float) -> str:
         if addr in self.unreachable:
@@ -92,6 +98,23 @@ def test_a_refused_or_unreachable_relay_gives_no_address():
     use.follow("private")
     assert use.addrs == ()
     assert use.wanting  # checked again soon, not in 5 min
+
+
+def test_a_relay_that_went_leaves_the_record_at_once_not_at_the_next_check():
+    members = dict(MEMBERS)
+    host = FakeHost()
+    client = FakeClient({"b": True, "c": True})
+    use = RelayUse(host=host, config=RelayUseConfig(), members=lambda: members, client=client,
+                   start_relay=lambda: "relay")  # fmt: skip
+    use.follow("private")
+    assert use.prune() is False  # both still there
+    host.connected.discard("b")  # our connection to b closed: the slot on it went with it
+    assert use.prune() is True
+    assert use.addrs == (f"{_addr('c')}/p2p-circuit/p2p/me",)
+    del members["c"]  # c's record expired
+    assert use.prune() is True
+    assert use.addrs == ()
+    assert use.wanting  # the caller looks for other relays now
 
 
 def test_a_node_others_can_dial_relays_once_and_drops_its_slots():
@@ -184,3 +207,71 @@ def test_a_member_that_cannot_be_dialled_to_ask_does_not_hold_back_the_verdict()
                        is_member=lambda p: True, listen_ips=["192.168.1.2"])  # fmt: skip
     verdict = check.check_once()
     assert (verdict.verdict, verdict.answers) == ("private", 1)
+
+
+class ReachedHost(UnreachableHost):
+    """Every member asked reached us at the address we listen on."""
+
+    def call(self, fn, libp2p, peer, ports, config):
+        return DialBackAnswer(peer=peer.to_base58(), observed_ip="192.168.1.2",
+                              reached={4001: True})  # fmt: skip
+
+
+def test_a_public_node_whose_other_members_are_all_private_stays_public():
+    a, b = (ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(2))
+    members = {a: _member(a, reach="public")}
+    check = ReachCheck(host=ReachedHost(), config=ReachConfig(), members=lambda: members,
+                       is_member=lambda p: True, listen_ips=["192.168.1.2"])  # fmt: skip
+    assert check.check_once().verdict == "public"
+    # a left; the homes that stay may not be asked (private): no news, not "unknown", or the
+    # homes that relay through us would drop us as their relay at their next check
+    members = {b: _member(b, reach="private")}
+    assert check.check_once().verdict == "public"
+    assert check.published == "public"
+
+
+class CountingRelays:
+    """RelayUse's face to ReachCheck: counts the checks, says a relay went when told to."""
+
+    def __init__(self) -> None:
+        self.addrs: tuple[str, ...] = ("held",)
+        self.wanting = False
+        self.follows = 0
+        self.gone = threading.Event()
+
+    def follow(self, verdict: str) -> None:
+        self.follows += 1
+
+    def prune(self) -> bool:
+        if self.gone.is_set():
+            self.gone.clear()
+            return True
+        return False
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_relay_that_went_brings_the_next_check_forward_from_minutes_to_retry_s():
+    a = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    relays = CountingRelays()
+    config = ReachConfig(first_after_s=0.01, retry_s=0.05, interval_s=3600)
+    members = {a: _member(a, reach="public")}
+    check = ReachCheck(host=UnreachableHost(), config=config, members=lambda: members,
+                       is_member=lambda p: True, listen_ips=["192.168.1.2"],
+                       relays=relays)  # fmt: skip
+    stop = threading.Event()
+    loop = threading.Thread(target=check.loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _wait_until(lambda: relays.follows == 1)  # the first check; the next is an hour away
+        relays.gone.set()
+        _wait_until(lambda: relays.follows == 2)  # within a retry_s of the relay going
+        assert check.current.verdict == "private"
+    finally:
+        stop.set()
+        loop.join(timeout=5)

@@ -12,6 +12,7 @@ from fusionllm.dht.records import MAX_WITNESSED, NodeInfo, RecordError, Witnesse
 from fusionllm.node.control.pace import (
     PaceWitness,
     checked_compute,
+    ranks_fit,
     with_witnessed_paces,
     witnessed_pace,
 )
@@ -52,6 +53,15 @@ def _plan(widths: list[int], link_s: float = 0.0):
                              forward_rtt=0.0, backward_wire_bytes=one, backward_bandwidth=1e6,
                              backward_rtt=0.0) for s in range(len(widths) - 1)]  # fmt: skip
     return SimpleNamespace(stages=stages, links=links)
+
+
+def test_a_step_of_the_plan_before_is_not_read_against_the_one_adopted_since():
+    two = _plan([1, 1])
+    assert ranks_fit(two, [("p0.0", 0), ("p1.0", 1)])
+    # the session still ran three stages when the node adopted a plan of two (a member left):
+    # checked_compute would index the third stage of a two-stage plan
+    assert not ranks_fit(two, [("p0.0", 0), ("p1.0", 1), ("x", 2)])
+    assert not ranks_fit(two, [("p1.0", 0), ("p0.0", 1)])  # other seats
 
 
 def test_an_honest_report_stands():

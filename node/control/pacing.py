@@ -1,0 +1,78 @@
+"""A daemon's pace bookkeeping: its own measured compute and what it witnessed of the others.
+
+The trainer reports each step of the plan it runs (the plan's digest, our compute, every rank's
+timings); this keeps the steps of the adopted plan only (the trainer runs the old plan to its
+switch step, and a step of a three-stage plan read against a two-stage one is nonsense) and
+feeds ``PaceMeter``/``PaceWitness`` (pace.py). Each method says whether what our record
+carries changed, so the daemon can publish it at once.
+"""
+
+from collections.abc import Mapping
+
+from fusionllm.common.logs import get_logger
+from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.planner import PlanConfig
+from fusionllm.dht.records import DeviceInfo, NodeInfo
+from fusionllm.node.control.agreement import Candidate
+from fusionllm.node.control.pace import (
+    PaceMeter,
+    PaceWitness,
+    Timing,
+    checked_compute,
+    predicted_compute_s,
+    ranks_fit,
+)
+
+logger = get_logger(__name__)
+
+
+class StepPacing:
+    def __init__(self) -> None:
+        self.meter = PaceMeter()  # our measured compute against our device's
+        self.witness = PaceWitness()  # the other members' paces, from the step summaries
+        self._paced_plan: str | None = None  # the plan the meter's steps were measured in
+
+    def measured(
+        self, adopted: Candidate | None, digest: str, compute_s: float, *,
+        costs: GraphCosts, peer_id: str, device: DeviceInfo, config: PlanConfig,
+    ) -> bool:  # fmt: skip
+        """One step's compute of our stage against what our device predicts for it."""
+        if adopted is None or adopted.digest != digest:  # a step of the plan we switch from
+            return False
+        if adopted.digest != self._paced_plan:
+            self.meter.reset()
+            self._paced_plan = adopted.digest
+        predicted = predicted_compute_s(costs, adopted.plan, peer_id, device, config)
+        if predicted is None:
+            return False
+        before = self.meter.published
+        if self.meter.add(compute_s, predicted) == before:
+            return False
+        logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
+                       self.meter.published)  # fmt: skip
+        return True
+
+    def witnessed(
+        self, adopted: Candidate | None, digest: str, ranks: list[tuple[str, int]],
+        timings: list[Timing], *, members: Mapping[str, NodeInfo], costs: GraphCosts,
+        peer_id: str, config: PlanConfig,
+    ) -> bool:  # fmt: skip
+        """Every other member's checked compute against what its advertised device predicts."""
+        if (adopted is None or adopted.digest != digest or len(ranks) != len(timings)
+                or not ranks_fit(adopted.plan, ranks)):  # fmt: skip
+            return False
+        checked = checked_compute(
+            adopted.plan, [s for _, s in ranks], timings, config.micro_batches
+        )
+        before = self.witness.current()
+        for (peer, _), compute_s in zip(ranks, checked, strict=True):
+            info = members.get(peer)
+            if peer == peer_id or info is None:
+                continue
+            predicted = predicted_compute_s(costs, adopted.plan, peer, info.device, config)
+            if predicted is not None:
+                self.witness.add(adopted.digest, peer, compute_s, predicted)
+        if self.witness.current() == before:
+            return False
+        logger.info("witnessed paces: %s", self.witness.current())
+        return True
