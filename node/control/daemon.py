@@ -208,6 +208,7 @@ class NodeDaemon:
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
                     announce_maddrs=cfg.dht_announce_maddrs(),
+                    nat_port_map=cfg.upnp and not cfg.announce,
                     record_tag_key=cfg.swarm_key.records.key_hex if cfg.swarm_key else "",
                     identity_path=cfg.key_path,
                     max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),

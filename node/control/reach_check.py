@@ -89,6 +89,7 @@ class ReachCheck:
         self._mapper = mapper  # None: --no-upnp, or nothing to map for
         self._mapped_ports = mapped_ports  # beside the host's: lanes'
         self._asked = False  # whether the last check found members to ask
+        self._stop = threading.Event()  # loop()'s, once it runs
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
         )  # fmt: skip
@@ -122,6 +123,7 @@ class ReachCheck:
     def loop(self, stop: threading.Event) -> None:
         """Check now and then until ``stop``; nothing to check behind --announce-addr (we
         relay for members there)."""
+        self._stop = stop
         if self._announced:
             if self._relays is not None:
                 self._relays.follow(self.current.verdict)
@@ -146,9 +148,10 @@ class ReachCheck:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
         self._asked = bool(askers)
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
+        asked_at = time.monotonic()
         verdict, asked = self._judge(askers, ports)
         if verdict.verdict == "private" and self._mapper and self._mapper.worth_trying():
-            verdict, asked = self._map_and_judge(askers, ports, verdict)
+            verdict, asked = self._map_and_judge(askers, ports, verdict, asked_at)
         if not asked and self.current.verdict != "unknown":
             # Nobody to ask is no news: a public node whose other members all sit behind NAT
             # (they ask it, it may not ask them) would turn "unknown" at its next check, and
@@ -182,11 +185,15 @@ class ReachCheck:
         return judge(answers, listen_ips=self._listen_ips, confirmations=confirmations), asked
 
     def _map_and_judge(
-        self, askers: list[NodeInfo], ports: list[int], private: Reachability
+        self, askers: list[NodeInfo], ports: list[int], private: Reachability, asked_at: float
     ) -> tuple[Reachability, int]:
         """Before settling for relays: the router maps our ports, members dial them."""
         wanted = [*ports, *(p for p in self._mapped_ports() if p not in ports)]
         if not self._mapper.open(wanted, observed_ips=private.observed_ips):
+            return private, len(askers)
+        # A member serves one dial-back per peer per min_interval_s: asked sooner, it refuses.
+        again = asked_at + self._config.dialback.min_interval_s + 0.5
+        if self._stop.wait(max(0.0, again - time.monotonic())):
             return private, len(askers)
         verdict, asked = self._judge(askers, ports)
         if verdict.verdict != "mapped":

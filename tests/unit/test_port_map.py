@@ -12,7 +12,7 @@ from fusionllm.dht.records import NodeInfo
 from fusionllm.node.cli.announce_options import add_announce_options, announce_fields
 from fusionllm.node.control.port_mapper import RETRY_S, PortMapper
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
-from fusionllm.node.p2p.dialback import DialBackAnswer
+from fusionllm.node.p2p.dialback import DialBackAnswer, DialBackConfig
 from fusionllm.node.p2p.port_map import (
     GatewayError,
     PortMapConfig,
@@ -28,6 +28,7 @@ from fusionllm.node.p2p.port_map import (
 from fusionllm.node.p2p.reachability import explain
 from tests.unit.test_epochs import record
 
+QUICK = ReachConfig(dialback=DialBackConfig(min_interval_s=0.01))  # no wait to ask again
 PUBLIC = "203.0.114.7"  # global (just outside TEST-NET-3)
 LAN = "192.168.1.2"
 
@@ -252,7 +253,7 @@ def test_a_private_node_maps_its_ports_and_members_then_reach_it_mapped():
     members = _members()
     events = []
     check = ReachCheck(
-        host=MappingHost(router, list(members)), config=ReachConfig(), members=lambda: members,
+        host=MappingHost(router, list(members)), config=QUICK, members=lambda: members,
         is_member=lambda p: True, listen_ips=[LAN], mapper=_mapper(router, clock),
         mapped_ports=lambda: [5001], emit=lambda kind, **f: events.append(f),
     )  # fmt: skip
@@ -277,7 +278,7 @@ def test_a_mapping_members_still_cannot_dial_is_removed_and_the_node_stays_priva
     host.call = lambda fn, libp2p, peer, ports, config: DialBackAnswer(
         peer=peer.to_base58(), observed_ip=PUBLIC, reached={p: False for p in ports}
     )  # a router that says yes and forwards nothing
-    check = ReachCheck(host=host, config=ReachConfig(), members=lambda: members,
+    check = ReachCheck(host=host, config=QUICK, members=lambda: members,
                        is_member=lambda p: True, listen_ips=[LAN],
                        mapper=_mapper(router, clock))  # fmt: skip
     assert check.check_once().verdict == "private"
