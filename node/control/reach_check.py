@@ -192,7 +192,7 @@ class ReachCheck:
         if not self._mapper.open(wanted, observed_ips=private.observed_ips):
             return private, len(askers)
         # A member serves one dial-back per peer per min_interval_s: asked sooner, it refuses.
-        again = asked_at + self._config.dialback.min_interval_s + 0.5
+        again = asked_at + self._config.dialback.min_interval_s * 1.05  # a margin
         if self._stop.wait(max(0.0, again - time.monotonic())):
             return private, len(askers)
         verdict, asked = self._judge(askers, ports)

@@ -2,12 +2,15 @@
 schedule, PortMapper against a fake router, and ReachCheck trying it before relays."""
 
 import argparse
+import threading
+import time
 
 import pytest
 from libp2p.crypto.secp256k1 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.dht.client import DhtConfig
 from fusionllm.dht.records import NodeInfo
 from fusionllm.node.cli.announce_options import add_announce_options, announce_fields
 from fusionllm.node.control.port_mapper import RETRY_S, PortMapper
@@ -26,6 +29,7 @@ from fusionllm.node.p2p.port_map import (
     renew_at,
 )
 from fusionllm.node.p2p.reachability import explain
+from fusionllm.node.p2p.upnp import bounded
 from tests.unit.test_epochs import record
 
 QUICK = ReachConfig(dialback=DialBackConfig(min_interval_s=0.01))  # no wait to ask again
@@ -287,3 +291,37 @@ def test_a_mapping_members_still_cannot_dial_is_removed_and_the_node_stays_priva
     assert router.finds == 1
     check.check_once()
     assert router.finds == 1  # not asked again before RETRY_S
+
+
+def test_a_public_node_never_asks_its_router():
+    clock = FakeClock()
+    router = FakeRouter(clock)
+    members = _members()
+    host = MappingHost(router, list(members))
+    host.call = lambda fn, libp2p, peer, ports, config: DialBackAnswer(
+        peer=peer.to_base58(), observed_ip=LAN, reached={p: True for p in ports}
+    )  # reached where it listens
+    check = ReachCheck(host=host, config=QUICK, members=lambda: members,
+                       is_member=lambda p: True, listen_ips=[LAN],
+                       mapper=_mapper(router, clock))  # fmt: skip
+    assert check.check_once().verdict == "public"
+    assert router.finds == 0
+
+
+def test_a_router_that_never_answers_costs_the_deadline_only():
+    started = time.monotonic()
+    with pytest.raises(GatewayError, match=r"no answer within 0\.1 s"):
+        bounded(lambda: threading.Event().wait(5), 0.1, "discovery")
+    assert time.monotonic() - started < 2  # not the call's 5 s
+    with pytest.raises(GatewayError, match="mapping port 4001: ConflictInMappingEntry"):
+        bounded(_conflict, 1.0, "mapping port 4001")
+    assert bounded(lambda: 7, 1.0, "x") == 7
+
+
+def _conflict():
+    raise Exception("ConflictInMappingEntry")  # what miniupnpc raises
+
+
+def test_the_dht_daemon_maps_nothing_when_told_not_to():
+    assert DhtConfig(swarm="s").worker_config()["nat_port_map"] is True
+    assert DhtConfig(swarm="s", nat_port_map=False).worker_config()["nat_port_map"] is False
