@@ -274,17 +274,23 @@ def test_a_private_node_maps_its_ports_and_members_then_reach_it_mapped():
     assert router.table == {}
 
 
-def test_a_mapping_members_still_cannot_dial_is_removed_and_the_node_stays_private():
+def _fixed_answers(observed_ip: str, reached: bool) -> tuple[ReachCheck, FakeRouter]:
+    """A check whose members answer the same whatever the router does."""
     clock = FakeClock()
     router = FakeRouter(clock)
     members = _members()
     host = MappingHost(router, list(members))
     host.call = lambda fn, libp2p, peer, ports, config: DialBackAnswer(
-        peer=peer.to_base58(), observed_ip=PUBLIC, reached={p: False for p in ports}
-    )  # a router that says yes and forwards nothing
+        peer=peer.to_base58(), observed_ip=observed_ip, reached={p: reached for p in ports}
+    )
     check = ReachCheck(host=host, config=QUICK, members=lambda: members,
                        is_member=lambda p: True, listen_ips=[LAN],
                        mapper=_mapper(router, clock))  # fmt: skip
+    return check, router
+
+
+def test_a_mapping_members_still_cannot_dial_is_removed_and_the_node_stays_private():
+    check, router = _fixed_answers(PUBLIC, False)  # a router that says yes, forwards nothing
     assert check.check_once().verdict == "private"
     assert router.table == {}
     assert router.removed == [4001]
@@ -294,16 +300,7 @@ def test_a_mapping_members_still_cannot_dial_is_removed_and_the_node_stays_priva
 
 
 def test_a_public_node_never_asks_its_router():
-    clock = FakeClock()
-    router = FakeRouter(clock)
-    members = _members()
-    host = MappingHost(router, list(members))
-    host.call = lambda fn, libp2p, peer, ports, config: DialBackAnswer(
-        peer=peer.to_base58(), observed_ip=LAN, reached={p: True for p in ports}
-    )  # reached where it listens
-    check = ReachCheck(host=host, config=QUICK, members=lambda: members,
-                       is_member=lambda p: True, listen_ips=[LAN],
-                       mapper=_mapper(router, clock))  # fmt: skip
+    check, router = _fixed_answers(LAN, True)  # reached where it listens
     assert check.check_once().verdict == "public"
     assert router.finds == 0
 
