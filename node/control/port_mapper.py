@@ -89,7 +89,8 @@ class PortMapper:
                 self._remove_all()
 
     def drop(self, why: str) -> None:
-        """Remove our mappings (they did not make us reachable: ``why``)."""
+        """Remove our mappings (they do not make us reachable: ``why``); the next try comes
+        ``RETRY_S`` after the last."""
         with self._lock:
             if self.mappings:
                 logger.info("UPnP mappings removed: %s", why)

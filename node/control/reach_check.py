@@ -150,8 +150,11 @@ class ReachCheck:
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
         asked_at = time.monotonic()
         verdict, asked = self._judge(askers, ports)
-        if verdict.verdict == "private" and self._mapper and self._mapper.worth_trying():
-            verdict, asked = self._map_and_judge(askers, ports, verdict, asked_at)
+        if verdict.verdict == "private" and self._mapper is not None:
+            if self._mapper.mapped:  # the router lost them (a reboot), or closed them
+                self._mapper.drop("members no longer reach this node at the mapped ports")
+            if self._mapper.worth_trying():
+                verdict, asked = self._map_and_judge(askers, ports, (verdict, asked), asked_at)
         if not asked and self.current.verdict != "unknown":
             # Nobody to ask is no news: a public node whose other members all sit behind NAT
             # (they ask it, it may not ask them) would turn "unknown" at its next check, and
@@ -185,16 +188,21 @@ class ReachCheck:
         return judge(answers, listen_ips=self._listen_ips, confirmations=confirmations), asked
 
     def _map_and_judge(
-        self, askers: list[NodeInfo], ports: list[int], private: Reachability, asked_at: float
+        self,
+        askers: list[NodeInfo],
+        ports: list[int],
+        private: tuple[Reachability, int],
+        asked_at: float,
     ) -> tuple[Reachability, int]:
-        """Before settling for relays: the router maps our ports, members dial them."""
+        """Before settling for relays (``private``: the verdict and how many members we
+        asked): the router maps our ports, members dial them."""
         wanted = [*ports, *(p for p in self._mapped_ports() if p not in ports)]
-        if not self._mapper.open(wanted, observed_ips=private.observed_ips):
-            return private, len(askers)
+        if not self._mapper.open(wanted, observed_ips=private[0].observed_ips):
+            return private
         # A member serves one dial-back per peer per min_interval_s: asked sooner, it refuses.
         again = asked_at + self._config.dialback.min_interval_s * 1.05  # a margin
         if self._stop.wait(max(0.0, again - time.monotonic())):
-            return private, len(askers)
+            return private
         verdict, asked = self._judge(askers, ports)
         if verdict.verdict != "mapped":
             self._mapper.drop(f"members still could not dial this node ({verdict.verdict})")

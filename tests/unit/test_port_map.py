@@ -164,7 +164,8 @@ class FakeRouter:
                            lease_s=self.lease_s, granted_at=self.clock())  # fmt: skip
 
     def unmap(self, port: int) -> None:
-        self.table.pop(port)
+        if self.table.pop(port, None) is None:
+            raise GatewayError(f"removing port {port}: NoSuchEntryInArray")
         self.removed.append(port)
 
 
@@ -322,3 +323,20 @@ def _conflict():
 def test_the_dht_daemon_maps_nothing_when_told_not_to():
     assert DhtConfig(swarm="s").worker_config()["nat_port_map"] is True
     assert DhtConfig(swarm="s", nat_port_map=False).worker_config()["nat_port_map"] is False
+
+
+def test_mappings_the_router_lost_are_dropped_and_asked_for_again_later():
+    clock = FakeClock()
+    router = FakeRouter(clock)
+    members = _members()
+    check = ReachCheck(host=MappingHost(router, list(members)), config=QUICK,
+                       members=lambda: members, is_member=lambda p: True, listen_ips=[LAN],
+                       mapper=_mapper(router, clock))  # fmt: skip
+    assert check.check_once().verdict == "mapped"
+    router.table.clear()  # the router rebooted
+    clock.now = 10.0
+    assert check.check_once().verdict == "private"
+    assert check.advertised([]) == []  # the router's address is named no more
+    clock.now = RETRY_S
+    assert check.check_once().verdict == "mapped"
+    assert router.finds == 2
