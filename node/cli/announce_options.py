@@ -47,7 +47,7 @@ def add_announce_options(parser: argparse.ArgumentParser) -> None:
         "--no-upnp",
         action="store_true",
         help="never ask the home router to map ports (UPnP-IGD). By default a node that "
-        "members cannot dial asks the router on its LAN (a 2 s wait where none answers) to "
+        "members cannot dial asks the router on its LAN (a 3 s wait where none answers) to "
         "forward its ports, renews the lease and removes the mapping when it stops; never "
         "asked with --announce-addr or where members can dial it already",
     )

@@ -27,7 +27,7 @@ class GatewayError(FusionError):
 @dataclass(frozen=True, kw_only=True)
 class PortMapConfig:
     enabled: bool = True  # --no-upnp: False
-    discover_s: float = 2.0  # SSDP wait: a home without UPnP waits this long, once
+    discover_s: float = 2.0  # SSDP wait; a home without UPnP waits this + 1 s (upnp.py)
     lease_s: int = 3600  # what we ask for; renewed at ``renew_fraction`` of what we got
     renew_fraction: float = 0.5
     description: str = "fusionllm"
