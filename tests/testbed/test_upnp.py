@@ -27,7 +27,7 @@ from tests.support.routers import needs_routers
 
 pytestmark = [
     pytest.mark.testbed,
-    pytest.mark.timeout(240),
+    pytest.mark.timeout(300),
     needs_routers,
     pytest.mark.skipif(unavailable() is not None, reason=f"no IGD in the testbed: {unavailable()}"),
 ]
