@@ -48,6 +48,9 @@ class DhtConfig:
     record_tag_key: str = field(default="", repr=False)
     identity_path: Path | None = None  # the node's key: the DHT peer id equals the data plane's
     client_mode: bool = False  # a client reads and writes but stores nothing for others
+    # p2pd maps its own port on a UPnP router (go-libp2p's NAT manager) unless told not to:
+    # off with the node's --no-upnp and behind --announce-addr (the user's forward).
+    nat_port_map: bool = True
     max_ttl_s: float = 600.0  # records further in the future than this are refused
     request_timeout_s: float = 15.0
     # How long hivemind waits for one DHT peer's answer: a crashed peer stays in routing
@@ -117,6 +120,7 @@ class DhtConfig:
             "record_tag_key": self.record_tag_key,
             "identity_path": str(self.identity_path) if self.identity_path else None,
             "client_mode": self.client_mode,
+            "nat_port_map": self.nat_port_map,
             "max_ttl_s": self.max_ttl_s,
             "wait_timeout_s": min(self.request_timeout_s, self.peer_timeout_s),
             "log_level": self.log_level,

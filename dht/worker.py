@@ -59,6 +59,7 @@ async def start_node(config: dict[str, Any]) -> Any:
         identity_path=config["identity_path"],
         check_if_identity_free=False,
         client_mode=bool(config["client_mode"]),
+        nat_port_map=bool(config.get("nat_port_map", True)),
         record_validator=CompositeValidator(validators),
         wait_timeout=float(config["wait_timeout_s"]),
         # Our gets ask for the latest value, so they always search the swarm: refreshing the

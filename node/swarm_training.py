@@ -178,6 +178,7 @@ def start_training(
     ).start()
     daemon.wire_samples = transport.lane_senders.wire_samples
     daemon.lane_probe = transport.lane_senders.bulk_probe
+    daemon.lane_port = lambda: transport.lane_port or 0
     try:
         trainer = _trainer(config, daemon, transport, on_event).start()
     except BaseException:

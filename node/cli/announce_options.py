@@ -43,6 +43,14 @@ def add_announce_options(parser: argparse.ArgumentParser) -> None:
         help="where --lane-port is forwarded, named in lane offers (default: --lane-port, "
         "or the free port lanes took)",
     )
+    group.add_argument(
+        "--no-upnp",
+        action="store_true",
+        help="never ask the home router to map ports (UPnP-IGD). By default a node that "
+        "members cannot dial asks the router on its LAN (a 3 s wait where none answers) to "
+        "forward its ports, renews the lease and removes the mapping when it stops; never "
+        "asked with --announce-addr or where members can dial it already",
+    )
 
 
 def announce_fields(args: argparse.Namespace) -> dict:
@@ -51,4 +59,5 @@ def announce_fields(args: argparse.Namespace) -> dict:
         "announce": tuple(args.announce_addr or ()),
         "announce_dht_port": args.announce_dht_port,
         "announce_lane_port": args.announce_lane_port,
+        "upnp": not args.no_upnp,
     }

@@ -387,7 +387,9 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
     if kind == "reachability":
         from fusionllm.node.p2p.reachability import explain  # py-libp2p: only when needed
 
-        return explain(event["verdict"], event["addrs"], event["observed"])
+        return explain(
+            event["verdict"], event["addrs"], event["observed"], event.get("upnp", False)
+        )
     if kind in ("saved", "finished"):
         return f"{kind}: {json.dumps({k: v for k, v in event.items() if k != 'event'})}"
     return None

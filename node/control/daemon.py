@@ -38,6 +38,7 @@ from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.control.pace import Timing
 from fusionllm.node.control.pacing import StepPacing
+from fusionllm.node.control.port_mapper import PortMapper
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.relay_use import RelayUse
@@ -48,6 +49,7 @@ from fusionllm.node.p2p.control_host import ControlHost
 from fusionllm.node.p2p.identity import load_or_create_identity, peer_id_of
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.peer_host import PeerHost
+from fusionllm.node.p2p.port_map import PortMapConfig
 
 logger = get_logger(__name__)
 
@@ -71,6 +73,7 @@ class NodeDaemon:
         # A bulk probe on our lane to a peer (lane/bulk.py): (peer, bytes) -> its figure, or
         # None where no lane carries it (then the stream probe measures); set with the above.
         self.lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None
+        self.lane_port: Callable[[], int] = lambda: 0  # mapped on the router beside the host's
         self.agreement: PlanAgreement | None = None  # the plan epochs, from start()
         self._state = NodeState.JOINING
         self.progress: TrainingProgress | None = None  # what our trainer last reported
@@ -205,6 +208,7 @@ class NodeDaemon:
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
                     announce_maddrs=cfg.dht_announce_maddrs(),
+                    nat_port_map=cfg.upnp and not cfg.announce,
                     record_tag_key=cfg.swarm_key.records.key_hex if cfg.swarm_key else "",
                     identity_path=cfg.key_path,
                     max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),
@@ -240,6 +244,7 @@ class NodeDaemon:
 
     def _reach_check(self) -> ReachCheck:
         """Dial-backs for members, and ours; none asked behind --announce-addr."""
+        upnp = self.config.upnp and not self.config.announce
         check = ReachCheck(
             host=self.host,
             config=ReachConfig(),
@@ -249,6 +254,8 @@ class NodeDaemon:
             announced_addrs=self.host.addrs if self.config.announce else (),
             emit=self._emit_reach,
             relays=RelayUse.on(self.host, members=self._members_now, is_member=self._is_member),
+            mapper=PortMapper(PortMapConfig()) if upnp else None,
+            mapped_ports=lambda: [p for p in (self.lane_port(),) if p],
         )
         check.attach()
         return check
@@ -291,6 +298,8 @@ class NodeDaemon:
             self.control.close()  # first: it wakes the gossip thread, blocked in recv()
         for thread in self._threads:
             thread.join(timeout=10)
+        if self.reach is not None:
+            self.reach.close()  # our router's mappings go before we do
         # After the control plane detached; whatever else is attached to it ends with it.
         host = self.host
         if host is not None:
@@ -446,9 +455,10 @@ class NodeDaemon:
 
     def _emit_reach(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields)
-        if fields.get("verdict") == "private" and self.dht is not None:
-            # Nobody can dial us: as a DHT server we would only make every member's store and
-            # get that picks us wait out a dial to our LAN address (docs/nat.md).
+        if fields.get("verdict") in ("private", "mapped") and self.dht is not None:
+            # Nobody can dial our DHT (its port is not mapped): as a DHT server we would only
+            # make every member's store and get that picks us wait out a dial to our LAN
+            # address (docs/nat.md).
             self.dht.set_client_mode(True)
         self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 

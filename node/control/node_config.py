@@ -37,6 +37,7 @@ class NodeConfig:
     announce: tuple[AnnounceAddr, ...] = ()
     announce_dht_port: int = 0  # 0: dht_port
     announce_lane_port: int = 0  # 0: the port lanes bound
+    upnp: bool = True  # a private node asks its router to map its ports (port_mapper.py)
     # A private swarm's key (--swarm-key): host connections need it, records carry its tag.
     # Its digest must be settings.key_digest, so the key also names the swarm's settings.
     swarm_key: SwarmKey | None = None
@@ -68,6 +69,7 @@ class NodeConfig:
         self.control_config()
         boolean("lanes", self.lanes)
         boolean("observer", self.observer)
+        boolean("upnp", self.upnp)
         int_in("lane_port", self.lane_port, 0, 65535)
         int_in("announce_dht_port", self.announce_dht_port, 0, 65535)
         int_in("announce_lane_port", self.announce_lane_port, 0, 65535)

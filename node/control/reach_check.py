@@ -5,6 +5,8 @@ node's host; and asks up to ``ask`` members that others can reach to dial it bac
 first soon after it joined, then every ``interval_s`` (every ``retry_s`` while it found no
 member to ask). The verdict (``current``, node/p2p/reachability.py) goes into the node's record
 and ``fusionllm status``. A node given ``--announce-addr`` asks nothing: it is "announced".
+A node found ``private`` first asks its router to map its ports (port_mapper.py, UPnP) and
+its members again: reached at the mapped ports, it is ``mapped`` and names them first.
 """
 
 import threading
@@ -17,6 +19,7 @@ from libp2p.peer.id import ID
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
+from fusionllm.node.control.port_mapper import PortMapper
 from fusionllm.node.control.relay_use import RelayUse
 from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
 from fusionllm.node.p2p.peer_host import PeerHost
@@ -72,6 +75,8 @@ class ReachCheck:
         announced_addrs: Sequence[str] = (),
         emit: Callable[..., None] = lambda *a, **k: None,
         relays: RelayUse | None = None,
+        mapper: PortMapper | None = None,
+        mapped_ports: Callable[[], Sequence[int]] = tuple,
     ) -> None:
         self._host = host
         self._config = config
@@ -81,7 +86,10 @@ class ReachCheck:
         self._emit = emit
         self._announced = tuple(announced_addrs)
         self._relays = relays  # acts on each verdict (relay_use.py)
+        self._mapper = mapper  # None: --no-upnp, or nothing to map for
+        self._mapped_ports = mapped_ports  # beside the host's: lanes'
         self._asked = False  # whether the last check found members to ask
+        self._stop = threading.Event()  # loop()'s, once it runs
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
         )  # fmt: skip
@@ -98,12 +106,24 @@ class ReachCheck:
         self._host.set_stream_handler(DIALBACK_PROTOCOL, server.serve)
 
     def advertised(self, listen_addrs: Sequence[str]) -> list[str]:
-        """What our record tells peers to dial: relayed addresses first, while we hold any."""
-        return [*(self._relays.addrs if self._relays else ()), *listen_addrs]
+        """What our record tells peers to dial: the router's addresses members reached us at
+        (``mapped``), or relayed addresses while we hold any; then where we listen."""
+        reach, mapped = self.current, []
+        for addr in reach.addrs if reach.verdict == "mapped" else ():
+            ip, port = addr.rsplit(":", 1)
+            family = "ip6" if ":" in ip else "ip4"
+            mapped.append(f"/{family}/{ip}/tcp/{port}/p2p/{self._host.peer_id}")
+        return [*mapped, *(self._relays.addrs if self._relays else ()), *listen_addrs]
+
+    def close(self) -> None:
+        """Give back what we hold on the router (a node leaving, SIGTERM included)."""
+        if self._mapper is not None:
+            self._mapper.close()
 
     def loop(self, stop: threading.Event) -> None:
         """Check now and then until ``stop``; nothing to check behind --announce-addr (we
         relay for members there)."""
+        self._stop = stop
         if self._announced:
             if self._relays is not None:
                 self._relays.follow(self.current.verdict)
@@ -114,6 +134,8 @@ class ReachCheck:
             # connection to it closed, its record expired) leaves our record now, and we
             # look for another, not at the next check, up to interval_s (5 min) away.
             lost = self._relays is not None and self._relays.prune()
+            if self._mapper is not None:
+                self._mapper.renew()
             if time.monotonic() < due and not lost:
                 continue
             judged = self.check_once().verdict != "unknown"
@@ -126,6 +148,31 @@ class ReachCheck:
         askers = pick_askers(self._members(), self._host.peer_id, self._config.ask)
         self._asked = bool(askers)
         ports = sorted({int(a.split("/tcp/")[1].split("/")[0]) for a in self._host.bound_addrs})
+        asked_at = time.monotonic()
+        verdict, asked = self._judge(askers, ports)
+        if verdict.verdict == "private" and self._mapper is not None:
+            if self._mapper.mapped:  # the router lost them (a reboot), or closed them
+                self._mapper.drop("members no longer reach this node at the mapped ports")
+            if self._mapper.worth_trying():
+                verdict, asked = self._map_and_judge(askers, ports, (verdict, asked), asked_at)
+        if not asked and self.current.verdict != "unknown":
+            # Nobody to ask is no news: a public node whose other members all sit behind NAT
+            # (they ask it, it may not ask them) would turn "unknown" at its next check, and
+            # the homes relaying through it would drop it as a relay.
+            verdict = self.current
+        if verdict != self.current:
+            logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
+            upnp = self._mapper is not None and self._mapper.mapped
+            self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),
+                       observed=list(verdict.observed_ips), answers=verdict.answers,
+                       upnp=upnp)  # fmt: skip
+        self.current = verdict
+        if self._relays is not None:
+            self._relays.follow(verdict.verdict)
+        return verdict
+
+    def _judge(self, askers: list[NodeInfo], ports: list[int]) -> tuple[Reachability, int]:
+        """Ask ``askers`` to dial ``ports``: the verdict, and how many we could ask."""
         answers, asked = [], 0
         for member in askers:
             try:
@@ -138,20 +185,28 @@ class ReachCheck:
         # A member we could not even connect to (a home behind NAT that has not judged itself
         # yet) was not asked: its silence must not keep us from a verdict for ever.
         confirmations = min(self._config.confirmations, max(1, asked))
-        verdict = judge(answers, listen_ips=self._listen_ips, confirmations=confirmations)
-        if not asked and self.current.verdict != "unknown":
-            # Nobody to ask is no news: a public node whose other members all sit behind NAT
-            # (they ask it, it may not ask them) would turn "unknown" at its next check, and
-            # the homes relaying through it would drop it as a relay.
-            verdict = self.current
-        if verdict != self.current:
-            logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
-            self._emit("reachability", verdict=verdict.verdict, addrs=list(verdict.addrs),
-                       observed=list(verdict.observed_ips), answers=verdict.answers)  # fmt: skip
-        self.current = verdict
-        if self._relays is not None:
-            self._relays.follow(verdict.verdict)
-        return verdict
+        return judge(answers, listen_ips=self._listen_ips, confirmations=confirmations), asked
+
+    def _map_and_judge(
+        self,
+        askers: list[NodeInfo],
+        ports: list[int],
+        private: tuple[Reachability, int],
+        asked_at: float,
+    ) -> tuple[Reachability, int]:
+        """Before settling for relays (``private``: the verdict and how many members we
+        asked): the router maps our ports, members dial them."""
+        wanted = [*ports, *(p for p in self._mapped_ports() if p not in ports)]
+        if not self._mapper.open(wanted, observed_ips=private[0].observed_ips):
+            return private
+        # A member serves one dial-back per peer per min_interval_s: asked sooner, it refuses.
+        again = asked_at + self._config.dialback.min_interval_s * 1.05  # a margin
+        if self._stop.wait(max(0.0, again - time.monotonic())):
+            return private
+        verdict, asked = self._judge(askers, ports)
+        if verdict.verdict != "mapped":
+            self._mapper.drop(f"members still could not dial this node ({verdict.verdict})")
+        return verdict, asked
 
     def _reach(self, member: NodeInfo) -> bool:
         """Whether we are connected to ``member`` (connecting if need be)."""

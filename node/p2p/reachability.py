@@ -76,13 +76,19 @@ def punch_ip(reach: Reachability) -> str | None:
     return reach.observed_ips[0]
 
 
-def explain(verdict: str, addrs: Sequence[str] = (), observed: Sequence[str] = ()) -> str:
-    """What a verdict means to the person running the node, and what they may do."""
+def explain(
+    verdict: str, addrs: Sequence[str] = (), observed: Sequence[str] = (), upnp: bool = False
+) -> str:
+    """What a verdict means to the person running the node, and what they may do; ``upnp``:
+    the router forwards because this node asked it to (port_mapper.py)."""
     at = ", ".join(addrs) or "?"
     if verdict in ("public", "announced"):
         return f"reachability {verdict}: peers can dial this node at {at}"
     if verdict == "mapped":
-        return f"reachability mapped: peers reach this node at {at}, where its router forwards"
+        how = "asked over UPnP; renewed, removed when the node stops" if upnp else "a forward"
+        return (
+            f"reachability mapped: peers reach this node at {at}, where its router forwards ({how})"
+        )
     if verdict == "private":
         seen = ", ".join(observed) or "?"
         return (

@@ -128,7 +128,7 @@ def test_a_check_asks_members_and_says_so_when_the_verdict_changes():
     assert check.check_once().verdict == check.published == "private"
     assert host.dialled == [members[b.to_base58()].addrs[0]]  # a was connected already
     assert events == [("reachability", {"verdict": "private", "addrs": [], "answers": 2,
-                                        "observed": ["198.51.100.9"]})]  # fmt: skip
+                                        "observed": ["198.51.100.9"], "upnp": False})]  # fmt: skip
     check.check_once()
     assert len(events) == 1  # the same verdict again: no new event
     host.answers[a.to_base58()] = ControlError("reset")  # one member's word is not enough
