@@ -1,16 +1,54 @@
 """``fusionllm-testbed`` (or ``python -m fusionllm.testbed``): the emulated WAN by hand."""
 
 import argparse
+import contextlib
+import faulthandler
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import configure_logging
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM tears down like Ctrl-C
+class _Stop:
+    """Set by SIGINT or SIGTERM: a plain flag (an Event's lock, taken in a handler while the
+    main thread holds it, would deadlock)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def __call__(self, *_: object) -> None:
+        self.asked = True
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[_Stop]:
+    """A flag that SIGINT and SIGTERM set, for as long as the block runs.
+
+    SIGINT gets a handler of its own: a process started as a background job of a script
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it, so Ctrl-C
+    (``kill -INT``) was dropped and the testbed stayed up. The handler only sets a flag:
+    an exception raised from it could land anywhere in the setup or teardown, e.g. between
+    ``Popen.poll``'s lock acquire and its ``try``, which leaves the lock held and every later
+    wait on that process running out. A second signal during teardown changes nothing.
+    """
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_for_end(processes: list, stop: _Stop, poll_s: float = 0.2) -> None:
+    """Until ``stop`` is asked or every process has exited (with none, only ``stop`` ends it)."""
+    while not stop.asked:
+        if processes and all(p.poll() is not None for p in processes):
+            return
+        time.sleep(poll_s)
 
 
 def _check(_args: argparse.Namespace) -> int:
@@ -46,22 +84,21 @@ def _up(args: argparse.Namespace) -> int:
     from fusionllm.testbed.topology import load_topology
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with Testbed(load_topology(args.topology)) as bed:
-            processes = [
-                bed.popen(h, [a.format(host=h, addr=bed.address(h)) for a in command])
-                for h in bed.hosts
-                if command
-            ]
-            hosts = " ".join(_where(bed, h) for h in bed.hosts)
-            print(f"testbed {bed.tag} up: {hosts}", flush=True)
-            print(f"  a shell in a host: ip netns exec {bed.netns(bed.hosts[0])} bash", flush=True)
-            print("  Ctrl-C tears it all down", flush=True)
-            while not processes or any(p.poll() is None for p in processes):
-                time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1: every thread's stack on stderr
+    with _stop_on_signals() as stop, Testbed(load_topology(args.topology)) as bed:
+        if stop.asked:  # a Ctrl-C during the setup: nothing to run
+            print(f"testbed {bed.tag} interrupted while coming up: tearing down", flush=True)
+            return 0
+        processes = [
+            bed.popen(h, [a.format(host=h, addr=bed.address(h)) for a in command])
+            for h in bed.hosts
+            if command
+        ]
+        hosts = " ".join(_where(bed, h) for h in bed.hosts)
+        print(f"testbed {bed.tag} up: {hosts}", flush=True)
+        print(f"  a shell in a host: ip netns exec {bed.netns(bed.hosts[0])} bash", flush=True)
+        print("  Ctrl-C tears it all down", flush=True)
+        _wait_for_end(processes, stop)
     return 0
 
 

@@ -71,22 +71,27 @@ class Donor:
     def _answer(self, peer: str, floor: int) -> None:
         deadline = time.monotonic() + _VIEW_LAG_S
         try:
-            while (why := self._refusal(peer)) is not None:
-                if why == ANSWERED or time.monotonic() >= deadline or self._stop.is_set():
-                    logger.info("refused a request for state from %s: %s", peer[:16], why)
+            while (why := self._refusal(peer))[0] is not None:
+                if why[0] == ANSWERED or time.monotonic() >= deadline or self._stop.is_set():
+                    logger.info("refused a request for state from %s: %s", peer[:16], why[0])
                     return
                 self._stop.wait(_POLL_S)
-            self.donate(peer, floor)
+            sent = self.donate(peer, floor)
+            # One per answer, with the plan it was for (``donated``: one per copy sent).
+            self._emit({"event": "answered", "to": peer, "plan": why[1], "floor": floor,
+                        "sent": sent, "t": time.time()})  # fmt: skip
         finally:
             with self._lock:
                 self._wanting.discard(peer)
 
-    def _refusal(self, peer: str) -> str | None:
+    def _refusal(self, peer: str) -> tuple[str | None, str | None]:
+        """(why a WANT from ``peer`` goes unanswered, or None; the digest of the plan we
+        follow, or None)."""
         current = self.view.adopted()
         members, serving = self._plan_members(current) if current else ((), False)
-        return self.answers.refusal(
-            peer, digest=current[0] if current else None, members=members, serving=serving
-        )
+        digest = current[0] if current else None
+        why = self.answers.refusal(peer, digest=digest, members=members, serving=serving)
+        return why, digest
 
     def _plan_members(self, current: tuple[str, Plan]) -> tuple[tuple[str, ...], bool]:
         """(the plan's members in order, whether it seats us), memoized: WANTs may flood in."""
@@ -102,10 +107,10 @@ class Donor:
             self._members_of[digest] = found
         return self._members_of[digest]
 
-    def donate(self, peer: str, floor: int) -> None:
+    def donate(self, peer: str, floor: int) -> int:
         """A plan's member lacks state the swarm reached: send it everything we hold after
         ``floor`` (once each; the newest may be a partial stage, an older step whole), within
-        its budget, then DONE, so it stops waiting for us."""
+        its budget, then DONE, so it stops waiting for us. The copies delivered."""
         self.connect(peer)
         sent = 0
         for stage in self._donations(floor):
@@ -124,6 +129,7 @@ class Donor:
             self._emit({"event": "donated", "to": peer, "step": holding.step,
                         "range": [holding.start, holding.stop], "delivered": ok})  # fmt: skip
         send_done(self.transport, peer, floor, sent)
+        return sent
 
     def _donations(self, floor: int) -> Iterator[StageState]:
         """What we hold after ``floor``, newest first: the live stage as it is between steps

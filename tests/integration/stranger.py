@@ -12,8 +12,10 @@ It builds its hosts, prints ``{"event": "ready"}``, waits for a line on stdin, a
   fresh streams;
 - ``--strangers`` fresh identities, each announcing a maximal body on a tensor stream and then
   trickling it, reopening a stream whenever the node resets one;
-- ``--floods`` raw TCP connection attempts: garbage, a stalled multistream handshake, or an
-  immediate close (what a scanner does; none gets as far as a handshake).
+- ``--floods`` raw TCP connection attempts, 64 at a time, as many as ``--duration`` allows:
+  garbage, a stalled multistream handshake, or an immediate close (what a scanner does; none
+  gets as far as a handshake). Counted as begun, through (``knocks``), refused, and cut by the
+  end of the attack.
 
 Written for tests only: it uses py-libp2p's public API, nothing of the node's transport.
 """
@@ -189,6 +191,7 @@ class Attack:
                 nursery.start_soon(self._knock, i, slots)
 
     async def _knock(self, i: int, slots: trio.Semaphore) -> None:
+        self.counts["knocks_begun"] += 1
         try:
             with trio.move_on_after(5):
                 sock = await trio.open_tcp_stream(*self.tcp)
@@ -202,6 +205,13 @@ class Attack:
             self.counts["knocks"] += 1
         except OSError:
             self.counts["knocks_refused"] += 1
+        except BaseException as exc:
+            # In flight when the attack's time was up: Cancelled, or (cut inside
+            # open_tcp_stream's own nursery) a group of Cancelled only.
+            cut = isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
+            cut = cut or isinstance(exc, trio.Cancelled)
+            self.counts["knocks_cut" if cut else f"knock:{type(exc).__name__}"] += 1
+            raise
         finally:
             slots.release()
 

@@ -4,9 +4,9 @@ The node is ``tests.support.transport_main`` (a Transport as a process) that exp
 (1024,) frames and admits two peers: the honest neighbour (this test's own Transport) and one
 "member" whose key the attacker holds. The attacker is ``tests.integration.stranger``: py-libp2p
 hosts with fresh identities (frames declaring 2**28 elements in a few bytes, 64 identities each
-announcing a maximal body and trickling, 1,000 connection attempts, garbage, truncation and
-stalls). Meanwhile the neighbour's frames must keep flowing, the node must stay within
-base + 512 MiB of RSS and never die.
+announcing a maximal body and trickling, up to 1,000 connection attempts, at least
+FLOOD_FLOOR of them through, garbage, truncation and stalls). Meanwhile the neighbour's frames
+must keep flowing, the node must stay within base + 512 MiB of RSS and never die.
 """
 
 import contextlib
@@ -39,6 +39,10 @@ HEADER = FrameHeader(step=0, micro_batch=0, kind="activation", stage=0)
 # dev box with other agents' work beside it, the attacker's 65 hosts on the same cores: 0.8x to
 # 1.9x over 8 runs (medians 6-11 ms quiet); the tail (p90) grows far more, 18 ms to 0.5 s.
 LATENCY_FACTOR = 2.0
+# Connection attempts (of 1,000) that must be through (or refused) within the attack. A third of
+# them hold their connection 2 s, 64 at a time, so an idle box makes all 1,000 in ~11 s; under
+# the load of a full suite beside other agents' work 445-624 got through in 30 s.
+FLOOD_FLOOR = 300
 ONLY_THE_NEIGHBOUR = {"counters": 1, "outbound": 1, "in_flight": 0, "inbound": 1}
 
 
@@ -146,7 +150,9 @@ def test_a_node_holds_against_strangers_and_lying_members(tmp_path):
     )
     counts = done["counts"]
     assert counts.get("connected", 0) == 1 + 64  # the attack happened: every identity got in
-    assert counts.get("knocks", 0) + counts.get("knocks_refused", 0) == 1000
+    knocked = counts.get("knocks", 0) + counts.get("knocks_refused", 0)
+    assert knocked + counts.get("knocks_cut", 0) == counts["knocks_begun"] <= 1000
+    assert knocked >= FLOOD_FLOOR  # the flood happened, beside everything else
     assert node.proc.returncode == 0  # it never died, and quit cleanly
     assert rss.peak <= base + RSS_MARGIN
     assert after  # still serving once the attack is over

@@ -12,7 +12,8 @@ one case per test, each adding its own node to the pair:
 - a seated member stops sending frames mid-run while its heartbeat stays up (the hidden
   ``--fault-stall-after`` hook): the member that waited on it blames it, not anyone else,
   and the others go on within 60 s;
-- a member floods the trainers with requests for state (WANT): at most one answer per plan;
+- two members seated in a plan that leaves both trainers out flood them with requests for
+  state (WANT): at least one answer, at most one per trainer and plan;
 - a member claims 4x the speed it computes at and under-reports its compute 64x (the hidden
   ``--fault-under-report`` hook; its own record then says it is as fast as it claims): its
   neighbours' waits in the step summaries show its real compute, their records witness its
@@ -28,6 +29,7 @@ steps are read from the nodes' ``step`` events.
 import itertools
 import signal
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -354,42 +356,78 @@ def test_an_observer_with_a_fast_device_is_never_planned(shared, reader):
         observer.kill()  # the test's own process; the trainers are the module's
 
 
-def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(shared):
-    swarm, nodes = shared
-    flooder = None
-    # A member no plan can seat (1 MiB of memory) sends frames with its own key.
-    tiny = {**SLOW_DEVICE, "memory_bytes": 1 << 20}
-    member = swarm.start("x", bootstrap=nodes[0].dht_addr, device=tiny,
-                         extra={"control-only": True})  # fmt: skip
-    try:
-        seen = lambda: all(  # noqa: E731
-            member.peer_id in (n.last("epoch") or {}).get("members", []) for n in nodes
-        )
-        wait_for(seen, 60, "the trainers to count it a member")
-        flooder = Transport(TransportConfig(key_path=swarm.root / "x.key", dial_timeout_s=5.0))
-        flooder.start()
-        targets = [flooder.connect(n.last("ready")["addrs"][0]) for n in nodes]
-        header = FrameHeader(step=0, micro_batch=TAG_WANT, kind=FrameKind.CONTROL, stage=0)
-        want = pack_tensor(torch.tensor([1e6, 0.0], dtype=torch.float64))  # (2,) hint, floor
-        began = time.time()
-        for _ in range(100):  # 10 s of 10 requests a second to each trainer
-            for peer in targets:
+def _asked_for_state(nodes: list[NodeProcess], askers: set[str]) -> str | None:
+    """The first member of a plan (the one that may ask for state) if it is one of ``askers``
+    and the plan leaves a trainer out (it holds the state it trained: a WANT gets an answer)."""
+    for node in nodes:
+        stages = (node.last("epoch") or {}).get("stages", [])
+        if stages and stages[0][0] in askers and not any(node.peer_id in s for s in stages):
+            return stages[0][0]
+    return None
+
+
+def _answers(node: NodeProcess, since: float) -> list[dict]:
+    return [e for e in node.snapshot() if e["event"] == "answered" and e["t"] >= since]
+
+
+def _flood_until_answered(flooders: list[Transport], nodes: list[NodeProcess]) -> float:
+    """10 requests for state a second from each flooder to each trainer, until one is
+    answered and 5 s more, or 60 s; when it began."""
+    header = FrameHeader(step=0, micro_batch=TAG_WANT, kind=FrameKind.CONTROL, stage=0)
+    want = pack_tensor(torch.tensor([1e6, 0.0], dtype=torch.float64))  # (2,) hint, floor
+    targets = [[f.connect(n.last("ready")["addrs"][0]) for n in nodes] for f in flooders]
+    began = time.time()
+    end = began + 60.0
+    while time.time() < end:
+        for flooder, peers in zip(flooders, targets, strict=True):
+            for peer in peers:
                 flooder.send_async(peer, header, want, timeout=5.0)
-            time.sleep(0.1)
+        time.sleep(0.1)
+        if end > time.time() + 5.0 and any(_answers(n, began) for n in nodes):
+            end = time.time() + 5.0  # the flood goes on past the first answer
+    return began
+
+
+def test_a_flood_of_state_requests_gets_at_most_one_answer_per_plan(shared):
+    """Two members that claim an RTX 4090 and never come to the barrier are seated, one of them
+    first (the member that may ask for state), and both trainers left out with the state they
+    trained (what a WANT asks for; a plan seats the fast device last or first, so one such
+    member seated beside a trainer may never be first). With both members' keys the test sends
+    each trainer 10 WANTs a second from each until one is answered, and 5 s more: at least one
+    answer, at most one per trainer and plan."""
+    swarm, nodes = shared
+    members = [swarm.start(name, bootstrap=nodes[0].dht_addr, device=RTX_4090,
+                           extra={"control-only": True}) for name in ("x", "y")]  # fmt: skip
+    flooders: list[Transport] = []
+    try:
+        wait_for(lambda: all(m.last("ready") for m in members), 60, "both members")
+        askers = {m.peer_id for m in members}
+        wait_for(lambda: _asked_for_state(nodes, askers), 120, "a plan that leaves both out")
+        for member in members:
+            config = TransportConfig(key_path=swarm.root / f"{member.name}.key",
+                                     dial_timeout_s=5.0)  # fmt: skip
+            flooders.append(Transport(config))
+            flooders[-1].start()
+        began = _flood_until_answered(flooders, nodes)
         time.sleep(3.0)  # answers still on their way
+        answers = {n.name: _answers(n, began) for n in nodes}
+        print(f"answers to the flood: {answers}")
+        assert any(answers.values()), swarm.logs()  # the answering path ran
         for node in nodes:
             plans = {e["digest"] for e in node.snapshot() if e["event"] == "epoch"
-                     and e["t"] >= began}  # fmt: skip
-            answers = [e for e in node.snapshot() if e["event"] == "donated" and e["to"] ==
-                       member.peer_id]  # fmt: skip
-            print(f"{node.name}: {len(answers)} answers, {len(plans)} plans during the flood")
-            assert len(answers) <= len(plans), answers
+                     and e["t"] >= began - 2 * RUN_EPOCH_S}  # fmt: skip
+            per_plan = Counter(e["plan"] for e in answers[node.name])
+            print(f"{node.name}: answers per plan {dict(per_plan)}, {len(plans)} plans")
+            assert all(n == 1 for n in per_plan.values()), per_plan
+            assert set(per_plan) <= plans, (per_plan, plans)
+            assert {e["to"] for e in answers[node.name]} <= askers
         assert all(n.alive() for n in nodes)
         assert len(_step_times(nodes)) > 10
     finally:
-        if flooder is not None:
+        for flooder in flooders:
             flooder.close()
-        member.kill()
+        for member in members:
+            member.kill()
 
 
 def test_a_stopped_member_is_planned_around_within_a_checkpoint_interval(shared):

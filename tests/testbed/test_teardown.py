@@ -85,28 +85,72 @@ def _in_cgroups_of(process: psutil.Process, tag: str) -> bool:
         return False
 
 
-def test_ctrl_c_on_the_cli_tears_down():
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "fusionllm.testbed", "up", "mini", "--",
-         "sleep", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def _ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_cli() -> subprocess.Popen:
+    """``fusionllm-testbed up mini -- sleep 300`` as a script's background job starts it:
+    with SIGINT inherited ignored (Python then raises no KeyboardInterrupt for it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusionllm.testbed", "up", "mini", "--", "sleep", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ignoring_sigint,
     )  # fmt: skip
+
+
+def _ended(cli: subprocess.Popen, timeout: float) -> int:
+    """The CLI's exit code; if it has not exited in ``timeout``, its stacks in the failure."""
+    try:
+        return cli.wait(timeout)
+    except subprocess.TimeoutExpired:
+        cli.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack on stderr
+        time.sleep(0.5)
+        cli.kill()
+        pytest.fail(f"no exit {timeout} s after SIGINT; its stderr: {cli.communicate()[1]}")
+
+
+def test_ctrl_c_on_the_cli_tears_down():
+    cli = _start_cli()
     try:
         line = cli.stdout.readline()  # "testbed TAG up: ..." once the hosts run the command
         assert line.startswith("testbed "), (line, cli.stderr.read() if cli.poll() else "")
         tag = line.split()[1]
         assert leftovers(tag)
-        sleepers = wait_for(
-            lambda: [p for p in psutil.process_iter() if _in_cgroups_of(p, tag)],
-            10,
-            "the command to start in every host",
-        )
+        in_hosts = lambda: [p for p in psutil.process_iter() if _in_cgroups_of(p, tag)]  # noqa: E731
+        # The hosts' commands start side by side: the first may be up before the third.
+        wait_for(lambda: len(in_hosts()) >= 3, 10, "the command to start in every host")
+        sleepers = in_hosts()
         assert len(sleepers) == 3  # one in each host
         cli.send_signal(signal.SIGINT)
-        assert cli.wait(30) == 0, cli.stderr.read()
+        assert _ended(cli, 30) == 0, cli.stderr.read()
     finally:
         if cli.poll() is None:
             os.kill(cli.pid, signal.SIGKILL)
             cli.wait()
     assert leftovers(tag) == []
     assert all(_gone(p) for p in sleepers)
+
+
+def _running_ip(cli: subprocess.Popen) -> bool:
+    """The CLI is inside the setup: an ``ip`` of it runs."""
+    try:
+        return any(p.name() == "ip" for p in psutil.Process(cli.pid).children())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_ctrl_c_while_the_cli_sets_up_tears_down_once_it_is_up():
+    cli = _start_cli()
+    try:
+        wait_for(lambda: _running_ip(cli), 10, "the CLI to set hosts up", poll=0.01)
+        cli.send_signal(signal.SIGINT)
+        assert _ended(cli, 30) == 0, cli.stderr.read()
+        out = cli.stdout.read()
+    finally:
+        if cli.poll() is None:
+            os.kill(cli.pid, signal.SIGKILL)
+            cli.wait()
+    assert "interrupted while coming up: tearing down" in out, out
+    tag = out.split()[1]
+    assert tag.startswith("fltb-"), out
+    assert leftovers(tag) == []

@@ -32,14 +32,6 @@ def test_costs_survive_json_exactly() -> None:
     assert again.cut_bytes() == costs.cut_bytes()
 
 
-def test_the_child_traces_what_the_node_used_to_trace(tmp_path) -> None:
-    cache = tmp_path / "device.json"
-    facts = learn_local_facts("tiny", 48, device_cache=cache, measure_device=False)
-    assert facts.device is None
-    assert facts.costs == _costs(48)
-    assert not cache.exists()  # told not to measure: it did not
-
-
 def test_a_preset_is_costed_at_the_run_vocabulary_and_cached_apart(tmp_path) -> None:
     cache = tmp_path / "device.json"
     wide = learn_local_facts("tiny", 16, device_cache=cache, measure_device=False, vocab_size=384)
@@ -126,6 +118,8 @@ def test_planning_imports_no_torch() -> None:
 def test_costs_are_cached_so_a_known_device_needs_no_child(tmp_path, monkeypatch) -> None:
     cache = tmp_path / "device.json"
     first = learn_local_facts("tiny", 24, device_cache=cache, measure_device=False)
+    assert first.costs == _costs(24)  # no cache yet: the child traced what the node used to
+    assert first.device is None
     costs_file = tmp_path / local_facts.costs_file_name("tiny", 24)
     assert costs_file.exists()
 
@@ -140,9 +134,12 @@ def test_costs_are_cached_so_a_known_device_needs_no_child(tmp_path, monkeypatch
 
 
 def test_a_damaged_costs_cache_is_ignored_and_rewritten(tmp_path) -> None:
+    """The child (the damaged file is no cache) traces what the node used to trace."""
     cache = tmp_path / "device.json"
     costs_file = tmp_path / local_facts.costs_file_name("tiny", 20)
     costs_file.write_text('{"nodes": [{"node_id": "x"}]}')
     facts = learn_local_facts("tiny", 20, device_cache=cache, measure_device=False)
     assert facts.costs == _costs(20)
+    assert facts.device is None
+    assert not cache.exists()  # told not to measure: it did not
     assert costs_from_json(json.loads(costs_file.read_text())) == _costs(20)

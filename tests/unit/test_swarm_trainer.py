@@ -560,6 +560,12 @@ def test_an_all_new_plan_fetches_the_state_from_nodes_outside_it(cluster_of):
     donated = [e for p in peers[:2] for e in cluster.events[p] if e["event"] == "donated"]
     assert donated
     assert all(e["delivered"] for e in donated)
+    # One answer per donor and plan, naming the plan and counting the copies it delivered.
+    answered = [e for p in peers[:2] for e in cluster.events[p] if e["event"] == "answered"]
+    assert 1 <= len(answered) <= 2, answered
+    assert len({e["plan"] for e in answered}) == 1, answered  # the all-new plan's
+    assert all(isinstance(e["plan"], str) and e["plan"] for e in answered), answered
+    assert sum(e["sent"] for e in answered) == len(donated), (answered, donated)
     merged = {**cluster.losses("peer-a"), **cluster.losses("peer-c")}
     assert sorted(merged) == list(range(RUN.steps))
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(first), atol=1e-5)
