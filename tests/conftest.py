@@ -2,6 +2,7 @@
 
 import logging
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -70,3 +71,18 @@ def _no_leftover_processes():
     leftovers = kill_process_tree(psutil.Process(os.getpid()))
     if leftovers:
         logger.warning("killed %d leftover child processes: %s", len(leftovers), leftovers)
+
+
+# The README's command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`):
+# every test outside tests/unit is one group, so real swarms, namespaces and containers still run
+# one at a time, in collection order (the docker tests last), on one worker, while the other
+# takes the unit tests (pure, each in its own tmp_path) beside them. Integration tests spend
+# much of their time waiting on timers and peers; the unit tests fill that idle core.
+SERIAL_GROUP = "serial"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    unit = Path(__file__).resolve().parent / "unit"
+    for item in items:
+        if unit not in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
