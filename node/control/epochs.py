@@ -53,7 +53,7 @@ from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
-from fusionllm.node.control.switching import after_a_loss, judge_switch
+from fusionllm.node.control.switching import SwitchStreak, after_a_loss, judge_switch
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class PlanAgreement:
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
+        self.streak = SwitchStreak()  # a fresh plan that wins on figures alone wins twice
         self.link_wait = LinkWait(link_wait_s)  # no plan over links nobody measured, a while
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
@@ -290,7 +291,9 @@ class PlanAgreement:
                                   policy=self.switch_policy)  # fmt: skip
             logger.debug("epoch %d: fresh plan on %d peers: %s",
                          epoch, len(serving_peers(fresh)), judged)  # fmt: skip
-            if judged.keep:
+            routine = self.backoff.only_the_gap(self._turn, ids, incumbent_ok=True)
+            if not self.streak.settled(incumbent.digest, fresh, wins=not judged.keep,
+                                       figures_only=routine):  # fmt: skip
                 plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).
