@@ -6,6 +6,7 @@ step time, so that the OP-Fence search and the baselines follow the same rules.
 """
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -62,7 +63,38 @@ def build_plan(
     # one tensor per forward+backward period of that stage in steady state.
     budget = max(r["forward_time"] + r["backward_time"] for r in stage_records)
     links = _link_plans(swarm, config, model, cuts, used, budget)
+    if any(f or b for f, b in topk_frames(links, s)):
+        # Top-k frames cost their ends CPU (config.topk_frame_factor): charged, the stages
+        # grow, so does the budget, and AdaTopK may compress less. One more round, then the
+        # stages are charged for the codecs that stay.
+        stage_records = _charged(graph, swarm, config, model, cuts, groups, links)
+        budget = max(r["forward_time"] + r["backward_time"] for r in stage_records)
+        links = _link_plans(swarm, config, model, cuts, used, budget)
+        stage_records = _charged(graph, swarm, config, model, cuts, groups, links)
     return _assemble(swarm, config, fences, stage_records, links, method)
+
+
+def topk_frames(links: "Sequence[LinkPlan]", stages: int) -> list[tuple[int, int]]:
+    """Per stage, the top-k frames it encodes or decodes per micro-batch: (forward, backward).
+    A link's forward tensor is encoded by stage k and decoded by k+1; its gradient the other
+    way round, in the backward pass."""
+    frames = [[0, 0] for _ in range(stages)]
+    for link in links:
+        k = link.src_stage
+        for codec, side in ((link.forward_codec, 0), (link.backward_codec, 1)):
+            if codec == "topk":
+                frames[k][side] += 1
+                frames[k + 1][side] += 1
+    return [(f, b) for f, b in frames]
+
+
+def _charged(graph, swarm, config, model, cuts, groups, links) -> list[dict]:
+    """The stage records again, each charged for the top-k frames ``links`` give it."""
+    extra = topk_frames(links, len(groups))
+    return [
+        _stage_record(graph, swarm, config, model, cuts, k, group, topk=extra[k])[1]
+        for k, group in enumerate(groups)
+    ]
 
 
 def _stage_record(
@@ -73,8 +105,11 @@ def _stage_record(
     cuts: list[int],
     k: int,
     group: list[str],
+    topk: tuple[int, int] = (0, 0),
 ) -> tuple[np.ndarray, dict]:
-    """Stage k's replicas (peer indices) and its StagePlan fields but the fence."""
+    """Stage k's replicas (peer indices) and its StagePlan fields but the fence; ``topk``:
+    the top-k frames it codes per micro-batch (forward, backward), charged beyond a dense
+    frame's cost at ``cfg.topk_frame_factor``."""
     s = len(cuts) - 1
     members = np.array(sorted(swarm.index(p) for p in group), dtype=np.int64)
     a, b = cuts[k], cuts[k + 1]
@@ -96,8 +131,12 @@ def _stage_record(
     share = model.speed_share(replicas, a, b)
     prof = model.peer_profile[replicas]
     frames = np.array([frame_time(k, s, model.profiles[i]) for i in prof])
-    forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a] + frames)))
-    backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a] + frames)))
+    per_topk = np.array([model.profiles[i].frame_overhead for i in prof]) * (
+        cfg.topk_frame_factor - 1.0
+    )
+    fwd_frames, bwd_frames = frames + topk[0] * per_topk, frames + topk[1] * per_topk
+    forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a] + fwd_frames)))
+    backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a] + bwd_frames)))
     link = model.allreduce_link(replicas)
     grads = (model.params[b] - model.params[a]) * cfg.grad_bytes_per_param_byte
     reduce = allreduce_time(grads, replicas.size, link)

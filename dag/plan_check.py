@@ -27,7 +27,7 @@ from fusionllm.compression.wire_sizes import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
 from fusionllm.dag.cost import LinkProfile
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.plan_build import _stage_record, _wire, build_plan, link_plan
+from fusionllm.dag.plan_build import _stage_record, _wire, build_plan, link_plan, topk_frames
 from fusionllm.dag.plan_records import (
     PLANNERS,
     LinkPlan,
@@ -103,6 +103,12 @@ class Retimer:
         budget = max(s.forward_time + s.backward_time for s in stages)
         ours = tuple(self._link(link, cuts, budget) for link in plan.links)
         links = tuple(map(self._as_claimed, ours, plan.links))
+        extra = topk_frames(links, len(stages))
+        if any(f or b for f, b in extra):  # the claimed top-k frames' CPU, as build_plan
+            stages = tuple(self._stage(plan, cuts, k, extra[k]) for k in range(len(stages)))
+            budget = max(s.forward_time + s.backward_time for s in stages)
+            ours = tuple(self._link(link, cuts, budget) for link in plan.links)
+            links = tuple(map(self._as_claimed, ours, plan.links))
         rule = tuple(map(self._by_the_rule, links, plan.links, (budget,) * len(links)))
         result = simulate(pipeline_times(stages, links, self.config.micro_batches))
         return Retimed(
@@ -176,12 +182,15 @@ class Retimer:
             backward_codec=b[0], backward_ratio=b[1], backward_wire_bytes=b[2],
         )  # fmt: skip
 
-    def _stage(self, plan: Plan, cuts: list[int], k: int) -> StagePlan:
+    def _stage(
+        self, plan: Plan, cuts: list[int], k: int, topk: tuple[int, int] = (0, 0)
+    ) -> StagePlan:
         claimed = plan.stages[k]
         try:
             _, record = _stage_record(
-                self.graph, self.swarm, self.config, self.model, cuts, k, list(claimed.peers)
-            )
+                self.graph, self.swarm, self.config, self.model, cuts, k, list(claimed.peers),
+                topk=topk,
+            )  # fmt: skip
         except ConfigError as exc:  # InfeasiblePlanError: nobody can hold it
             raise PlanCheckError(str(exc)) from exc
         dropped = sorted(set(claimed.peers) - set(record["peers"]))

@@ -57,8 +57,13 @@ class PlanConfig:
     # Plan nothing for a swarm of fewer peers: a run that must start on the whole swarm (an
     # experiment) would otherwise train on the first node alone while the others join.
     min_peers: int = 1
+    # A top-k frame's CPU per side over a dense one's (the per-frame figure nodes measure):
+    # 6.07 ms against 0.76 for tiny's activation (benchmarks/frame_cost.py, session 6).
+    topk_frame_factor: float = 8.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.topk_frame_factor) and self.topk_frame_factor >= 1.0):
+            raise ConfigError(f"topk_frame_factor must be >= 1, got {self.topk_frame_factor}")
         if not isinstance(self.min_peers, int) or self.min_peers < 1:
             raise ConfigError(f"min_peers must be an integer >= 1, got {self.min_peers!r}")
         if self.planner not in PLANNERS:

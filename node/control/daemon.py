@@ -32,6 +32,7 @@ from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import MAX_LINKS, NodeInfo, NodeState, RecordError, TrainingProgress
 from fusionllm.node.control.agreement import Candidate
 from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
+from fusionllm.node.control.beat_clock import next_wake
 from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
@@ -359,9 +360,12 @@ class NodeDaemon:
     def _heartbeat_loop(self) -> None:
         # Its own thread: a slow epoch (DHT gets waiting on a dead peer) must not let our
         # record expire, or every other node would drop us and re-plan.
+        woke = time.monotonic()
         while not self._stop.is_set():
-            asked = self._beat_now.wait(self.settings.heartbeat_s)
+            wake_at = next_wake(woke, time.monotonic(), self.settings.heartbeat_s)
+            asked = self._beat_now.wait(max(0.0, wake_at - time.monotonic()))
             self._beat_now.clear()
+            woke = time.monotonic()  # the period counts from here, the store's time inside it
             if self._stop.is_set():
                 return
             # A quiet node's record promised fewer refreshes (quiet.py); one that woke

@@ -53,7 +53,7 @@ from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
-from fusionllm.node.control.switching import after_a_loss, judge_switch
+from fusionllm.node.control.switching import SwitchStreak, after_a_loss, judge_switch
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class PlanAgreement:
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
+        self.streak = SwitchStreak()  # a fresh plan that wins on figures alone wins twice
         self.link_wait = LinkWait(link_wait_s)  # no plan over links nobody measured, a while
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
@@ -92,7 +93,7 @@ class PlanAgreement:
         self._lock = threading.Lock()
         self.members: dict[str, NodeInfo] = {}
         self.excluded: dict[str, list] = {}  # members kept out of plans now (seating.py)
-        self._read: tuple[int, dict[str, NodeInfo]] | None = None  # (epoch read in, records)
+        self._read: tuple[int, dict[str, NodeInfo], float] | None = None  # (epoch, records, when)
         self.adopted: Candidate | None = None
         self.adopted_epoch: int | None = None
         self.state = NodeState.JOINING
@@ -167,28 +168,25 @@ class PlanAgreement:
 
     def snapshot(self) -> dict[str, NodeInfo]:
         """Fresh members that run our settings (and ourselves, even before our record shows)."""
-        everyone = self.directory.members(include_leaving=True)
-        self._read = (epoch_at(self.clock(), self.settings.epoch_s), everyone)
-        return self._members_of(everyone)
+        read_at, everyone = self.clock(), self.directory.members(include_leaving=True)
+        self._read = (epoch_at(self.clock(), self.settings.epoch_s), everyone, read_at)
+        return self._members_of(everyone, read_at)
 
     def _recent_snapshot(self, epoch: int) -> tuple[dict[str, NodeInfo], bool]:
         """(members, whether they come from records read earlier in ``epoch``): adopt reuses
-        the records propose read at the start of the epoch, aged to now, rather than reading
-        them again (a DHT get costs the swarm ~20 ms of CPU, and a stable swarm's records do
-        not change within an epoch). Its caller reads afresh when a proposal is refused."""
+        the records propose read at the epoch's start, judged as then (a DHT get costs ~20 ms
+        of CPU; a stable swarm's records do not change within an epoch). Its caller reads
+        afresh when a proposal is refused."""
         if self._read is not None and self._read[0] == epoch:
-            return self._members_of(self._read[1]), True
+            return self._members_of(self._read[1], self._read[2]), True
         return self.snapshot(), False
 
-    def _members_of(self, everyone: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
+    def _members_of(self, everyone: dict[str, NodeInfo], read_at: float) -> dict[str, NodeInfo]:
+        """Fresh members, judged at ``read_at`` (when our read began): a slow read is no news of
+        a member (topology C, session 7: 5.4 s DHT reads on every node dropped a member)."""
         digest = self.settings.digest()
-        members = fresh_members(
-            everyone,
-            digest=digest,
-            now=self.clock(),
-            suspect_after_s=self.settings.suspect_after_s,
-            max_skew_s=MAX_CLOCK_SKEW_S,
-        )
+        members = fresh_members(everyone, digest=digest, now=read_at, max_skew_s=MAX_CLOCK_SKEW_S,
+                                suspect_after_s=self.settings.suspect_after_s)  # fmt: skip
         if len(members) < len(everyone):
             logger.debug("%d records are stale, leaving or on other settings",
                          len(everyone) - len(members))  # fmt: skip
@@ -290,7 +288,9 @@ class PlanAgreement:
                                   policy=self.switch_policy)  # fmt: skip
             logger.debug("epoch %d: fresh plan on %d peers: %s",
                          epoch, len(serving_peers(fresh)), judged)  # fmt: skip
-            if judged.keep:
+            routine = self.backoff.only_the_gap(self._turn, ids, incumbent_ok=True)
+            if not self.streak.settled(incumbent.digest, fresh, wins=not judged.keep,
+                                       figures_only=routine):  # fmt: skip
                 plan_bytes, estimate = incumbent.proposal.plan, incumbent.estimate
         # Stable means: planning again changed nothing we propose (a fresh plan within the
         # switch margin of the one we follow is as good as no plan at all).

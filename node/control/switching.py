@@ -8,6 +8,13 @@ planned again on the same snapshot, its stages and peers as they are, its codecs
 the planner's rules give them now (``Retimer.recoded``: AdaTopK stops compressing a link that
 is no longer the bottleneck). A fresh plan must beat that by the switch margin after paying for
 the state it moves (``dag.switch_cost``), spread over the steps it is expected to run.
+
+Link figures arrive one by one early in a run (a link's first lane figure replaces its stream
+probe's, 0.02-0.71 of the cap on topology A), and each can make a different fresh plan look
+better: A's OP-Fence + AdaTopK run adopted 6 plans in 20 s and ran 0.89x naive, the switches
+costing it steps. ``SwitchStreak``: where the members are the same and only figures moved, a
+fresh plan must win ``rounds`` planning rounds in a row with the same layout; a swarm whose
+members changed switches at once (a newcomer is seated, a loss is replaced).
 """
 
 import logging
@@ -59,6 +66,37 @@ def judge_switch(
     cost = amortised_switch_s(transfer, policy)
     keep = keep_incumbent(now, fresh.estimated_step_time + cost, switch_margin)
     return SwitchJudgement(keep, now, fresh.estimated_step_time, transfer)
+
+
+Layout = tuple[tuple[int, int, tuple[str, ...]], ...]
+
+
+def layout_of(plan: Plan) -> Layout:
+    """What a switch changes: each stage's node range and peers (not its codecs or figures)."""
+    return tuple((s.start, s.stop, tuple(s.peers)) for s in plan.stages)
+
+
+class SwitchStreak:
+    """Whether a fresh plan that beat the plan we follow has won often enough to switch to."""
+
+    def __init__(self, rounds: int = 2) -> None:
+        if not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+        self.rounds = rounds
+        self._key: tuple[str, Layout] | None = None  # (incumbent digest, fresh layout)
+        self._wins = 0
+
+    def settled(self, incumbent: str, fresh: Plan, *, wins: bool, figures_only: bool) -> bool:
+        """One planning round's verdict: ``wins`` (``fresh`` beat the plan we follow,
+        digest ``incumbent``, by the margin) and ``figures_only`` (the members are those of
+        our last round: only link or pace figures moved). True: switch now."""
+        key = (incumbent, layout_of(fresh))
+        if not wins:
+            self._key, self._wins = None, 0
+            return False
+        self._wins = self._wins + 1 if key == self._key else 1
+        self._key = key
+        return not figures_only or self._wins >= self.rounds
 
 
 def after_a_loss(

@@ -733,3 +733,26 @@ def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out(
     clock.now = T0 + 6.1
     nodes[1].agreement.propose(e + 3)
     assert "peer1" in directory.plans[e + 3]
+
+
+def test_a_slow_read_does_not_age_the_records_it_returns():
+    """Topology C, session 7: a DHT read took 5.4 s on every node at once and a training
+    member's record, fresh when the read began, was judged 5.4 s older at its end: four nodes
+    abandoned the step. A record is judged by its age when our read began."""
+
+    class SlowDirectory(FakeDirectory):
+        def members(self, *, include_leaving: bool = False) -> dict[str, NodeInfo]:
+            clock.now += 5.4  # the read itself takes this long
+            return super().members(include_leaving=include_leaving)
+
+    clock = FakeClock(T0 + 100)
+    directory = SlowDirectory()
+    node = Node("peer0", directory, clock)
+    age = SETTINGS.suspect_after_s - 0.5  # fresh when the read begins
+    directory.records["busy"] = record("busy", at=clock.now - age)
+    assert node.agreement.is_member("busy") is False  # nothing read yet
+    assert "busy" in node.agreement.snapshot()
+    assert node.agreement.is_member("busy")
+    # A record already stale when the read began still counts as gone.
+    directory.records["gone"] = record("gone", at=clock.now - SETTINGS.suspect_after_s - 0.1)
+    assert "gone" not in node.agreement.snapshot()

@@ -9,6 +9,8 @@ import pytest
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.baselines import naive_plan
 from fusionllm.dag.cost import DeviceProfile, LinkProfile, frame_time, mbps, stage_frames
+from fusionllm.dag.plan_build import build_plan, topk_frames
+from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.dht.records import DeviceInfo, RecordError
@@ -81,3 +83,36 @@ def test_a_round_of_frames_is_halved_per_side_and_the_probe_config_is_checked():
         FrameProbeConfig(shape=())
     with pytest.raises(ConfigError, match="frames and repeats must be >= 1"):
         FrameProbeConfig(frames=0)
+
+
+def test_top_k_frames_are_charged_to_both_ends_and_the_retimer_agrees():
+    """A link AdaTopK compresses costs its two ends a top-k frame's CPU per micro-batch and
+    pass (``topk_frame_factor`` x the dense figure), not a dense frame's (issue 25: top-k
+    frames 6.07 ms a side against 0.76, uncharged)."""
+    graph, overhead = chain_graph(8), 5e-3
+    swarm = _swarm(replace(CPU, frame_overhead=overhead), 2)
+    slow = {(a, b): LinkProfile(bandwidth=mbps(1), rtt=1e-3) for a in ("p0", "p1")
+            for b in ("p0", "p1") if a != b}  # fmt: skip
+    swarm = Swarm.from_links(list(swarm.peers), slow)
+    groups, cuts = [["p0"], ["p1"]], [0, 3, 8]  # a 100 MiB cut over 1 Mbit/s
+
+    def plan(factor: float):
+        config = PlanConfig(micro_batches=4, batch_size=4, topk_frame_factor=factor)
+        return build_plan(graph, swarm, config, groups, cuts), config
+
+    free, _ = plan(1.0)
+    charged, config = plan(8.0)
+    link = charged.links[0]
+    assert (link.forward_codec, link.backward_codec) == ("topk", "topk")
+    assert topk_frames(charged.links, 2) == [(1, 1), (1, 1)]
+    extra = 7 * overhead  # one top-k frame per pass at each end, beyond its dense figure
+    for a, b in zip(free.stages, charged.stages, strict=True):
+        assert b.forward_time == pytest.approx(a.forward_time + extra)
+        assert b.backward_time == pytest.approx(a.backward_time + extra)
+    assert charged.estimated_step_time > free.estimated_step_time
+    # Every node re-times a proposal: it must find the same figures, charge included.
+    retimed = Retimer(graph, swarm, config).retime(charged).plan
+    assert retimed.estimated_step_time == pytest.approx(charged.estimated_step_time)
+    assert topk_frames([], 1) == [(0, 0)]
+    with pytest.raises(ConfigError, match="topk_frame_factor must be >= 1"):
+        PlanConfig(topk_frame_factor=0.5)

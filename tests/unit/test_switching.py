@@ -1,6 +1,9 @@
-"""node/control/switching.py: after the followed plan broke, the holders' plan or a fresh one."""
+"""node/control/switching.py: after the followed plan broke, the holders' plan or a fresh one;
+when a fresh plan that won on figures alone is worth switching to (SwitchStreak)."""
 
 import dataclasses
+
+import pytest
 
 from fusionllm.dag.cost import DeviceProfile, LinkProfile
 from fusionllm.dag.graph import GraphCosts, OpNode
@@ -9,7 +12,7 @@ from fusionllm.dag.plan_build import build_plan
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.dag.switch_cost import SwitchPolicy
-from fusionllm.node.control.switching import after_a_loss
+from fusionllm.node.control.switching import SwitchStreak, after_a_loss
 
 GIB = 2**30
 CPU = DeviceProfile(name="cpu", flops=1e12, memory_bandwidth=1e11, memory_bytes=16 * GIB)
@@ -76,3 +79,34 @@ def test_a_fresh_plan_on_the_holders_themselves_is_not_planned_twice():
     fresh = build_plan(G, NOW, CONFIG, [["b"], ["a"]], [0, 3, 4])
     assert choose(SwitchPolicy(), plan_over=asked.append, fresh=fresh) is fresh
     assert asked == []
+
+
+# Two layouts of the same members, as A's early plans were: each looked better in turn as
+# lane figures replaced probe figures.
+AB = build_plan(G, BEFORE, CONFIG, [["a"], ["b"]], [0, 2, 4])
+BA = build_plan(G, BEFORE, CONFIG, [["b"], ["a"]], [0, 2, 4])
+
+
+def test_a_plan_that_wins_on_figures_alone_must_win_twice_in_a_row():
+    streak = SwitchStreak(rounds=2)
+    assert not streak.settled("inc", AB, wins=True, figures_only=True)  # once: keep
+    assert streak.settled("inc", AB, wins=True, figures_only=True)  # the same, again: switch
+    # A different winner each round (figures still arriving) never settles: no flapping.
+    streak = SwitchStreak(rounds=2)
+    for fresh in (AB, BA, AB, BA):
+        assert not streak.settled("inc", fresh, wins=True, figures_only=True)
+    # A round the incumbent wins starts the count over; so does a new incumbent.
+    streak = SwitchStreak(rounds=2)
+    assert not streak.settled("inc", AB, wins=True, figures_only=True)
+    assert not streak.settled("inc", AB, wins=False, figures_only=True)
+    assert not streak.settled("inc", AB, wins=True, figures_only=True)
+    assert not streak.settled("other", AB, wins=True, figures_only=True)
+
+
+def test_a_plan_for_changed_members_switches_at_once():
+    """A newcomer seated or a loss replaced is not noise: no second round."""
+    assert SwitchStreak(rounds=2).settled("inc", AB, wins=True, figures_only=False)
+    assert SwitchStreak(rounds=1).settled("inc", AB, wins=True, figures_only=True)
+    assert not SwitchStreak(rounds=2).settled("inc", AB, wins=False, figures_only=False)
+    with pytest.raises(ValueError, match="rounds must be an integer >= 1"):
+        SwitchStreak(rounds=0)
