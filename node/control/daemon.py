@@ -408,8 +408,13 @@ class NodeDaemon:
         if self.pacing.witnessed(
             self.adopted, digest, ranks, timings, members=self._members_now(),
             costs=self.costs, peer_id=self.peer_id, config=self.settings.plan_config(),
+            measured=self._link_now,
         ):  # fmt: skip
             self._beat_now.set()
+
+    def _link_now(self, src: str, dst: str) -> tuple[float, float] | None:
+        sample = self.book.newest(src, dst, now=time.time())
+        return None if sample is None else (sample.bandwidth, sample.rtt)
 
     def health(self) -> dict[str, int]:
         """What this node refused or lost so far: bad peers show up here, not as crashes."""

@@ -20,20 +20,20 @@ each step's summaries carry every process's compute and its waits for activation
 gradients (pipeline/summary.py); ``checked_compute`` takes a member's compute as the larger of
 what it said and what its neighbours' waits show (the upstream neighbour waited for gradients
 while the member computed, the downstream one for activations; minus what the member itself
-waited on further along, and the plan's time on the links), and ``PaceWitness`` keeps a
-``PaceMeter`` per member on those figures. A record says whom its node witnessed slower than
-its device (``NodeInfo.witnessed``), and every planner takes a member's pace as the larger of
-its own and the median of its witnesses' (``with_witnessed_paces``): a member that says it
-computes faster than it does is planned at the speed its neighbours saw. The neighbours'
-check is exact for the first and last stages; a middle stage's own waits enter its check.
-Stages with replicas are witnessed from their compute alone.
+waited on further along, and the links' time as the node measures them now), and
+``PaceWitness`` keeps a ``PaceMeter`` per member on those figures. A record says whom its node
+witnessed slower than its device (``NodeInfo.witnessed``), and every planner takes a member's
+pace as the larger of its own and the median of its witnesses' (``with_witnessed_paces``): a
+member that says it computes faster than it does is planned at the speed its neighbours saw.
+The neighbours' check is exact for the first and last stages; a middle stage's own waits
+enter its check. Stages with replicas are witnessed from their compute alone.
 """
 
 import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import DeviceProfile, node_time
@@ -107,13 +107,27 @@ Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient w
 _BELIEVED_WITHIN = 2.0
 
 
-def _link_s(plan: Plan, link: int, micro_batches: int) -> float:
-    """The plan's time for one step's frames across the cut after stage ``link``."""
+# (src peer, dst peer) -> (bytes/s, RTT s) the node measured on that link lately, or None
+LinkNow = Callable[[str, str], tuple[float, float] | None]
+
+
+def _unknown(src: str, dst: str) -> None:
+    return None
+
+
+def _link_s(plan: Plan, link: int, micro_batches: int, measured: LinkNow) -> float:
+    """One step's frames across the cut after stage ``link``, at what the link measures now
+    where the node has a figure, else at the plan's. The plan's figure is from when the plan
+    was made: a link that got slower since (a relay carrying a step's frames under load), taken
+    at the plan's figure, left its extra time to be charged as compute. A pace raised on that
+    shrinks the member's stage, and its share of the same waits grows: the pace doubled at
+    every check (docs/nat.md)."""
     cut = next((x for x in plan.links if x.src_stage == link), None)
     if cut is None:
         return 0.0
-    one_way = [(cut.forward_wire_bytes, cut.forward_bandwidth, cut.forward_rtt),
-               (cut.backward_wire_bytes, cut.backward_bandwidth, cut.backward_rtt)]  # fmt: skip
+    fwd = measured(cut.src_peer, cut.dst_peer) or (cut.forward_bandwidth, cut.forward_rtt)
+    bwd = measured(cut.dst_peer, cut.src_peer) or (cut.backward_bandwidth, cut.backward_rtt)
+    one_way = [(cut.forward_wire_bytes, *fwd), (cut.backward_wire_bytes, *bwd)]
     return micro_batches * sum(b / max(bw, 1.0) + rtt / 2 for b, bw, rtt in one_way)
 
 
@@ -126,10 +140,12 @@ def ranks_fit(plan: Plan, ranks: Sequence[tuple[str, int]]) -> bool:
 
 
 def checked_compute(
-    plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int
-) -> list[float]:
+    plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int,
+    measured: LinkNow = _unknown,
+) -> list[float]:  # fmt: skip
     """Each process's compute in one step (rank order; ``stages[r]`` is rank r's stage): what
-    it said, or what its neighbours waited on it where that is more than twice as much."""
+    it said, or what its neighbours waited on it where that is more than twice as much, less
+    the links' time (``measured``: what the node knows each link costs now)."""
     width = [len(s.peers) for s in plan.stages]
     alone = {r: stages[r] for r in range(len(stages)) if width[stages[r]] == 1}
     at = {stage: r for r, stage in alone.items()}
@@ -138,10 +154,10 @@ def checked_compute(
         bounds = [busy]
         t = alone.get(r)
         if t is not None and t - 1 in at:  # the upstream waited for our gradients
-            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches)
+            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches, measured)
             bounds.append(up)
         if t is not None and t + 1 in at:  # the downstream waited for our activations
-            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches)
+            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches, measured)
             bounds.append(down)
         seen = max(bounds)
         checked.append(seen if seen > _BELIEVED_WITHIN * busy else busy)
