@@ -412,9 +412,9 @@ class NodeDaemon:
         ):  # fmt: skip
             self._beat_now.set()
 
-    def _link_now(self, src: str, dst: str) -> tuple[float, float] | None:
+    def _link_now(self, src: str, dst: str) -> tuple[float, float, bool] | None:
         sample = self.book.newest(src, dst, now=time.time())
-        return None if sample is None else (sample.bandwidth, sample.rtt)
+        return None if sample is None else (sample.bandwidth, sample.rtt, sample.relayed)
 
     def health(self) -> dict[str, int]:
         """What this node refused or lost so far: bad peers show up here, not as crashes."""

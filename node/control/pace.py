@@ -107,8 +107,9 @@ Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient w
 _BELIEVED_WITHIN = 2.0
 
 
-# (src peer, dst peer) -> (bytes/s, RTT s) the node measured on that link lately, or None
-LinkNow = Callable[[str, str], tuple[float, float] | None]
+# (src peer, dst peer) -> (bytes/s, RTT s, through a relay) as the node measured that link
+# lately, or None
+LinkNow = Callable[[str, str], tuple[float, float, bool] | None]
 
 
 def _unknown(src: str, dst: str) -> None:
@@ -117,17 +118,24 @@ def _unknown(src: str, dst: str) -> None:
 
 def _link_s(plan: Plan, link: int, micro_batches: int, measured: LinkNow) -> float:
     """One step's frames across the cut after stage ``link``, at what the link measures now
-    where the node has a figure, else at the plan's. The plan's figure is from when the plan
-    was made: a link that got slower since (a relay carrying a step's frames under load), taken
-    at the plan's figure, left its extra time to be charged as compute. A pace raised on that
+    where the node has a figure, else at the plan's; infinite (no check) through a relay.
+
+    The plan's figure is from when the plan was made: a link that got slower since, taken at
+    the plan's figure, left its extra time to be charged as compute. A pace raised on that
     shrinks the member's stage, and its share of the same waits grows: the pace doubled at
-    every check (docs/nat.md)."""
+    every check (docs/nat.md). A relayed link's waits are not even that: every frame, READY
+    and summary crosses a relay's Python process, whose delay a probe of the idle path does
+    not see (with the measured figure subtracted, the NAT test's homes still witnessed each
+    other at 16-128x their compute). Such a link checks nobody's compute: the member's own
+    word (its pace meter) stands there, as a replicated stage's does."""
     cut = next((x for x in plan.links if x.src_stage == link), None)
     if cut is None:
         return 0.0
-    fwd = measured(cut.src_peer, cut.dst_peer) or (cut.forward_bandwidth, cut.forward_rtt)
-    bwd = measured(cut.dst_peer, cut.src_peer) or (cut.backward_bandwidth, cut.backward_rtt)
-    one_way = [(cut.forward_wire_bytes, *fwd), (cut.backward_wire_bytes, *bwd)]
+    fwd = measured(cut.src_peer, cut.dst_peer) or (cut.forward_bandwidth, cut.forward_rtt, False)
+    bwd = measured(cut.dst_peer, cut.src_peer) or (cut.backward_bandwidth, cut.backward_rtt, False)
+    if fwd[2] or bwd[2]:
+        return math.inf
+    one_way = [(cut.forward_wire_bytes, *fwd[:2]), (cut.backward_wire_bytes, *bwd[:2])]
     return micro_batches * sum(b / max(bw, 1.0) + rtt / 2 for b, bw, rtt in one_way)
 
 

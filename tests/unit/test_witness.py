@@ -101,12 +101,12 @@ def test_a_link_slower_now_than_the_plan_said_is_not_blamed_on_compute():
     # gradients. Stage 1's word (1 s) stands; at the plan's figure it would be charged 7 s, and
     # a pace raised on it shrinks its stage while the waits stay (docs/nat.md).
     timings = [(1.0, 0.0, 9.0), (1.0, 0.1, 0.0)]
-    relayed = {("p0.0", "p1.0"): (0.25e6, 0.0), ("p1.0", "p0.0"): (0.25e6, 0.0)}
+    slowed = {("p0.0", "p1.0"): (0.25e6, 0.0, False), ("p1.0", "p0.0"): (0.25e6, 0.0, False)}
     plan = _plan([1, 1], 0.25)
     assert checked_compute(plan, [0, 1], timings, 4) == [1.0, 7.0]
-    assert checked_compute(plan, [0, 1], timings, 4, lambda a, b: relayed.get((a, b))) == [1.0, 1.0]
+    assert checked_compute(plan, [0, 1], timings, 4, lambda a, b: slowed.get((a, b))) == [1.0, 1.0]
     # One way measured, the other at the plan's figure: 4 x (1 + 0.25) = 5 s of the link.
-    one = {("p0.0", "p1.0"): (0.25e6, 0.0)}
+    one = {("p0.0", "p1.0"): (0.25e6, 0.0, False)}
     assert checked_compute(plan, [0, 1], timings, 4, lambda a, b: one.get((a, b))) == [1.0, 4.0]
 
 
@@ -117,9 +117,23 @@ def test_a_link_faster_now_leaves_a_slow_member_no_cover():
     timings = [(1.0, 0.0, 9.0), (1.0, 0.1, 0.0)]
     plan = _plan([1, 1], 1.0)
     assert checked_compute(plan, [0, 1], timings, 4) == [1.0, 1.0]
-    fast = {("p0.0", "p1.0"): (2.5e6, 0.0), ("p1.0", "p0.0"): (2.5e6, 0.0)}
+    fast = {("p0.0", "p1.0"): (2.5e6, 0.0, False), ("p1.0", "p0.0"): (2.5e6, 0.0, False)}
     got = checked_compute(plan, [0, 1], timings, 4, lambda a, b: fast.get((a, b)))
     assert got == [1.0, pytest.approx(5.8)]
+
+
+def test_a_relayed_link_checks_nobodys_compute():
+    # The same waits with the link measured fast but through a relay (either way): a relay's
+    # per-frame delay is in the waits and in no figure, so each member's word stands.
+    timings = [(1.0, 0.0, 9.0), (1.0, 6.0, 0.0)]
+    plan = _plan([1, 1], 0.25)
+    assert checked_compute(plan, [0, 1], timings, 4) == [4.0, 7.0]
+    for relayed_way in (("p0.0", "p1.0"), ("p1.0", "p0.0")):
+
+        def now(a, b, way=relayed_way):
+            return (2.5e6, 0.0, (a, b) == way)
+
+        assert checked_compute(plan, [0, 1], timings, 4, now) == [1.0, 1.0]
 
 
 def test_a_middle_stage_is_charged_only_its_own_part_of_the_wait():
