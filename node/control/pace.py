@@ -112,13 +112,11 @@ _BELIEVED_WITHIN = 2.0
 LinkNow = Callable[[str, str], tuple[float, float, bool] | None]
 
 
-def _unknown(src: str, dst: str) -> None:
-    return None
-
-
 def _link_s(plan: Plan, link: int, micro_batches: int, measured: LinkNow) -> float:
     """One step's frames across the cut after stage ``link``, at what the link measures now
-    where the node has a figure, else at the plan's; infinite (no check) through a relay.
+    (a direction not measured: at the plan's figure); infinite (no check) through a relay, or
+    with neither direction measured (the plan's figure is then a guess from the records: in
+    the NAT test the homes trained before their relayed link was first probed).
 
     The plan's figure is from when the plan was made: a link that got slower since, taken at
     the plan's figure, left its extra time to be charged as compute. A pace raised on that
@@ -131,8 +129,11 @@ def _link_s(plan: Plan, link: int, micro_batches: int, measured: LinkNow) -> flo
     cut = next((x for x in plan.links if x.src_stage == link), None)
     if cut is None:
         return 0.0
-    fwd = measured(cut.src_peer, cut.dst_peer) or (cut.forward_bandwidth, cut.forward_rtt, False)
-    bwd = measured(cut.dst_peer, cut.src_peer) or (cut.backward_bandwidth, cut.backward_rtt, False)
+    fwd, bwd = measured(cut.src_peer, cut.dst_peer), measured(cut.dst_peer, cut.src_peer)
+    if fwd is None and bwd is None:
+        return math.inf
+    fwd = fwd or (cut.forward_bandwidth, cut.forward_rtt, False)
+    bwd = bwd or (cut.backward_bandwidth, cut.backward_rtt, False)
     if fwd[2] or bwd[2]:
         return math.inf
     one_way = [(cut.forward_wire_bytes, *fwd[:2]), (cut.backward_wire_bytes, *bwd[:2])]
@@ -149,7 +150,7 @@ def ranks_fit(plan: Plan, ranks: Sequence[tuple[str, int]]) -> bool:
 
 def checked_compute(
     plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int,
-    measured: LinkNow = _unknown,
+    measured: LinkNow,
 ) -> list[float]:  # fmt: skip
     """Each process's compute in one step (rank order; ``stages[r]`` is rank r's stage): what
     it said, or what its neighbours waited on it where that is more than twice as much, less

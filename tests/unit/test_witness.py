@@ -56,6 +56,11 @@ def _plan(widths: list[int], link_s: float = 0.0):
     return SimpleNamespace(stages=stages, links=links)
 
 
+def _as_planned(src: str, dst: str) -> tuple[float, float, bool]:
+    """Every link of ``_plan`` measures what the plan says (1 MB/s, no RTT), direct."""
+    return (1e6, 0.0, False)
+
+
 def test_a_step_of_the_plan_before_is_not_read_against_the_one_adopted_since():
     two = _plan([1, 1])
     assert ranks_fit(two, [("p0.0", 0), ("p1.0", 1)])
@@ -68,31 +73,31 @@ def test_a_step_of_the_plan_before_is_not_read_against_the_one_adopted_since():
 def test_an_honest_report_stands():
     # Two stages, each computing 1 s; each waits a little on the other.
     timings = [(1.0, 0.0, 0.3), (1.0, 0.2, 0.0)]
-    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 1.0]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4, _as_planned) == [1.0, 1.0]
 
 
 def test_a_neighbours_wait_up_to_twice_the_report_leaves_the_word_standing():
     # Stage 0 waited 1.9 s for stage 1's gradients, which said 1 s: frames and per-step costs
     # the cost model leaves out; stage 1's word stands.
     timings = [(1.0, 0.0, 1.9), (1.0, 0.1, 0.0)]
-    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 1.0]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4, _as_planned) == [1.0, 1.0]
 
 
 def test_a_last_stage_that_under_reports_is_checked_by_its_upstream_waits():
     # Stage 1 says 0.5 s; stage 0 waited 4 s for its gradients: it computed ~4 s.
     timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0)]
-    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [1.0, 4.0]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4, _as_planned) == [1.0, 4.0]
 
 
 def test_a_first_stage_that_under_reports_is_checked_by_its_downstream_waits():
     timings = [(0.5, 0.0, 0.2), (1.0, 3.0, 0.0)]
-    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4) == [3.0, 1.0]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4, _as_planned) == [3.0, 1.0]
 
 
 def test_the_plans_time_on_the_links_is_not_blamed_on_compute():
     # 4 micro-batches x 0.25 s each way on the link: 2 s of stage 0's 4 s wait.
     timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0)]
-    assert checked_compute(_plan([1, 1], 0.25), [0, 1], timings, 4) == [1.0, 2.0]
+    assert checked_compute(_plan([1, 1], 0.25), [0, 1], timings, 4, _as_planned) == [1.0, 2.0]
 
 
 def test_a_link_slower_now_than_the_plan_said_is_not_blamed_on_compute():
@@ -103,7 +108,7 @@ def test_a_link_slower_now_than_the_plan_said_is_not_blamed_on_compute():
     timings = [(1.0, 0.0, 9.0), (1.0, 0.1, 0.0)]
     slowed = {("p0.0", "p1.0"): (0.25e6, 0.0, False), ("p1.0", "p0.0"): (0.25e6, 0.0, False)}
     plan = _plan([1, 1], 0.25)
-    assert checked_compute(plan, [0, 1], timings, 4) == [1.0, 7.0]
+    assert checked_compute(plan, [0, 1], timings, 4, _as_planned) == [1.0, 7.0]
     assert checked_compute(plan, [0, 1], timings, 4, lambda a, b: slowed.get((a, b))) == [1.0, 1.0]
     # One way measured, the other at the plan's figure: 4 x (1 + 0.25) = 5 s of the link.
     one = {("p0.0", "p1.0"): (0.25e6, 0.0, False)}
@@ -116,7 +121,7 @@ def test_a_link_faster_now_leaves_a_slow_member_no_cover():
     # the link now costs 4 x 2 x 0.4 s.
     timings = [(1.0, 0.0, 9.0), (1.0, 0.1, 0.0)]
     plan = _plan([1, 1], 1.0)
-    assert checked_compute(plan, [0, 1], timings, 4) == [1.0, 1.0]
+    assert checked_compute(plan, [0, 1], timings, 4, _as_planned) == [1.0, 1.0]
     fast = {("p0.0", "p1.0"): (2.5e6, 0.0, False), ("p1.0", "p0.0"): (2.5e6, 0.0, False)}
     got = checked_compute(plan, [0, 1], timings, 4, lambda a, b: fast.get((a, b)))
     assert got == [1.0, pytest.approx(5.8)]
@@ -127,7 +132,7 @@ def test_a_relayed_link_checks_nobodys_compute():
     # per-frame delay is in the waits and in no figure, so each member's word stands.
     timings = [(1.0, 0.0, 9.0), (1.0, 6.0, 0.0)]
     plan = _plan([1, 1], 0.25)
-    assert checked_compute(plan, [0, 1], timings, 4) == [4.0, 7.0]
+    assert checked_compute(plan, [0, 1], timings, 4, _as_planned) == [4.0, 7.0]
     for relayed_way in (("p0.0", "p1.0"), ("p1.0", "p0.0")):
 
         def now(a, b, way=relayed_way):
@@ -136,15 +141,21 @@ def test_a_relayed_link_checks_nobodys_compute():
         assert checked_compute(plan, [0, 1], timings, 4, now) == [1.0, 1.0]
 
 
+def test_a_link_nobody_measured_checks_nobodys_compute():
+    # The plan priced it from the ends' records (a guess): its waits tell nothing yet.
+    timings = [(1.0, 0.0, 9.0), (1.0, 6.0, 0.0)]
+    assert checked_compute(_plan([1, 1]), [0, 1], timings, 4, lambda a, b: None) == [1.0, 1.0]
+
+
 def test_a_middle_stage_is_charged_only_its_own_part_of_the_wait():
     # Stage 0 waited 5 s on stage 1, which itself waited 3 s on stage 2: stage 1's part is 2 s.
     timings = [(1.0, 0.0, 5.0), (0.5, 0.0, 3.0), (3.0, 0.0, 0.0)]
-    assert checked_compute(_plan([1, 1, 1]), [0, 1, 2], timings, 4) == [1.0, 2.0, 3.0]
+    assert checked_compute(_plan([1, 1, 1]), [0, 1, 2], timings, 4, _as_planned) == [1.0, 2.0, 3.0]
 
 
 def test_replicated_stages_are_taken_at_their_word():
     timings = [(1.0, 0.0, 4.0), (0.5, 0.1, 0.0), (0.5, 0.1, 0.0)]
-    assert checked_compute(_plan([1, 2]), [0, 1, 1], timings, 4) == [1.0, 0.5, 0.5]
+    assert checked_compute(_plan([1, 2]), [0, 1, 1], timings, 4, _as_planned) == [1.0, 0.5, 0.5]
 
 
 # ----------------------------------------------------------------------------- the witness
