@@ -40,7 +40,7 @@ from fusionllm.node.control.pace import Timing
 from fusionllm.node.control.pacing import StepPacing
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
-from fusionllm.node.control.relay_use import RelayUse
+from fusionllm.node.control.relay_use import RelayUse, dht_client_mode
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
@@ -451,10 +451,12 @@ class NodeDaemon:
 
     def _emit_reach(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields)
-        if fields.get("verdict") == "private" and self.dht is not None:
+        client = dht_client_mode(str(fields.get("verdict")))
+        if client is not None and self.dht is not None:
             # Nobody can dial us: as a DHT server we would only make every member's store and
-            # get that picks us wait out a dial to our LAN address (docs/nat.md).
-            self.dht.set_client_mode(True)
+            # get that picks us wait out a dial to our LAN address (docs/nat.md); dialable
+            # again, we serve again.
+            self.dht.set_client_mode(client)
         self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:

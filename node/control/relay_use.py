@@ -41,6 +41,16 @@ class RelayUseConfig:
             raise ConfigError(f"connect_timeout_s must be in (0, 120] s, got {value!r}")
 
 
+def dht_client_mode(verdict: str) -> bool | None:
+    """Whether the node's DHT worker should be a client (stores nothing for others): while
+    nobody can dial it, yes; once others can (a forward or a mapping made since it was
+    private), no, or the swarm's DHT loses a server for good; not judged yet: None, as it is.
+    A change restarts the worker (dht/client.py): only a new verdict does. Pure."""
+    if verdict == "private":
+        return True
+    return False if verdict in REACHABLE else None
+
+
 def direct_addrs(info: NodeInfo) -> list[str]:
     return [a for a in info.addrs if not is_relayed(a)]
 
