@@ -213,6 +213,13 @@ class BandwidthBook:
         """dst -> time of src's newest fresh sample towards it."""
         return {d: s.measured_at for (a, d), s in self._fresh(now).items() if a == src}
 
+    def newest(self, src: str, dst: str, *, now: float) -> LinkSample | None:
+        """The link's newest fresh sample (not the best of its window, as plans take it):
+        what it costs now, for a witness that must not blame a slowed link on compute."""
+        with self._lock:
+            samples = self._links.get((src, dst), ())
+        return samples[-1] if samples and now - samples[-1].measured_at <= self.max_age_s else None
+
     def swarm(self, members: Sequence[NodeInfo], *, now: float) -> Swarm:
         """The planner's view of ``members``: fresh measured links, quantized."""
         peers = [peer_of(info) for info in members]

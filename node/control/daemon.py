@@ -42,7 +42,7 @@ from fusionllm.node.control.pacing import StepPacing
 from fusionllm.node.control.port_mapper import PortMapper
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
-from fusionllm.node.control.relay_use import RelayUse
+from fusionllm.node.control.relay_use import RelayUse, dht_client_mode
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
@@ -421,8 +421,13 @@ class NodeDaemon:
         if self.pacing.witnessed(
             self.adopted, digest, ranks, timings, members=self._members_now(),
             costs=self.costs, peer_id=self.peer_id, config=self.settings.plan_config(),
+            measured=self._link_now,
         ):  # fmt: skip
             self._beat_now.set()
+
+    def _link_now(self, src: str, dst: str) -> tuple[float, float, bool] | None:
+        sample = self.book.newest(src, dst, now=time.time())
+        return None if sample is None else (sample.bandwidth, sample.rtt, sample.relayed)
 
     def health(self) -> dict[str, int]:
         """What this node refused or lost so far: bad peers show up here, not as crashes."""
@@ -459,11 +464,12 @@ class NodeDaemon:
 
     def _emit_reach(self, event: str, **fields: Any) -> None:
         self._emit(event, **fields)
-        if fields.get("verdict") in ("private", "mapped") and self.dht is not None:
-            # Nobody can dial our DHT (its port is not mapped): as a DHT server we would only
-            # make every member's store and get that picks us wait out a dial to our LAN
-            # address (docs/nat.md).
-            self.dht.set_client_mode(True)
+        client = dht_client_mode(str(fields.get("verdict")))
+        if client is not None and self.dht is not None:
+            # Nobody can dial us: as a DHT server we would only make every member's store and
+            # get that picks us wait out a dial to our LAN address (docs/nat.md); dialable
+            # again, we serve again.
+            self.dht.set_client_mode(client)
         self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:

@@ -20,20 +20,20 @@ each step's summaries carry every process's compute and its waits for activation
 gradients (pipeline/summary.py); ``checked_compute`` takes a member's compute as the larger of
 what it said and what its neighbours' waits show (the upstream neighbour waited for gradients
 while the member computed, the downstream one for activations; minus what the member itself
-waited on further along, and the plan's time on the links), and ``PaceWitness`` keeps a
-``PaceMeter`` per member on those figures. A record says whom its node witnessed slower than
-its device (``NodeInfo.witnessed``), and every planner takes a member's pace as the larger of
-its own and the median of its witnesses' (``with_witnessed_paces``): a member that says it
-computes faster than it does is planned at the speed its neighbours saw. The neighbours'
-check is exact for the first and last stages; a middle stage's own waits enter its check.
-Stages with replicas are witnessed from their compute alone.
+waited on further along, and the links' time as the node measures them now), and
+``PaceWitness`` keeps a ``PaceMeter`` per member on those figures. A record says whom its node
+witnessed slower than its device (``NodeInfo.witnessed``), and every planner takes a member's
+pace as the larger of its own and the median of its witnesses' (``with_witnessed_paces``): a
+member that says it computes faster than it does is planned at the speed its neighbours saw.
+The neighbours' check is exact for the first and last stages; a middle stage's own waits
+enter its check. Stages with replicas are witnessed from their compute alone.
 """
 
 import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import DeviceProfile, node_time
@@ -107,13 +107,36 @@ Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient w
 _BELIEVED_WITHIN = 2.0
 
 
-def _link_s(plan: Plan, link: int, micro_batches: int) -> float:
-    """The plan's time for one step's frames across the cut after stage ``link``."""
+# (src peer, dst peer) -> (bytes/s, RTT s, through a relay) as the node measured that link
+# lately, or None
+LinkNow = Callable[[str, str], tuple[float, float, bool] | None]
+
+
+def _link_s(plan: Plan, link: int, micro_batches: int, measured: LinkNow) -> float:
+    """One step's frames across the cut after stage ``link``, at what the link measures now
+    (a direction not measured: at the plan's figure); infinite (no check) through a relay, or
+    with neither direction measured (the plan's figure is then a guess from the records: in
+    the NAT test the homes trained before their relayed link was first probed).
+
+    The plan's figure is from when the plan was made: a link that got slower since, taken at
+    the plan's figure, left its extra time to be charged as compute. A pace raised on that
+    shrinks the member's stage, and its share of the same waits grows: the pace doubled at
+    every check (docs/nat.md). A relayed link's waits are not even that: every frame, READY
+    and summary crosses a relay's Python process, whose delay a probe of the idle path does
+    not see (with the measured figure subtracted, the NAT test's homes still witnessed each
+    other at 16-128x their compute). Such a link checks nobody's compute: the member's own
+    word (its pace meter) stands there, as a replicated stage's does."""
     cut = next((x for x in plan.links if x.src_stage == link), None)
     if cut is None:
         return 0.0
-    one_way = [(cut.forward_wire_bytes, cut.forward_bandwidth, cut.forward_rtt),
-               (cut.backward_wire_bytes, cut.backward_bandwidth, cut.backward_rtt)]  # fmt: skip
+    fwd, bwd = measured(cut.src_peer, cut.dst_peer), measured(cut.dst_peer, cut.src_peer)
+    if fwd is None and bwd is None:
+        return math.inf
+    fwd = fwd or (cut.forward_bandwidth, cut.forward_rtt, False)
+    bwd = bwd or (cut.backward_bandwidth, cut.backward_rtt, False)
+    if fwd[2] or bwd[2]:
+        return math.inf
+    one_way = [(cut.forward_wire_bytes, *fwd[:2]), (cut.backward_wire_bytes, *bwd[:2])]
     return micro_batches * sum(b / max(bw, 1.0) + rtt / 2 for b, bw, rtt in one_way)
 
 
@@ -126,10 +149,12 @@ def ranks_fit(plan: Plan, ranks: Sequence[tuple[str, int]]) -> bool:
 
 
 def checked_compute(
-    plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int
-) -> list[float]:
+    plan: Plan, stages: Sequence[int], timings: Sequence[Timing], micro_batches: int,
+    measured: LinkNow,
+) -> list[float]:  # fmt: skip
     """Each process's compute in one step (rank order; ``stages[r]`` is rank r's stage): what
-    it said, or what its neighbours waited on it where that is more than twice as much."""
+    it said, or what its neighbours waited on it where that is more than twice as much, less
+    the links' time (``measured``: what the node knows each link costs now)."""
     width = [len(s.peers) for s in plan.stages]
     alone = {r: stages[r] for r in range(len(stages)) if width[stages[r]] == 1}
     at = {stage: r for r, stage in alone.items()}
@@ -138,10 +163,10 @@ def checked_compute(
         bounds = [busy]
         t = alone.get(r)
         if t is not None and t - 1 in at:  # the upstream waited for our gradients
-            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches)
+            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches, measured)
             bounds.append(up)
         if t is not None and t + 1 in at:  # the downstream waited for our activations
-            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches)
+            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches, measured)
             bounds.append(down)
         seen = max(bounds)
         checked.append(seen if seen > _BELIEVED_WITHIN * busy else busy)

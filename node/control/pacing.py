@@ -15,6 +15,7 @@ from fusionllm.dag.planner import PlanConfig
 from fusionllm.dht.records import DeviceInfo, NodeInfo
 from fusionllm.node.control.agreement import Candidate
 from fusionllm.node.control.pace import (
+    LinkNow,
     PaceMeter,
     PaceWitness,
     Timing,
@@ -55,14 +56,15 @@ class StepPacing:
     def witnessed(
         self, adopted: Candidate | None, digest: str, ranks: list[tuple[str, int]],
         timings: list[Timing], *, members: Mapping[str, NodeInfo], costs: GraphCosts,
-        peer_id: str, config: PlanConfig,
+        peer_id: str, config: PlanConfig, measured: LinkNow,
     ) -> bool:  # fmt: skip
-        """Every other member's checked compute against what its advertised device predicts."""
+        """Every other member's checked compute against what its advertised device predicts;
+        ``measured``: what our book says each link costs now (pace.checked_compute)."""
         if (adopted is None or adopted.digest != digest or len(ranks) != len(timings)
                 or not ranks_fit(adopted.plan, ranks)):  # fmt: skip
             return False
         checked = checked_compute(
-            adopted.plan, [s for _, s in ranks], timings, config.micro_batches
+            adopted.plan, [s for _, s in ranks], timings, config.micro_batches, measured
         )
         before = self.witness.current()
         for (peer, _), compute_s in zip(ranks, checked, strict=True):

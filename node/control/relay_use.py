@@ -41,6 +41,17 @@ class RelayUseConfig:
             raise ConfigError(f"connect_timeout_s must be in (0, 120] s, got {value!r}")
 
 
+def dht_client_mode(verdict: str) -> bool | None:
+    """Whether the node's DHT worker should be a client (stores nothing for others): while
+    nobody can dial it, yes; once others can (a forward made since it was private), no, or
+    the swarm's DHT loses a server for good; not judged yet: None, as it is. ``mapped`` is a
+    client too: UPnP maps the host's and lanes' ports, not the DHT's (port_mapper.py). A change
+    restarts the worker (dht/client.py): only a new verdict does. Pure."""
+    if verdict in ("private", "mapped"):
+        return True
+    return False if verdict in REACHABLE else None
+
+
 def direct_addrs(info: NodeInfo) -> list[str]:
     return [a for a in info.addrs if not is_relayed(a)]
 

@@ -7,10 +7,12 @@ py-libp2p's relay cut a circuit at its data limit (benchmarks/nat_relay.py, 4 Mi
 relay carried 5-8 MB/s here, about 30 GB an hour.
 """
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import trio
 from libp2p.abc import INetStream
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
@@ -19,9 +21,10 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.node.p2p.peer_host import HostService, PeerHost, reset_quietly
+from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, HostService, PeerHost, reset_quietly
 
 logger = get_logger(__name__)
+_CHUNK = 1 << 16  # what one read of a circuit's side takes at most (py-libp2p's own is 65535)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +58,50 @@ class MemberRelayConfig:
         )
 
 
+class _Circuits(CircuitV2Protocol):
+    """py-libp2p 0.8.1's hop, each circuit's pump ending its own two streams only.
+
+    Its pump files a circuit's streams under its ends' peer ids (``_active_relays``) and, when
+    a direction ends, closes what that table holds for the peer: a newer circuit to the same
+    member (another home dialling it) had replaced the entry, so the older circuit's end
+    closed the newer one's streams. Its dialler's connection then broke; a new stream redialled
+    through a fresh circuit, but a frame under way was lost (docs/nat.md: relayed 1 MiB frames
+    stalled). Its pump also took yamux's EOF and reset for unexpected errors, read again after
+    sleeps, and logged "Error relaying data" for every circuit that ended."""
+
+    async def _relay_data(
+        self,
+        src_stream: INetStream,
+        dst_stream: INetStream,
+        peer_id: object,
+        deadline: float | None = None,
+        circuit_data_limit: list[int] | None = None,
+    ) -> None:
+        """One direction of a circuit; ``circuit_data_limit`` is shared by both (bytes left)."""
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                data = await src_stream.read(_CHUNK)
+                if not data:
+                    break
+                if circuit_data_limit is not None:
+                    if len(data) > circuit_data_limit[0]:
+                        logger.info("circuit for %s reached its data limit", peer_id)
+                        break
+                    circuit_data_limit[0] -= len(data)
+                with trio.fail_after(self.write_timeout):
+                    await dst_stream.write(data)
+        except (*NETWORK_ERRORS, trio.TooSlowError) as exc:
+            logger.debug("circuit for %s ended: %r", peer_id, exc)
+        finally:
+            # The other direction reads a reset stream and ends too: a circuit is one
+            # connection, of no use half gone.
+            for stream in (src_stream, dst_stream):
+                await reset_quietly(stream)
+            for key, pair in list(self._active_relays.items()):
+                if src_stream in pair or dst_stream in pair:
+                    del self._active_relays[key]
+
+
 class MemberRelay:
     """Relays for ``is_member`` peers on ``host``; ``counts`` has "refused" (strangers)."""
 
@@ -64,7 +111,7 @@ class MemberRelay:
         self._host = host
         self._config = config
         self._is_member = is_member
-        self._protocol: CircuitV2Protocol | None = None
+        self._protocol: _Circuits | None = None
         self._service: HostService | None = None
         self.counts = {"refused": 0}
 
@@ -79,7 +126,7 @@ class MemberRelay:
     @asynccontextmanager
     async def _serve(self) -> AsyncIterator[None]:
         libp2p = self._host.libp2p
-        self._protocol = CircuitV2Protocol(libp2p, limits=self._config.limits(), allow_hop=True)
+        self._protocol = _Circuits(libp2p, limits=self._config.limits(), allow_hop=True)
         async with background_trio_service(self._protocol):
             await self._protocol.event_started.wait()
             # the protocol registered its own HOP handler: ours goes in front of it

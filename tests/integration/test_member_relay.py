@@ -1,6 +1,8 @@
 """A member's relay on 127.0.0.1 (node/p2p/member_relay.py): members reserve a slot and
 meet through it, a stranger can neither reserve nor open a circuit."""
 
+import time
+
 import pytest
 from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -8,6 +10,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from fusionllm.node.errors import TransportError
+from fusionllm.node.local_swarm import wait_for
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import HostConfig, PeerHost
 from fusionllm.node.p2p.probes import PROBE_PROTOCOL, ProbeServer, run_probe
@@ -19,6 +22,7 @@ from tests.support.relayed import exchange_both_ways, relayed_hosts
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 ECHO = TProtocol("/fusionllm/test-echo/1.0.0")
+RELAYED = ConnectionType.RELAYED
 
 
 async def _echo(stream) -> None:
@@ -128,3 +132,33 @@ def test_tensors_to_a_member_reached_through_a_relay_go_on_streams_inside_the_ci
     finally:
         for transport in transports:
             transport.close()
+
+
+async def _hang_up(libp2p, peer: ID) -> None:
+    await libp2p.get_network().close_peer(peer)
+
+
+def test_a_circuit_that_ends_leaves_the_others_to_the_same_member_standing(tmp_path):
+    """py-libp2p 0.8.1's relay files each circuit's streams under its ends' peer ids: a newer
+    circuit to the same member replaced the older one's entry, and when the older one ended,
+    its cleanup closed the newer one's streams (docs/nat.md: relayed frames stalled). A new
+    stream then redialled through a fresh circuit, so only the connection shows it."""
+    with relayed_hosts(tmp_path, more=("third",)) as (hosts, clients):
+        home, other, third = hosts["home"], hosts["other"], hosts["third"]
+        relay_addr = hosts["relay"].addrs[0]
+        home.set_stream_handler(ECHO, _echo)
+        assert clients["home"].reserve(hosts["relay"].peer_id)
+        home_id = ID.from_base58(home.peer_id)
+        for host in (third, other):  # two circuits to home, the older one third's
+            host.connect(relayed_addr(relay_addr, home.peer_id), timeout=20.0)
+            assert host.call(_ask, host.libp2p, home_id, b"hello") == (b"hello", RELAYED)
+        (newer,) = other.libp2p.get_network().get_connections(home_id)
+        third.call(_hang_up, third.libp2p, home_id)  # the older circuit ends
+        ends = home.libp2p.get_network().get_connections
+        wait_for(lambda: not ends(ID.from_base58(third.peer_id)), 20, "the older circuit to end")
+        for i in range(4):  # the relay cleaned up while the newer circuit carries streams
+            payload = f"still {i}".encode()
+            assert other.call(_ask, other.libp2p, home_id, payload) == (payload, RELAYED)
+            time.sleep(0.5)
+        assert other.libp2p.get_network().get_connections(home_id) == [newer]
+        assert not newer.muxed_conn.is_closed

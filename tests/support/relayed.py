@@ -15,17 +15,19 @@ from tests.support.transport_node import _WAIT_S, HEADER
 
 @contextlib.contextmanager
 def relayed_hosts(
-    tmp_path: Path,
+    tmp_path: Path, more: tuple[str, ...] = ()
 ) -> Iterator[tuple[dict[str, PeerHost], dict[str, RelayClient]]]:
-    """A member's relay ("relay"), and two members with relay clients ("home", "other"),
-    both connected to the relay; nobody holds a slot yet. Keys: ``tmp_path/<name>.key``."""
+    """A member's relay ("relay"), and members with relay clients ("home", "other", and any
+    of ``more``), all connected to the relay; nobody holds a slot yet. Keys:
+    ``tmp_path/<name>.key``."""
+    names = ("home", "other", *more)
     hosts = {n: PeerHost(HostConfig(key_path=tmp_path / f"{n}.key")).start()
-             for n in ("relay", "home", "other")}  # fmt: skip
+             for n in ("relay", *names)}  # fmt: skip
     try:
         members = {h.peer_id for h in hosts.values()}
         MemberRelay(hosts["relay"], MemberRelayConfig(), is_member=members.__contains__).start()
-        clients = {n: RelayClient(hosts[n]).start() for n in ("home", "other")}
-        for name in ("home", "other"):
+        clients = {n: RelayClient(hosts[n]).start() for n in names}
+        for name in names:
             hosts[name].connect(hosts["relay"].addrs[0])
         yield hosts, clients
     finally:

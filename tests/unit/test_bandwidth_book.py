@@ -236,6 +236,21 @@ def test_a_window_keeps_the_best_recent_figures():
     assert book.towards("b", NOW + 60.5, sources=EVERYONE) == []
 
 
+def test_the_newest_sample_says_what_a_link_costs_now():
+    """The witness (control/pace.py) prices a step's frames at the link's newest figure: the
+    best of the window is the plan's, and a link that slowed since must not read as compute."""
+    book = BandwidthBook(max_age_s=60.0)
+    assert book.newest("a", "b", now=NOW) is None
+    book.record("a", "b", sample(NOW - 3, 8e6, rtt=0.004), now=NOW, window=3)
+    book.record("a", "b", sample(NOW - 1, 1e6, rtt=0.009), now=NOW, window=3)
+    assert book.towards("b", NOW, sources=EVERYONE) == [8e6]
+    newest = book.newest("a", "b", now=NOW)
+    assert (newest.bandwidth, newest.rtt) == (1e6, 0.009)
+    assert book.newest("b", "a", now=NOW) is None  # a direction of its own
+    assert book.newest("a", "b", now=NOW + 58.5) is not None
+    assert book.newest("a", "b", now=NOW + 59.5) is None  # stale: the plan's figure again
+
+
 def test_window_one_replaces_and_a_bad_window_is_refused():
     """A member's gossip is its own filtered figure: it replaces what we had of that link."""
     book = BandwidthBook(max_age_s=60.0)

@@ -10,6 +10,7 @@ from fusionllm.node.p2p.lane.punch import (
     CANDIDATE_BYTES,
     Candidate,
     PunchError,
+    PunchFrom,
     PunchServer,
     PunchSockets,
     candidate_of,
@@ -118,8 +119,9 @@ class FakeStream:
 )
 def test_a_punch_request_is_refused_before_any_socket_or_byte(admitted, ip, busy):
     redeemed = []
-    server = PunchServer(admit=lambda peer: admitted, public_ip=lambda: ip,
-                         redeem=redeemed.append, bind_host="127.0.0.1", timeout_s=1.0)  # fmt: skip
+    punch = PunchFrom(public_ip=lambda: ip, bind_host="127.0.0.1")
+    server = PunchServer(admit=lambda peer: admitted, punch=punch, redeem=redeemed.append,
+                         timeout_s=1.0)  # fmt: skip
     if busy:
         server._busy.add("QmPeer")
     stream = FakeStream("QmPeer")

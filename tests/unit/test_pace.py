@@ -117,10 +117,11 @@ def test_a_step_of_the_plan_we_switch_from_is_not_witnessed_against_the_next():
     ranks = [(f"peer{s % 2}", s) for s in range(stages + 1)]  # one stage more than adopted
     timings = [(0.01, 0.0, 0.0)] * len(ranks)
     with pytest.raises(IndexError):  # what the old plan's step did to the new plan's figures
-        checked_compute(adopted.plan, [s for _, s in ranks], timings, 4)
+        checked_compute(adopted.plan, [s for _, s in ranks], timings, 4, lambda a, b: None)
     pacing, unread = StepPacing(), None  # a step of another plan reads neither costs nor config
     assert not pacing.witnessed(adopted, "the-old-plan", ranks, timings, members={},
-                                costs=unread, peer_id="peer0", config=unread)  # fmt: skip
+                                costs=unread, peer_id="peer0", config=unread,
+                                measured=unread)  # fmt: skip
     assert not pacing.measured(adopted, "the-old-plan", 0.01, costs=unread, peer_id="peer0",
                                device=unread, config=unread)  # fmt: skip
     assert pacing.witness.current() == ()

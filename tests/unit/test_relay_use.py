@@ -15,7 +15,12 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.dht.records import LinkReport, NodeState, RecordError
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
-from fusionllm.node.control.relay_use import RelayUse, RelayUseConfig, pick_relays
+from fusionllm.node.control.relay_use import (
+    RelayUse,
+    RelayUseConfig,
+    dht_client_mode,
+    pick_relays,
+)
 from fusionllm.node.control.seating import seatable
 from fusionllm.node.control.status import describe, format_status
 from fusionllm.node.errors import TransportError
@@ -275,3 +280,11 @@ def test_a_relay_that_went_brings_the_next_check_forward_from_minutes_to_retry_s
     finally:
         stop.set()
         loop.join(timeout=5)
+
+
+def test_a_node_that_turns_public_serves_the_dht_again():
+    # private: a client; public later (a port forwarded since): a server again, not a client
+    # for good; mapped: a client (its DHT port is not mapped); not judged: as it is
+    verdicts = ["unknown", "private", "unknown", "public", "private", "mapped", "announced"]
+    wanted = [dht_client_mode(v) for v in verdicts]
+    assert wanted == [None, True, None, False, True, True, False]

@@ -27,9 +27,7 @@ from fusionllm.node.p2p.lane.punch import (
     PUNCH_PROTOCOL,
     PunchError,
     PunchFrom,
-    PunchSockets,
-    candidate_of,
-    exchange,
+    punch_over,
 )
 from fusionllm.node.p2p.lane.stream import LaneWriter, recv_exactly, send_all, tune
 from fusionllm.node.p2p.peer_host import close_quietly, reset_quietly
@@ -122,17 +120,11 @@ async def _punched(host: IHost, peer: str, timeout_s: float, punch: PunchFrom) -
                 offer, _, _ = await _fetch_offer(host, peer, timeout_s)
             except _REFUSALS as exc:
                 raise LaneRefusedError(f"{peer} refused a lane: {type(exc).__name__}") from exc
-            sockets = PunchSockets(punch.bind_host)
             try:
-                ours = candidate_of(punch.public_ip, sockets.port)
-                try:
-                    stream = await host.new_stream(ID.from_base58(peer), [PUNCH_PROTOCOL])
-                    theirs = await exchange(stream, ours, timeout_s)
-                except _REFUSALS as exc:  # not admitted, busy, or no verdict of its own
-                    raise PunchError(f"{peer} refused to punch: {type(exc).__name__}") from exc
-                sock = await sockets.meet(theirs, timeout_s)
-            finally:
-                sockets.close()
+                stream = await host.new_stream(ID.from_base58(peer), [PUNCH_PROTOCOL])
+                sock = await punch_over(stream, punch, timeout_s)
+            except _REFUSALS as exc:  # not admitted, busy, or no verdict of its own
+                raise PunchError(f"{peer} refused to punch: {type(exc).__name__}") from exc
             lane = await _present_token(sock, offer)
     except trio.TooSlowError as exc:
         raise PunchError(f"punching to {peer} took over {2 * timeout_s}s") from exc

@@ -194,34 +194,50 @@ async def exchange(stream: INetStream, ours: Candidate, timeout_s: float) -> Can
     return theirs
 
 
+async def punch_over(
+    stream: INetStream, punch: PunchFrom, timeout_s: float
+) -> trio.socket.SocketType:
+    """One side's punch, on a PUNCH_PROTOCOL stream either side opened: bind a punch port,
+    trade candidates, meet. The stream is reset where we cannot take part (no port, no
+    public IP); PunchError, a stream or frame error, or OSError otherwise."""
+    try:
+        sockets = PunchSockets(punch.bind_host)
+    except OSError as exc:
+        await reset_quietly(stream)
+        raise PunchError(f"no punch port here: {exc}") from exc
+    try:
+        try:
+            ours = candidate_of(punch.public_ip, sockets.port)
+        except PunchError:
+            await reset_quietly(stream)
+            raise
+        theirs = await exchange(stream, ours, timeout_s)
+        return await sockets.meet(theirs, timeout_s)
+    finally:
+        sockets.close()
+
+
 class PunchServer:
     """The receiver's side: PUNCH_PROTOCOL's handler, in the host's trio thread."""
 
     def __init__(
-        self,
-        *,
-        admit: Callable[[str], bool],
-        public_ip: PublicIp,
-        redeem: Redeem,
-        bind_host: str,
-        timeout_s: float,
+        self, *, admit: Callable[[str], bool], punch: PunchFrom, redeem: Redeem, timeout_s: float
     ) -> None:
         self._admit = admit
-        self._public_ip = public_ip
+        self._punch = punch
         self._redeem = redeem
-        self._bind_host = bind_host
         self._timeout_s = timeout_s
         self._busy: set[str] = set()  # peers with a punch under way
 
     async def serve(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         crowded = peer in self._busy or len(self._busy) >= MAX_PUNCHES
-        if crowded or not self._public_ip() or not self._admit(peer):
+        if crowded or not self._punch.public_ip() or not self._admit(peer):
             await reset_quietly(stream)
             return
         self._busy.add(peer)
         try:
-            conn = await self._punch(stream)
+            conn = await punch_over(stream, self._punch, self._timeout_s)
         except (PunchError, FrameError, trio.TooSlowError, *NETWORK_ERRORS) as exc:
             logger.debug("a punch from %s failed: %s", peer, exc)
             return
@@ -229,20 +245,3 @@ class PunchServer:
             self._busy.discard(peer)
         logger.debug("punched a lane socket with %s", peer)
         self._redeem(conn)  # the token, as on a dialled lane, says who it is
-
-    async def _punch(self, stream: INetStream) -> trio.socket.SocketType:
-        try:
-            sockets = PunchSockets(self._bind_host)
-        except OSError as exc:
-            await reset_quietly(stream)
-            raise PunchError(f"no punch port here: {exc}") from exc
-        try:
-            try:
-                ours = candidate_of(self._public_ip, sockets.port)
-            except PunchError:
-                await reset_quietly(stream)
-                raise
-            theirs = await exchange(stream, ours, self._timeout_s)
-            return await sockets.meet(theirs, self._timeout_s)
-        finally:
-            sockets.close()

@@ -107,9 +107,8 @@ class Lanes:
         if self._punch is not None:
             punches = PunchServer(
                 admit=admit,
-                public_ip=self._punch.public_ip,
+                punch=self._punch,
                 redeem=lambda conn: nursery.start_soon(listener.redeem, conn),
-                bind_host=self._punch.bind_host,
                 timeout_s=config.lane_timeout_s,
             )
             self._host.set_stream_handler(PUNCH_PROTOCOL, punches.serve)
