@@ -226,3 +226,42 @@ def test_narrow_searches_still_find_every_nodes_record():
     finally:
         for client in clients:
             client.close()
+
+
+def _connected_from_elsewhere(p2pd: psutil.Process, port: int) -> bool:
+    """Whether some process dialled ``p2pd`` on its listening ``port``."""
+    return any(
+        c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port
+        for c in p2pd.net_connections("tcp")
+    )
+
+
+def test_a_join_waits_for_a_slow_first_peer_longer_than_a_peers_answer(tmp_path):
+    """The first peer's worker is frozen (SIGSTOP) from before the joining node dials it until
+    well past the per-peer wait (0.5 s, what a daemon at a fast heartbeat sets): a loaded
+    machine. The join still succeeds on its first attempt: its pings wait as long as a
+    request (it used to fail "none of the initial_peers responded to a ping" and restart the
+    worker and its p2pd; the docker test lost ~100 s so)."""
+    first = DhtClient(DhtConfig(swarm="join", validate_records=False, peer_timeout_s=0.5)).start()
+    try:
+        worker = psutil.Process(first.worker_pid)
+        [p2pd] = worker.children(recursive=True)
+        port = int(first.maddrs[0].split("/tcp/")[1].split("/")[0])
+        config = DhtConfig(swarm="join", initial_peers=(first.maddrs[0],), validate_records=False,
+                           peer_timeout_s=0.5, request_timeout_s=20.0)  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            os.kill(worker.pid, signal.SIGSTOP)
+            try:
+                joining = pool.submit(DhtClient(config).start)
+                _wait(lambda: _connected_from_elsewhere(p2pd, port), 30, "the joining node's dial")
+                time.sleep(2.0)  # 4x the per-peer wait, well inside the request's
+            finally:
+                os.kill(worker.pid, signal.SIGCONT)
+            second = joining.result(timeout=60)
+        try:
+            assert second.store("joined", "s", b"v", time.time() + 60)
+            assert [v for _, v, _ in first.get("joined")] == [b"v"]
+        finally:
+            second.close()
+    finally:
+        first.close()
