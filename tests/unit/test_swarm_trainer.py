@@ -403,6 +403,8 @@ def test_a_member_that_stalls_mid_run_is_blamed_not_the_neighbour_waiting_on_it(
         stall = next(e for e in cluster.events[peer] if e["event"] == "stall")
         assert stall["blamed"] == last, stall
         assert stall["step"] == 5, stall
+        # the last stage never sent those frames: none was thrown away here
+        assert (stall["refused"], stall["early_dropped"], stall["unrouted"]) == (0, 0, 0), stall
         assert stall["t"] - stalled["t"] < 6.0 + 5.0  # one frame's wait, then the notes
     waited = {e["waited_on"] for p in (first, middle) for e in cluster.events[p]
               if e["event"] == "stall"}  # fmt: skip
