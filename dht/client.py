@@ -123,6 +123,7 @@ class DhtConfig:
             "nat_port_map": self.nat_port_map,
             "max_ttl_s": self.max_ttl_s,
             "wait_timeout_s": min(self.request_timeout_s, self.peer_timeout_s),
+            "join_timeout_s": self.request_timeout_s,
             "log_level": self.log_level,
             "validate_records": self.validate_records,
             "max_entries_per_key": self.max_entries_per_key,

@@ -52,7 +52,13 @@ async def start_node(config: dict[str, Any]) -> Any:
         validators.append(
             SwarmRecordValidator(config["swarm"], max_ttl_s=float(config["max_ttl_s"]), tags=tags)
         )
-    return await DHTNode.create(
+    # Joining pings the initial peers, and each dials us back (validate) before it answers:
+    # two fresh dials through two p2pds within one wait. At the per-peer wait (1 s at a 1 s
+    # heartbeat) a loaded machine failed whole starts ("none of the initial_peers responded
+    # to a ping"; the docker test lost ~100 s to two restarts of a worker and its p2pd), so
+    # the join's pings wait as long as a request; once joined, the per-peer wait holds.
+    wait_s = float(config["wait_timeout_s"])
+    node = await DHTNode.create(
         initial_peers=config["initial_peers"] or None,
         host_maddrs=[config["listen"]],
         announce_maddrs=config.get("announce") or None,
@@ -61,11 +67,14 @@ async def start_node(config: dict[str, Any]) -> Any:
         client_mode=bool(config["client_mode"]),
         nat_port_map=bool(config.get("nat_port_map", True)),
         record_validator=CompositeValidator(validators),
-        wait_timeout=float(config["wait_timeout_s"]),
+        wait_timeout=max(wait_s, float(config.get("join_timeout_s", wait_s))),
+        bootstrap_timeout=wait_s,  # for the other initial peers, once one answered
         # Our gets ask for the latest value, so they always search the swarm: refreshing the
         # local cache in the background before an entry expires only adds traffic.
         cache_refresh_before_expiry=0,
     )
+    node.protocol.wait_timeout = wait_s
+    return node
 
 
 async def run(config: dict[str, Any], channel_in: BinaryIO, channel_out: BinaryIO) -> None:

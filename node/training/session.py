@@ -2,10 +2,10 @@
 
 The barrier: a member announces READY with what it holds (``holdings.Holding``: its live
 stage, its checkpoints, copies it keeps for others) to every other member once its stage and
-mailbox exist, and starts only when it has heard READY from all of them; so no member sends
-a frame a peer could not file. Every member then computes the same start (``choose_start``:
-the newest step whose state the members hold in full) and the same moves; each sends what it
-must, loads what it holds itself, and waits for the rest.
+mailbox exist, and starts only when it has heard READY from all of them; so no member sends a
+frame a peer could not file. Every member then computes the same start (``choose_start``: the
+newest step whose state the members hold in full) and the same moves; each sends what it must,
+loads what it holds itself and waits for the rest.
 
 The run ends at a step boundary, the same one on every member, for one of four reasons: the
 run's last step; a unanimous vote for another plan in a step's summary; a member's vote to
@@ -13,8 +13,7 @@ leave (SIGTERM); or an error (a peer vanished), which is left to the next plan t
 members leave the plan (a switch that drops them, or a polite leave), a stage whose holders all
 go hands a copy of its state to a member that stays, so the next plan starts where this ended.
 Every ``checkpoint_every`` steps each member writes its stage and, unless the stage has another
-replica, gives a copy to the next stage's first replica.
-"""
+replica, gives a copy to the next stage's first replica."""
 
 import itertools
 import threading
@@ -424,10 +423,13 @@ class PlanSession:
         culprit = blame_stall(self.runner, timeout)
         waited = self.runner.peer_of[self.runner.roles[timeout.rank]]
         blamed = None if culprit is None else self.runner.peer_of.get(self.runner.roles[culprit])
+        lost = {"refused": self.runner.mailbox.refused, "early_dropped": self.inbox.dropped,
+                "unrouted": self.router.unrouted}  # frames we threw away (0: not ours)  # fmt: skip
         self.hooks.emit({"event": "stall", "step": timeout.step, "waited_on": waited,
-                         "blamed": blamed, "t": time.time()})  # fmt: skip
+                         "blamed": blamed, **lost, "t": time.time()})  # fmt: skip
         whom = blamed[:16] if blamed else "nobody (the members wait on each other)"
-        logger.warning("step %d stalled waiting on %s: blaming %s", timeout.step, waited[:16], whom)
+        logger.warning("step %d stalled waiting on %s: blaming %s (%s)", timeout.step, waited[:16],
+                       whom, lost)  # fmt: skip
         if blamed is not None:
             self.hooks.suspect(blamed, "stalled")
 

@@ -85,6 +85,7 @@ class SwarmTrainer:
         self._placement = CorePlacement(enabled=config.pin_cores)
         self.router = Router(transport, self.board)
         self._leaving = threading.Event()  # polite: vote to leave, hand the state over
+        self._leave_asked = 0.0  # time.monotonic() of stop()
         self.finished = threading.Event()
         self.failed = False  # training stopped on an unexpected error (a bug)
         self.step = 0  # steps the swarm completed, as far as this node knows
@@ -184,6 +185,8 @@ class SwarmTrainer:
 
     def stop(self) -> None:
         """Leave politely: finish the step, hand our stage over, then stop."""
+        if not self._leaving.is_set():
+            self._leave_asked = time.monotonic()
         self._leaving.set()
 
     def wait_gone(self, timeout: float) -> bool:
@@ -228,8 +231,10 @@ class SwarmTrainer:
     def _follow_plans(self) -> None:
         parted_from = None  # a plan some member left: wait for the one without it
         # A leave asked for after our vote of a step went out, a step the members then ended
-        # with a switch to a plan we are in: they count on our stage there. We serve that plan
-        # to its first step boundary, where our vote to leave hands the stage over (once).
+        # with a switch to a plan we are in, or while we waited at a plan's barrier that the
+        # swarm then replaced: the members count on our stage in the plan they follow now. We
+        # serve that plan to its first step boundary, where our vote to leave hands the stage
+        # over (once).
         switched_away = False
         while not self._stop.is_set() and (switched_away or not self._leaving.is_set()):
             if self.view.run_finished():  # the members reached the end without us
@@ -250,16 +255,15 @@ class SwarmTrainer:
                     self.view.publish(None, self.step, self.loss, False, self.evaluation)
                 self._wait_for_other_plan(current[0])
                 continue
-            ending = self._serve(plan_of, leaving=switched_away)
+            ending = self._serve(plan_of)
             if ending.outcome is Outcome.FINISHED:
                 return self._finish(ending.held)
             if ending.outcome is Outcome.PARTED:
                 parted_from = plan_of.digest
-            switched_away = (
-                ending.outcome is Outcome.SWITCH and self._leaving.is_set() and not switched_away
-            )
+            moved_on = ending.outcome in (Outcome.SWITCH, Outcome.ABANDONED)
+            switched_away = moved_on and self._leaving.is_set() and not switched_away
 
-    def _serve(self, plan_of: Assignment, *, leaving: bool = False) -> Ending:
+    def _serve(self, plan_of: Assignment) -> Ending:
         digest = plan_of.digest
         session = PlanSession(
             assignment=plan_of,
@@ -275,7 +279,7 @@ class SwarmTrainer:
         self._session = session
         try:
             with self._placement.serving(plan_of, torch.get_num_threads()):
-                ending = self._run_session(session, plan_of, leaving=leaving)
+                ending = self._run_session(session, plan_of)
         finally:
             self._last_members = frozenset(plan_of.members)
             self._session = None
@@ -285,17 +289,19 @@ class SwarmTrainer:
                     "detail": ending.detail})  # fmt: skip
         return ending
 
-    def _run_session(self, session: PlanSession, plan_of: Assignment, *, leaving: bool) -> Ending:
-        """``leaving``: we serve this plan only to leave at its first step (``_follow_plans``),
-        so a leave asked for does not end its barrier."""
+    def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
+        """A leave asked for at the barrier does not end it at once: the members wait there
+        for our stage, which may be its only copy, so we meet them, serve the first step and
+        part at its boundary (our vote to leave), handing the stage over. Members that do not
+        come within the barrier's grace are not waited for any longer: we leave then."""
         digest = plan_of.digest
         self._connect(plan_of)
         # A plan whose members never all meet (one of them followed another plan, which then
         # ran to the end and left) is given up once the members' records say the run is over.
         current = lambda: (  # noqa: E731
             (self.view.adopted() or ("",))[0] == digest
-            and (leaving or not self._leaving.is_set())
             and not self.view.run_finished()
+            and not self._left_long_ago()
         )
         start = session.meet(current=current, stop=self._stop)
         if start is None:
@@ -304,6 +310,11 @@ class SwarmTrainer:
         return session.run(
             start, last_step=self.run_spec.steps, stop=self._stop, on_step=self._on_step
         )
+
+    def _left_long_ago(self) -> bool:
+        """A leave asked for more than the barrier's grace ago (a barrier it must not hold)."""
+        waited = time.monotonic() - self._leave_asked
+        return self._leaving.is_set() and waited > self.config.barrier_grace_s
 
     def _hooks(self) -> SessionHooks:
         return SessionHooks(

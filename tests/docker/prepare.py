@@ -28,6 +28,7 @@ logger = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE_TIMEOUT_S = 900
 READY_ENV = "FUSIONLLM_DOCKER_READY"
+WHEELS_DONE = "wheelhouse.complete"  # beside the wheels: pip made every one the image needs
 
 
 def _pip_setting(name: str) -> list[str]:
@@ -74,16 +75,30 @@ def _wheelhouse(into: Path) -> list[Path]:
     return sorted(into.glob("*.whl"))
 
 
-def build_image(engine: Engine, workdir: Path) -> str:
-    """The image from docker/Dockerfile on the local base, with this machine's wheels."""
+def make_wheelhouse(into: Path) -> list[Path]:
+    """``_wheelhouse`` into ``into``, marked complete (``WHEELS_DONE``) when pip made it all."""
     started = time.monotonic()
-    cert, wheels = _build_extras()
-    (workdir / "wheelhouse").mkdir()
-    wheelhouse = _wheelhouse(workdir / "wheelhouse")
-    logger.info("wheelhouse: %d wheels in %.0f s", len(wheelhouse), time.monotonic() - started)
+    into.mkdir(parents=True, exist_ok=True)
+    wheels = _wheelhouse(into)
+    if wheels:
+        (into / WHEELS_DONE).write_text(f"{len(wheels)} wheels\n")
+    logger.info("wheelhouse: %d wheels in %.0f s", len(wheels), time.monotonic() - started)
+    return wheels
+
+
+def build_image(engine: Engine, workdir: Path, wheels: Path | None = None) -> str:
+    """The image from docker/Dockerfile on the local base, with this machine's wheels
+    (``wheels``: a wheelhouse made ahead by ``make_wheelhouse``, if it is complete)."""
+    cert, torch_wheels = _build_extras()
+    if wheels is not None and (wheels / WHEELS_DONE).is_file():
+        wheelhouse = sorted(wheels.glob("*.whl"))
+        logger.info("wheelhouse: %d wheels made ahead in %s", len(wheelhouse), wheels)
+    else:
+        wheelhouse = make_wheelhouse(workdir / "wheelhouse")
     (workdir / "context").mkdir()
-    context = build_context(REPO, workdir / "context", ca_bundle=cert,
-                            wheels=wheelhouse or wheels, complete=bool(wheelhouse))  # fmt: skip
+    wheels_in = wheelhouse or torch_wheels
+    context = build_context(REPO, workdir / "context", ca_bundle=cert, wheels=wheels_in,
+                            complete=bool(wheelhouse))  # fmt: skip
     # Offline, the image's torch is the one in the wheelhouse: this machine's.
     torch = {"TORCH_SPEC": f"torch=={metadata.version('torch')}"} if wheelhouse else {}
     return engine.build(context, args=torch)
@@ -124,11 +139,22 @@ def main(argv: list[str] | None = None) -> int:
         description="Build the docker tests' image ahead of their session (CI: .ci/run).",
     )
     ready_help = f"JSON written last: the image, or why none (the tests' {READY_ENV})"
-    parser.add_argument("--ready", type=Path, required=True, help=ready_help)
+    parser.add_argument("--ready", type=Path, help=ready_help)
     work_help = "where the wheelhouse and the build context are made (removed after)"
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp"), help=work_help)
+    wheels_help = ("a wheelhouse made ahead (--wheels-only), taken if complete; with "
+                   "--wheels-only, where to make it")  # fmt: skip
+    parser.add_argument("--wheels", type=Path, help=wheels_help)
+    only_help = "only make the wheelhouse in --wheels (no engine needed: it overlaps the engine's)"
+    parser.add_argument("--wheels-only", action="store_true", help=only_help)
     args = parser.parse_args(argv)
     configure_logging()
+    if args.wheels_only:
+        if args.wheels is None:
+            parser.error("--wheels-only needs --wheels DIR")
+        return 0 if make_wheelhouse(args.wheels) else 1
+    if args.ready is None:
+        parser.error("--ready FILE is needed to build")
     started = time.monotonic()
     problem = engine_problem()
     if problem:
@@ -138,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir / f"fusionllm-docker-{engine.tag}"
     try:
         workdir.mkdir(parents=True)
-        image = build_image(engine, workdir)
+        image = build_image(engine, workdir, args.wheels)
     except Exception as exc:  # any failure is the tests' skip reason, in full in the log
         logger.exception("the image build failed")
         engine.cleanup()

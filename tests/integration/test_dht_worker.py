@@ -196,7 +196,13 @@ def test_a_harness_that_sigkills_a_process_holding_a_dht_removes_its_p2pd_socket
 def test_narrow_searches_still_find_every_nodes_record():
     """With the narrowest search (5 nodes, as many as hold each record) in a DHT of 8, every
     node's record under one key, stored by that node, is found by every node's get, and a
-    newer record of a node replaces its older one everywhere."""
+    newer record of a node replaces its older one everywhere.
+
+    The seven join at once while the first is frozen (SIGSTOP) from before their dials until
+    well past the per-peer wait (1 s, as a daemon at a 1 s heartbeat sets): a loaded machine.
+    Every join still succeeds on its first attempt, its pings waiting as long as a request
+    (they failed "none of the initial_peers responded to a ping", and each retry restarted
+    the worker and its p2pd: the docker test lost ~100 s so)."""
     clients: list[DhtClient] = []
     try:
         first = DhtClient(DhtConfig(swarm="beam", validate_records=False, search_beam=5))
@@ -206,11 +212,21 @@ def test_narrow_searches_still_find_every_nodes_record():
             initial_peers=(clients[0].maddrs[0],),
             validate_records=False,
             search_beam=5,
+            peer_timeout_s=1.0,
         )
-        # The seven join at once (a start mostly waits on its worker and p2pd: ~3 s each one
-        # after another); every one started is closed, whichever failed.
+        frozen = psutil.Process(first.worker_pid)
+        [p2pd] = frozen.children(recursive=True)
+        port = int(first.maddrs[0].split("/tcp/")[1].split("/")[0])
+        # A start mostly waits on its worker and p2pd (~3 s each one after another); every
+        # one started is closed, whichever failed.
         with concurrent.futures.ThreadPoolExecutor(7) as pool:
-            starts = [pool.submit(DhtClient(config).start) for _ in range(7)]
+            os.kill(frozen.pid, signal.SIGSTOP)
+            try:
+                starts = [pool.submit(DhtClient(config).start) for _ in range(7)]
+                _wait(lambda: _connected_from_elsewhere(p2pd, port), 60, "a joining node's dial")
+                time.sleep(3.0)  # 3x the per-peer wait, well inside the request's
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
         for start in starts:
             if start.exception() is None:
                 clients.append(start.result())
@@ -226,3 +242,11 @@ def test_narrow_searches_still_find_every_nodes_record():
     finally:
         for client in clients:
             client.close()
+
+
+def _connected_from_elsewhere(p2pd: psutil.Process, port: int) -> bool:
+    """Whether some process dialled ``p2pd`` on its listening ``port``."""
+    return any(
+        c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port
+        for c in p2pd.net_connections("tcp")
+    )

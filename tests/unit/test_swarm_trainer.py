@@ -403,6 +403,8 @@ def test_a_member_that_stalls_mid_run_is_blamed_not_the_neighbour_waiting_on_it(
         stall = next(e for e in cluster.events[peer] if e["event"] == "stall")
         assert stall["blamed"] == last, stall
         assert stall["step"] == 5, stall
+        # the last stage never sent those frames: none was thrown away here
+        assert (stall["refused"], stall["early_dropped"], stall["unrouted"]) == (0, 0, 0), stall
         assert stall["t"] - stalled["t"] < 6.0 + 5.0  # one frame's wait, then the notes
     waited = {e["waited_on"] for p in (first, middle) for e in cluster.events[p]
               if e["event"] == "stall"}  # fmt: skip
@@ -509,16 +511,9 @@ def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
     assert all(e["delivered"] for e in handover)
 
 
-def test_a_leave_that_meets_a_switch_serves_the_new_plan_to_its_first_step(cluster_of):
-    """SIGTERM right after the leaver's vote of a step went out (so it counts only from the
-    next summary), a step the members end with a switch to a plan the leaver is in: they
-    count on its stage there. It serves that plan's first step, leaves by its vote and hands
-    its stage over: the plan without it resumes where the switch's plan ended, no rollback
-    (no checkpoints here: a lost stage could only start over)."""
-    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
-    three, moved = _plan(peers[:3], 3), _plan(["peer-a", "peer-b", "peer-d"], 3)
-    cluster = cluster_of(peers)
-    leaver = cluster.trainers["peer-b"]
+def _sigterm_after_the_switch_vote(leaver: SwarmTrainer, moved: Plan) -> None:
+    """Right after the leaver's vote of a step went out (so it counts only from the next
+    summary), a step the members end with a switch to ``moved``."""
     switch_vote, vote = plan_vote(moved.digest()), leaver._vote
 
     def vote_then_sigterm() -> float:
@@ -528,6 +523,32 @@ def test_a_leave_that_meets_a_switch_serves_the_new_plan_to_its_first_step(clust
         return cast
 
     leaver._vote = vote_then_sigterm
+
+
+def _sigterm_at_the_new_barrier(leaver: SwarmTrainer, moved: Plan) -> None:
+    """After the switch's step ended, while the leaver waits at ``moved``'s barrier (the
+    docker test met it: the leave used to end the barrier "abandoned", no hand-over)."""
+    connect = leaver._connect
+
+    def connect_then_sigterm(plan_of) -> None:
+        connect(plan_of)
+        if plan_of.digest == moved.digest():
+            leaver.stop()  # at the new plan's barrier, before the members met
+
+    leaver._connect = connect_then_sigterm
+
+
+@pytest.mark.parametrize("sigterm", [_sigterm_after_the_switch_vote, _sigterm_at_the_new_barrier])
+def test_a_leave_that_meets_a_switch_serves_the_new_plan_to_its_first_step(cluster_of, sigterm):
+    """A leave that meets a switch to a plan the leaver is in: the members count on its stage
+    there (the only copy: no checkpoints here, a lost stage could only start over). It serves
+    that plan's first step, leaves by its vote and hands its stage over: the plan without it
+    resumes where the leaver parted, no rollback."""
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    three, moved = _plan(peers[:3], 3), _plan(["peer-a", "peer-b", "peer-d"], 3)
+    cluster = cluster_of(peers)
+    leaver = cluster.trainers["peer-b"]
+    sigterm(leaver, moved)
     cluster.start(three)
     cluster.wait(lambda: len(cluster.losses("peer-a")) >= 3, "3 steps")
     cluster.adopt(moved)
@@ -536,7 +557,10 @@ def test_a_leave_that_meets_a_switch_serves_the_new_plan_to_its_first_step(clust
     assert [e["outcome"] for e in ends] == ["switch", "parted"], ends
     assert ends[-1]["digest"] == moved.digest()
     left_at = ends[-1]["next_step"]
-    assert left_at > ends[0]["next_step"], "the leaver served no step of the new plan"
+    assert left_at == ends[0]["next_step"] + 1, "the leaver did not part at the first step"
+    handed = [e for e in cluster.events["peer-b"] if e["event"] == "handover"]
+    assert handed, "the leaver handed nothing over"
+    assert all(e["delivered"] for e in handed), handed
     for view in cluster.views.values():
         view.alive.discard("peer-b")
     survivors = ["peer-a", "peer-c", "peer-d"]
