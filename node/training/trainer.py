@@ -31,14 +31,8 @@ from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.donor import Donor
 from fusionllm.node.training.placement import CorePlacement
-from fusionllm.node.training.session import (
-    LEAVE_VOTE,
-    Ending,
-    Held,
-    Outcome,
-    PlanSession,
-    SessionHooks,
-)
+from fusionllm.node.training.session import LEAVE_VOTE, PlanSession
+from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.trainer_config import SwarmView, TrainerConfig
 from fusionllm.node.training.vault import Vault
 

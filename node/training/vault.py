@@ -22,7 +22,7 @@ from fusionllm.node.training.checkpoints import (
 )
 from fusionllm.node.training.copies import digest48
 from fusionllm.node.training.holdings import MAX_HOLDINGS, SEED_STEP, Holding, ParamsOf
-from fusionllm.node.training.session import Held
+from fusionllm.node.training.session_terms import Held
 
 logger = get_logger(__name__)
 

@@ -19,7 +19,8 @@ from fusionllm.node.training import donor as donor_module
 from fusionllm.node.training.checkpoints import CheckpointStore, StageState
 from fusionllm.node.training.donor import Donor as Donations
 from fusionllm.node.training.holdings import Holding
-from fusionllm.node.training.session import Held, Outcome, PlanSession
+from fusionllm.node.training.session import PlanSession
+from fusionllm.node.training.session_terms import Held, Outcome
 from fusionllm.node.training.vault import Vault
 
 RANGE = (0, 4)  # the stage's node range

@@ -23,7 +23,7 @@ from fusionllm.node.training.board import Copy
 from fusionllm.node.training.checkpoints import CheckpointError, CheckpointStore, StageState
 from fusionllm.node.training.copies import digest48, stage_state
 from fusionllm.node.training.holdings import MAX_HOLDINGS, Holding
-from fusionllm.node.training.session import Held
+from fusionllm.node.training.session_terms import Held
 from fusionllm.node.training.vault import Vault
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
