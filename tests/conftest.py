@@ -81,6 +81,9 @@ def _no_leftover_processes():
 SERIAL_GROUP = "serial"
 
 
+# tryfirst: xdist's worker files a test under its group (a suffix to its node id) in its own
+# collection hook, which pluggy calls before a conftest's that was registered earlier
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     unit = Path(__file__).resolve().parent / "unit"
     for item in items:
