@@ -24,8 +24,9 @@ fail() {
 wheels=$(mktemp -d /var/tmp/fusionllm-wheels.XXXXXX) wheels_job=
 trap '[ -z "$wheels_job" ] || kill "$wheels_job" 2>/dev/null; rm -rf "$wheels"' EXIT
 # pip's downloads and the compile of an sdist, while debootstrap downloads and unpacks: 45-100
-# s off the job. A wheelhouse that failed is not complete: the build then downloads.
-timeout "$BUILD_S" python -m tests.docker.prepare --wheels-only --wheels "$wheels" &
+# s off the job. A wheelhouse that failed is not complete: the build then downloads. Bounded by
+# the engine step's time, which it overlaps, so READY keeps its ENGINE_S + BUILD_S bound.
+timeout "$ENGINE_S" python -m tests.docker.prepare --wheels-only --wheels "$wheels" &
 wheels_job=$!
 timeout "$ENGINE_S" docker/ci_engine.sh || fail "docker/ci_engine.sh failed or ran past ${ENGINE_S} s (exit $?)"
 echo "ci_prepare.sh: engine and base image ready after $(($(date +%s) - started)) s"

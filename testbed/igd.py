@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fusionllm.testbed import netns
 from fusionllm.testbed.errors import TestbedError
-from fusionllm.testbed.nat import LAN_DEVICE, WAN_DEVICE, HomeLan
+from fusionllm.testbed.nat import HOME_TABLE, LAN_DEVICE, WAN_DEVICE, HomeLan
 
 TABLE = "fltb_upnp"
 HTTP_PORT = 5000  # miniupnpd's SOAP port on the LAN side (-p)
@@ -28,9 +28,17 @@ _BINARY = "miniupnpd"
 _STOP_WAIT_S = 5.0
 
 
+def _binary() -> str | None:
+    """miniupnpd's path: on PATH, or in /usr/sbin (not on a plain user's PATH)."""
+    found = shutil.which(_BINARY)
+    if found is None and Path("/usr/sbin", _BINARY).exists():
+        found = f"/usr/sbin/{_BINARY}"
+    return found
+
+
 def unavailable() -> str | None:
     """None when a router can run an IGD here; else why not."""
-    if shutil.which(_BINARY) is None and not Path("/usr/sbin", _BINARY).exists():
+    if _binary() is None:
         return "miniupnpd is not installed (apt-get install miniupnpd-nftables)"
     return None
 
@@ -58,7 +66,7 @@ table inet {TABLE} {{
     chain postrouting_miniupnpd {{
     }}
 }}
-add rule ip fltb_home forward ct status dnat accept
+add rule ip {HOME_TABLE} forward ct status dnat accept
 """
 
 
@@ -101,7 +109,7 @@ class RouterIgd:
 
     def start(self, timeout_s: float = 10.0) -> "RouterIgd":
         netns.in_netns(self._ns, "nft", "-f", "-", stdin=ruleset())
-        argv = [shutil.which(_BINARY) or f"/usr/sbin/{_BINARY}", "-d", "-f", str(self._conf)]
+        argv = [_binary() or f"/usr/sbin/{_BINARY}", "-d", "-f", str(self._conf)]
         with self._log.open("wb") as log:
             self._process = subprocess.Popen(
                 ["ip", "netns", "exec", self._ns, *argv],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 NAT_KINDS = ("cone", "symmetric")
 WAN_DEVICE = "wan0"  # the router's TUN, as in every testbed host
 LAN_DEVICE = "lan0"  # the router's side of the veth
+HOME_TABLE = "fltb_home"  # the router's nftables table (igd.py adds to its forward chain)
 HOME_DEVICE = "eth0"  # the home namespace's side
 _MASQUERADE = {"cone": "masquerade", "symmetric": "masquerade fully-random"}
 
@@ -53,7 +54,7 @@ def ruleset(kind: str, lan: HomeLan) -> str:
         raise ValueError(f"nat {kind!r}: one of {NAT_KINDS}")
     lan_net = f"{lan.network}/{lan.prefix_len}"
     return f"""\
-table ip fltb_home {{
+table ip {HOME_TABLE} {{
     chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
         oifname "{WAN_DEVICE}" ip saddr {lan_net} {_MASQUERADE[kind]}

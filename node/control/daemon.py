@@ -209,7 +209,7 @@ class NodeDaemon:
                     listen_host=cfg.listen_host,
                     listen_port=cfg.dht_port,
                     announce_maddrs=cfg.dht_announce_maddrs(),
-                    nat_port_map=cfg.upnp and not cfg.announce,
+                    nat_port_map=cfg.maps_ports,
                     record_tag_key=cfg.swarm_key.records.key_hex if cfg.swarm_key else "",
                     identity_path=cfg.key_path,
                     max_ttl_s=max(MAX_BEAT * settings.ttl_s, 8 * settings.epoch_s),
@@ -245,7 +245,7 @@ class NodeDaemon:
 
     def _reach_check(self) -> ReachCheck:
         """Dial-backs for members, and ours; none asked behind --announce-addr."""
-        upnp = self.config.upnp and not self.config.announce
+        upnp = self.config.maps_ports
         check = ReachCheck(
             host=self.host,
             config=ReachConfig(),

@@ -53,6 +53,12 @@ class NodeConfig:
     dht_log_level: str = "WARNING"
     observer: bool = False  # trains nothing, says so in its record: never seated in a plan
 
+    @property
+    def maps_ports(self) -> bool:
+        """Whether this node may ask its router (and lets p2pd ask) to map ports over UPnP:
+        never behind --announce-addr, which names the forward already made."""
+        return self.upnp and not self.announce
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_path", Path(self.key_path))
         object.__setattr__(self, "bootstrap", tuple(self.bootstrap))

@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError, FusionError
-from fusionllm.node.p2p.checks import boolean
+from fusionllm.node.p2p.checks import boolean, int_in
 
 MIN_LEASE_S = 60  # a router granting less would have us renew all the time
 MAX_LEASE_S = 7 * 86400
@@ -36,10 +36,7 @@ class PortMapConfig:
         boolean("enabled", self.enabled)
         if not (isinstance(self.discover_s, int | float) and 0.1 <= self.discover_s <= 10):
             raise ConfigError(f"discover_s must be in [0.1, 10] s, got {self.discover_s!r}")
-        if not (isinstance(self.lease_s, int) and MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S):
-            raise ConfigError(
-                f"lease_s must be in [{MIN_LEASE_S}, {MAX_LEASE_S}], got {self.lease_s!r}"
-            )
+        int_in("lease_s", self.lease_s, MIN_LEASE_S, MAX_LEASE_S)
         if not 0.1 <= self.renew_fraction <= 0.9:
             raise ConfigError(f"renew_fraction must be in [0.1, 0.9], got {self.renew_fraction}")
         if not (self.description.isascii() and 0 < len(self.description) <= 64):

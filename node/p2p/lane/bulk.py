@@ -121,5 +121,9 @@ def _draining(
         time.sleep(poll_s)
 
 
-def _filler(size: int) -> tuple[bytes, bytes]:
-    return encode_head(_FILLER_HEAD, size), bytes(size)
+# Filler's body: its content is never read (sealed, then dropped), so one buffer serves all
+_ZEROS = memoryview(bytes(MAX_FILLER_BYTES))
+
+
+def _filler(size: int) -> tuple[bytes, memoryview]:
+    return encode_head(_FILLER_HEAD, size), _ZEROS[:size]
