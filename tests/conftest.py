@@ -73,19 +73,68 @@ def _no_leftover_processes():
         logger.warning("killed %d leftover child processes: %s", len(leftovers), leftovers)
 
 
-# The README's command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`):
-# every test outside tests/unit is one group, so real swarms, namespaces and containers still run
-# one at a time, in collection order (the docker tests last), on one worker, while the other
-# takes the unit tests (pure, each in its own tmp_path) beside them. Integration tests spend
-# much of their time waiting on timers and peers; the unit tests fill that idle core.
+# The README's command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`).
+# Tests outside tests/unit fall in two groups, each run one test at a time, in collection order,
+# on one worker. SERIAL holds real swarms whose checks depend on timing or load (stalls, churn,
+# hostile peers, pace), the namespace testbed and, last, the docker tests (tests/docker/conftest.py
+# sorts them last: their image builds in the background meanwhile). SIDE holds integration tests
+# that check results, not timing (stage equality, the CLI, serving, fine-tuning, the transport's
+# own bounds of seconds); that worker runs them, then the unit tests (pure, each in its own
+# tmp_path). A new module is SERIAL until someone judges it safe beside a loaded swarm.
 SERIAL_GROUP = "serial"
+SIDE_GROUP = "side"
+SIDE_MODULES = frozenset(
+    f"tests/integration/test_{name}.py"
+    for name in (
+        "cli",
+        "control_host",
+        "control_limits",
+        "deliver",
+        "finetune",
+        "gateway",
+        "gpu_benchmark",
+        "gpu_stages",
+        "handler_errors",
+        "lanes",
+        "member_relay",
+        "model_dir_swarm",
+        "node_config",
+        "peer_host",
+        "pipeline_failures",
+        "pipeline_matches_local",
+        "serving",
+        "train_cli",
+        "transport",
+        "user_data",
+    )
+)
+# Moved after the SIDE group has most likely finished: its check compares latency under attack
+# with latency measured just before, which a neighbour's swarm starting in between skews.
+LATE_MODULES = frozenset({"tests/integration/test_hostile_peers.py"})
+
+
+def _group(root: Path, item) -> str | None:
+    relative = Path(str(item.path)).resolve().relative_to(root).as_posix()
+    if relative.startswith("tests/unit/"):
+        return None
+    return SIDE_GROUP if relative in SIDE_MODULES else SERIAL_GROUP
 
 
 # tryfirst: xdist's worker files a test under its group (a suffix to its node id) in its own
 # collection hook, which pluggy calls before a conftest's that was registered earlier
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    unit = Path(__file__).resolve().parent / "unit"
+    root = Path(__file__).resolve().parent.parent
+    missing = {m for m in SIDE_MODULES | LATE_MODULES if not (root / m).exists()}
+    if missing:
+        raise pytest.UsageError(
+            f"tests/conftest.py names modules that do not exist: {sorted(missing)}"
+        )
+    # stable: modules keep their order and module-scoped fixtures their grouping
+    items.sort(
+        key=lambda item: Path(str(item.path)).resolve().relative_to(root).as_posix() in LATE_MODULES
+    )
     for item in items:
-        if unit not in Path(str(item.path)).resolve().parents:
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+        group = _group(root, item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
