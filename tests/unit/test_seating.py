@@ -16,7 +16,7 @@ from fusionllm.dht.records import (
 from fusionllm.node.control.agreement import serving_peers
 from fusionllm.node.control.seating import accusations, excluded, seatable
 from fusionllm.node.control.suspicion import SuspicionBook, SuspicionConfig
-from tests.unit.test_epochs import T0, FakeClock, Node, epoch_round, record, swarm_of
+from tests.unit.test_epochs import SETTINGS, T0, FakeClock, Node, epoch_round, record, swarm_of
 from tests.unit.test_epochs import FakeDirectory as Directory
 
 # ----------------------------------------------------------------------------- the backoff
@@ -156,6 +156,37 @@ def test_a_suspicion_ends_with_its_backoff():
     assert excluded(members, now=T0 + 15.0) == {}
 
 
+def test_a_swarm_that_needs_every_member_seats_its_suspect():
+    # --min-peers 3 of 3: keeping c out would leave 2, and no plan at all (the session 7
+    # stall on topology C: stuck until a host was killed). Seated, c can meet the barrier.
+    members = {"a": _serving("a", "c"), "b": _serving("b", "c"), "c": _serving("c")}
+    assert excluded(members, now=T0, min_peers=3) == {}
+    assert set(seatable(members, now=T0, min_peers=3)) == {"a", "b", "c"}
+    # A swarm that can train without it keeps it out (the stalling members' protection).
+    assert set(seatable(members, now=T0, min_peers=2)) == {"a", "b"}
+    assert set(excluded(members, now=T0)) == {"c"}
+
+
+def test_only_as_many_suspects_as_the_swarm_needs_are_seated_the_least_accused_first():
+    members = {p: _serving(p) for p in "abcde"}
+    members["a"] = _serving("a", "d", "e")
+    members["b"] = _serving("b", "d", "e")
+    members["c"] = _serving("c", "e", until=T0 + 30)  # e: three accusers, d: two
+    members["w"] = record("w", observer=True)  # never seated: no room in the count
+    assert set(excluded(members, now=T0, min_peers=3)) == {"d", "e"}
+    assert set(excluded(members, now=T0, min_peers=4)) == {"e"}
+    assert excluded(members, now=T0, min_peers=5) == {}
+    assert excluded(members, now=T0, min_peers=9) == {}  # short anyway: nobody kept out
+    # Equally accused: the one whose suspicions end first, on every node alike.
+    members["c"] = _serving("c")
+    for p in "ab":
+        members[p] = dataclasses.replace(
+            members[p],
+            suspects=(Suspicion("d", T0 + 20, "barrier", 1), Suspicion("e", T0 + 10, "barrier", 1)),
+        )
+    assert set(excluded(members, now=T0, min_peers=4)) == {"d"}
+
+
 def test_observers_and_self_accusations_and_strangers_do_not_count():
     members = {
         "a": _serving("a", "a", "zz"),  # itself, and a peer that is no member
@@ -216,3 +247,25 @@ def test_every_node_plans_around_a_member_the_others_suspect():
         assert len(adopted) == 1  # the suspect too: it reads the same records
         assert "fast" not in serving_peers(nodes[0].agreement.adopted.plan)
         assert all(n.agreement.excluded.keys() == {"fast"} for n in nodes)
+
+
+def test_a_swarm_with_min_peers_all_plans_again_with_the_member_it_suspects():
+    """Three members, ``--min-peers 3``; two suspect the third (it came late to a barrier in
+    a view split): every node still adopts one plan, and it seats all three."""
+    clock = FakeClock()
+    directory = Directory()
+    settings = dataclasses.replace(SETTINGS, min_peers=3)
+    suspects = {"suspects": (Suspicion("peer2", T0 + 60, "barrier", 1),),
+                "state": NodeState.SERVING}  # fmt: skip
+    nodes = [Marked(f"peer{i}", directory, clock, marks=suspects, settings=settings)
+             for i in (0, 1)]  # fmt: skip
+    nodes.append(Node("peer2", directory, clock, settings=settings))
+    for node in nodes:
+        node.heartbeat()
+    for k in range(2):
+        epoch_round(nodes, 850_000_000 + k)
+        clock.now += 2.0
+    assert all(n.agreement.adopted is not None for n in nodes)
+    assert len({n.agreement.adopted.digest for n in nodes}) == 1
+    assert serving_peers(nodes[0].agreement.adopted.plan) == {"peer0", "peer1", "peer2"}
+    assert all(n.agreement.excluded == {} for n in nodes)
