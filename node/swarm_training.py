@@ -100,7 +100,7 @@ class DaemonView:
         self._daemon.suspect(peer, reason)
 
     def cleared(self, peer: str) -> None:
-        self._daemon.suspicions.cleared(peer)
+        self._daemon.cleared(peer)
 
     def link_bytes_per_s(self, peer: str) -> float:
         daemon = self._daemon

@@ -53,6 +53,30 @@ def test_meeting_us_at_a_barrier_forgives_the_strikes():
     assert (again.strikes, again.until - clock.now) == (1, 5.0)
 
 
+def test_meeting_us_at_a_barrier_ends_a_suspicion_in_force():
+    # It came late (a view split, a slow hand-over) but came: it trains with us, and our
+    # record must stop keeping it out of the next plan.
+    clock = FakeClock()
+    book = SuspicionBook(clock=clock)
+    book.suspect("p", "barrier")
+    clock.now += 5.0
+    assert book.cleared("p") is True  # our record changes: the daemon beats at once
+    assert book.current() == ()
+    assert book.cleared("p") is False  # nothing left to lift
+    again = book.suspect("p", "barrier")
+    assert (again.strikes, again.until - clock.now) == (1, 15.0)
+
+
+def test_strikes_are_forgiven_after_a_clear_spell_and_not_before():
+    clock = FakeClock()
+    book = SuspicionBook(SuspicionConfig(forgive_after_s=600.0), clock=clock)
+    clock.now = book.suspect("p", "barrier").until + 599.0  # re-seated, failed again soon
+    assert book.suspect("p", "barrier").strikes == 2
+    clock.now = book.current()[0].until + 600.0  # ten clear minutes: a new view drop
+    fresh = book.suspect("p", "barrier")
+    assert (fresh.strikes, fresh.until - clock.now) == (1, 15.0)
+
+
 def test_the_backoff_has_a_ceiling():
     config = SuspicionConfig(first_backoff_s=15.0, max_backoff_s=100.0)
     assert [config.backoff_s(k) for k in (1, 3, 4, 40)] == [15.0, 60.0, 100.0, 100.0]
@@ -65,6 +89,8 @@ def test_the_backoff_has_a_ceiling():
         ({"first_backoff_s": 20.0, "max_backoff_s": 10.0}, "max_backoff_s"),
         ({"factor": 0.5}, "factor must be"),
         ({"factor": float("nan")}, "factor must be"),
+        ({"forgive_after_s": 0.0}, "forgive_after_s"),
+        ({"forgive_after_s": float("nan")}, "forgive_after_s"),
     ],
 )
 def test_bad_settings_are_refused(changes, match):
