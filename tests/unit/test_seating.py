@@ -295,3 +295,14 @@ def test_a_swarm_with_min_peers_all_plans_again_with_the_member_it_suspects():
     assert len({n.agreement.adopted.digest for n in nodes}) == 1
     assert serving_peers(nodes[0].agreement.adopted.plan) == {"peer0", "peer1", "peer2"}
     assert all(n.agreement.excluded == {} for n in nodes)
+
+
+def test_the_backup_pools_word_keeps_an_idle_plans_members_out():
+    # x and y were seated together and never trained; a and b, left out, suspected both
+    # (training/idle_plan.py). Backup members' suspicions count like any trainer's.
+    idle = {"suspects": (Suspicion("x", T0 + 15, "idle", 1), Suspicion("y", T0 + 15, "idle", 1)),
+            "training": _at(40)}  # fmt: skip
+    members = {"a": record("a", **idle), "x": _serving("x", "a"), "y": _serving("y")}
+    assert set(excluded(members, now=T0)) == {"x", "y"}  # x's word back: it never trained
+    members["b"] = record("b", **idle)
+    assert set(seatable(members, now=T0)) == {"a", "b"}
