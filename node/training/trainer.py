@@ -75,6 +75,7 @@ class SwarmTrainer:
         self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
         self.board = self._new_board(shapes)
         self._last_members: frozenset[str] = frozenset()  # of the plan we served last
+        self._came_late = False  # the --fault-late-barrier test hook was applied
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self.donor = self._new_donor()
         self._placement = CorePlacement(enabled=config.pin_cores)
@@ -299,6 +300,10 @@ class SwarmTrainer:
             and not self.view.run_finished()
             and not self._left_long_ago()
         )
+        if self.config.fault_late_barrier_s > 0 and not self._came_late:
+            self._came_late = True
+            self._emit({"event": "fault_late_barrier", "s": self.config.fault_late_barrier_s})
+            self._stop.wait(self.config.fault_late_barrier_s)
         start = session.meet(current=current, stop=self._stop)
         if start is None:
             return Ending(Outcome.ABANDONED, None)
