@@ -20,6 +20,7 @@ class SwarmNodeConfig:
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     fault_stall_after: int = 0  # fault injection: stop sending after this many steps of a plan
     fault_under_report: float = 1.0  # fault injection: report this many times less compute
+    fault_late_barrier_s: float = 0.0  # fault injection: come late to the first plan's barrier
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)
     pin_cores: bool = False  # while serving a plan, compute on cores picked by our rank in it
     # This node's copy of the data (RunSpec names it by digest); None: the stdlib source.

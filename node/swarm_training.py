@@ -100,7 +100,7 @@ class DaemonView:
         self._daemon.suspect(peer, reason)
 
     def cleared(self, peer: str) -> None:
-        self._daemon.suspicions.cleared(peer)
+        self._daemon.cleared(peer)
 
     def link_bytes_per_s(self, peer: str) -> float:
         daemon = self._daemon
@@ -198,6 +198,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             checkpoint_pause_s=config.checkpoint_pause_s,
             fault_stall_after=config.fault_stall_after,
             fault_under_report=config.fault_under_report,
+            fault_late_barrier_s=config.fault_late_barrier_s,
             pin_cores=config.pin_cores,
             device=config.device,
         ),

@@ -153,6 +153,14 @@ def _add_test_hooks(node: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,
     )
     node.add_argument(
+        "--fault-late-barrier",
+        type=float,
+        default=0.0,
+        # Test hook (tests/integration/test_observe.py): come this many seconds late to the
+        # first plan's READY barrier, as an honest member slowed by a view split would.
+        help=argparse.SUPPRESS,
+    )
+    node.add_argument(
         "--fault-under-report",
         type=float,
         default=1.0,
@@ -421,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_pause_s=args.checkpoint_pause,
         fault_stall_after=args.fault_stall_after,
         fault_under_report=args.fault_under_report,
+        fault_late_barrier_s=args.fault_late_barrier,
         train=train,
         pin_cores=args.pin_cores,
         data_path=Path(args.data).expanduser() if args.data else None,

@@ -11,6 +11,7 @@
 - convergence.py:     nodes that adopted different plans follow the majority's
 - suspicion.py:       ``SuspicionBook``: members our trainer waited for in vain, with backoff
 - seating.py:         whom a plan may seat: no observer, no member enough others suspect
+                      (unless the swarm needs it to reach --min-peers)
 - probe.py:           this machine's FLOP/s, memory bandwidth and per-op overhead (cached)
 - local_facts.py:     device and model costs from a short-lived child (facts_main.py), so the
                       node's own process imports no torch until it serves

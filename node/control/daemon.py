@@ -406,6 +406,12 @@ class NodeDaemon:
         if self.suspicions.current() != before:
             self._beat_now.set()
 
+    def cleared(self, peer: str) -> None:
+        """``peer`` met our trainer at a barrier: a suspicion of it in force ends, and our
+        record says so at once (seating.py reads every member's record alike)."""
+        if self.suspicions.cleared(peer):
+            self._beat_now.set()
+
     def measured(self, digest: str, compute_s: float) -> None:
         """One step's compute of our stage (the trainer's report); a new pace goes out at once."""
         config = self.settings.plan_config()

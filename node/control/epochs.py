@@ -193,7 +193,7 @@ class PlanAgreement:
         self.quiet.drop_suspects(members)
         members[self.peer_id] = self._own_info()
         members = with_witnessed_paces(members)  # members' paces as their plans saw them
-        self.excluded = excluded(members, now=self.clock())
+        self.excluded = excluded(members, now=self.clock(), min_peers=self.plan_config.min_peers)
         # Members that finished the run leave: their last records tell a backup it is over.
         if any(
             i.training and i.training.finished
@@ -228,7 +228,7 @@ class PlanAgreement:
         )
 
     def _seatable(self, members: Mapping[str, NodeInfo]) -> frozenset[str]:
-        return frozenset(seatable(members, now=self.clock()))
+        return frozenset(seatable(members, now=self.clock(), min_peers=self.plan_config.min_peers))
 
     def _swarm(self, members: Mapping[str, NodeInfo]) -> Swarm:
         ordered = sorted(members.values(), key=lambda m: m.peer_id)

@@ -14,7 +14,13 @@ same records seats the same peers and the leaderless agreement does not split ov
   record shows fewer steps than the suspect's (it is the one behind), and of two members that
   suspect each other, only from the one further along (at the same step, neither: nobody can
   tell who failed whom). In a plan of two, the member that stalled, crashed at the barrier or
-  came late cannot keep its partner out by suspecting it back.
+  came late cannot keep its partner out by suspecting it back;
+- a swarm that needs ``min_peers`` members (``--min-peers``) seats suspects rather than fall
+  below it, the fewest accused first: keeping out a member it cannot train without stops every
+  member for the whole backoff and trains nobody, while seating it costs one barrier's wait if
+  it is still absent, and is how an honest member caught in a view split (topology C, session
+  7: stuck until a host was killed) comes back at all. With ``--min-peers`` 1 (the default)
+  this never applies: a member that never trains stays out, and the others train on.
 """
 
 from collections.abc import Mapping
@@ -60,8 +66,11 @@ def _counts(members: Mapping[str, NodeInfo], live: Mapping[str, Mapping], by: st
     return mine > theirs or (mine == theirs and not mutual)
 
 
-def excluded(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[Accusation]]:
-    """The members kept out of plans now, with the accusations that keep them out."""
+def excluded(
+    members: Mapping[str, NodeInfo], *, now: float, min_peers: int = 1
+) -> dict[str, list[Accusation]]:
+    """The members kept out of plans now, with the accusations that keep them out; suspects
+    that would leave fewer than ``min_peers`` members to seat are not (the module says why)."""
     out = {}
     for peer, accused in accusations(members, now=now).items():
         serving = [
@@ -71,14 +80,27 @@ def excluded(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, list[A
         ]
         if 2 * len(accused) >= max(1, len(serving)):
             out[peer] = accused
-    return out
+    room = sum(1 for p, i in members.items() if p not in out and _may_sit(i))
+    # The least accused first, then the one whose suspicions end soonest: the same order on
+    # every node, as the records are the same.
+    waived = sorted(
+        (p for p in out if _may_sit(members[p])),
+        key=lambda p: (len(out[p]), max(a.until for a in out[p]), p),
+    )[: max(0, min_peers - room)]
+    return {p: accused for p, accused in out.items() if p not in waived}
 
 
-def seatable(members: Mapping[str, NodeInfo], *, now: float) -> dict[str, NodeInfo]:
-    """The members a plan may seat now."""
-    out = excluded(members, now=now)
-    return {p: i for p, i in members.items()
-            if not i.observer and p not in out and not _unreachable(i)}  # fmt: skip
+def seatable(
+    members: Mapping[str, NodeInfo], *, now: float, min_peers: int = 1
+) -> dict[str, NodeInfo]:
+    """The members a plan may seat now (``min_peers``: the swarm's, see ``excluded``)."""
+    out = excluded(members, now=now, min_peers=min_peers)
+    return {p: i for p, i in members.items() if p not in out and _may_sit(i)}
+
+
+def _may_sit(info: NodeInfo) -> bool:
+    """Whether a plan could seat ``info``'s node were nobody suspecting it."""
+    return not info.observer and not _unreachable(info)
 
 
 def _unreachable(info: NodeInfo) -> bool:

@@ -283,7 +283,8 @@ def _plan_summary(plan, members: dict[str, NodeInfo], serving: set[str]) -> dict
 
 def _suspected(members: dict[str, NodeInfo], now: float) -> list[dict[str, Any]]:
     """Members some member waited for in vain (seating.py): who, why, by whom, for how long
-    more, and whether that is enough to keep it out of plans now."""
+    more, and whether that is enough to keep it out of plans now (records do not carry the
+    swarm's --min-peers: a swarm that needs more members than the others seats it anyway)."""
     out = excluded(members, now=now)
     shown = []
     for peer, accused in sorted(accusations(members, now=now).items()):

@@ -30,6 +30,7 @@ from fusionllm.node.training.assignment import Assignment, assign, plan_vote
 from fusionllm.node.training.board import Board, Copy, Router
 from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.donor import Donor
+from fusionllm.node.training.idle_plan import IdlePlanWatch, idle_patience_s
 from fusionllm.node.training.placement import CorePlacement
 from fusionllm.node.training.session import LEAVE_VOTE, PlanSession
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
@@ -74,6 +75,7 @@ class SwarmTrainer:
         self._keeper = ThreadPoolExecutor(1, thread_name_prefix="node-keep")  # disk off the router
         self.board = self._new_board(shapes)
         self._last_members: frozenset[str] = frozenset()  # of the plan we served last
+        self._came_late = False  # the --fault-late-barrier test hook was applied
         self._stop = threading.Event()  # hard stop: at the next step boundary, no hand-over
         self.donor = self._new_donor()
         self._placement = CorePlacement(enabled=config.pin_cores)
@@ -245,9 +247,10 @@ class SwarmTrainer:
             if switched_away and (plan_of is None or plan_of.role is None):
                 return  # the switch left us out: it handed our stage over (Parting.hand_over)
             if plan_of is None or plan_of.role is None or plan_of.digest == parted_from:
-                if plan_of is not None and plan_of.role is None:
+                left_out = plan_of is not None and plan_of.role is None
+                if left_out:
                     self.view.publish(None, self.step, self.loss, False, self.evaluation)
-                self._wait_for_other_plan(current[0])
+                self._wait_for_other_plan(current[0], watched=current[1] if left_out else None)
                 continue
             ending = self._serve(plan_of)
             if ending.outcome is Outcome.FINISHED:
@@ -297,6 +300,10 @@ class SwarmTrainer:
             and not self.view.run_finished()
             and not self._left_long_ago()
         )
+        if self.config.fault_late_barrier_s > 0 and not self._came_late:
+            self._came_late = True
+            self._emit({"event": "fault_late_barrier", "s": self.config.fault_late_barrier_s})
+            self._stop.wait(self.config.fault_late_barrier_s)
         start = session.meet(current=current, stop=self._stop)
         if start is None:
             return Ending(Outcome.ABANDONED, None)
@@ -362,13 +369,32 @@ class SwarmTrainer:
         except ConfigError:
             return None
 
-    def _wait_for_other_plan(self, digest: str) -> None:
-        """Idle until the adopted plan changes or the run finished (``_follow_plans`` ends)."""
+    def _wait_for_other_plan(self, digest: str, *, watched: Plan | None = None) -> None:
+        """Idle until the adopted plan changes or the run finished (``_follow_plans`` ends).
+        ``watched``: the plan that left us out; if the swarm makes no progress under it, its
+        members are suspected (idle_plan.py: nobody at its barrier would)."""
+        watch = self._idle_watch(watched) if watched is not None else None
         while not (self._stop.is_set() or self._leaving.is_set() or self.view.run_finished()):
             current = self.view.adopted()
             if current is None or current[0] != digest:
                 return
+            idle = watch.check(progress=self._reached(), now=time.monotonic()) if watch else ()
+            if idle:
+                logger.warning("no step under plan %s for %.0f s: suspecting its %d members",
+                               digest[:12], watch.patience_s, len(idle))  # fmt: skip
+            for peer in idle:
+                self.view.suspect(peer, "idle")
             self._stop.wait(_IDLE_POLL_S)
+
+    def _idle_watch(self, plan: Plan) -> IdlePlanWatch:
+        members = {p for stage in plan.stages for p in stage.peers} - {self.peer_id}
+        slowest = min((self.view.link_bytes_per_s(p) for p in members), default=1.0)
+        patience = idle_patience_s(barrier_grace_s=self.config.barrier_grace_s,
+                                   step_timeout_s=self.config.step_timeout_s,
+                                   state_bytes=self.board.state_bytes(self.board.names),
+                                   bytes_per_s=slowest)  # fmt: skip
+        return IdlePlanWatch(members, progress=self._reached(), now=time.monotonic(),
+                             patience_s=patience)  # fmt: skip
 
     # ----- peers ------------------------------------------------------------------------------
 

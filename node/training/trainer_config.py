@@ -56,9 +56,14 @@ class TrainerConfig:
     barrier_grace_s: float = 30.0
     fault_stall_after: int = 0  # test hook: stall after this many steps of a plan (session.py)
     fault_under_report: float = 1.0  # test hook: report this many times less compute
+    fault_late_barrier_s: float = 0.0  # test hook: come this late to our first plan's barrier
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        if not 0 <= self.fault_late_barrier_s <= 3600:
+            raise ConfigError(
+                f"fault_late_barrier_s must be in [0, 3600], got {self.fault_late_barrier_s!r}"
+            )
         if not isinstance(self.fault_stall_after, int) or self.fault_stall_after < 0:
             raise ConfigError(f"fault_stall_after must be >= 0, got {self.fault_stall_after!r}")
         if not 1.0 <= self.fault_under_report <= 1e3:

@@ -1,7 +1,10 @@
 """Watching a real swarm: each node's --metrics, and `fusionllm status --serve` in Chromium.
 
 One module-scoped swarm of two `fusionllm node` processes (two stages, each with --metrics on
-a free port) trains a run too long to end during the module; both tests watch it train.
+a free port, ``--min-peers 2``: no plan without either) trains a run too long to end during
+the module; the tests watch it train. b comes late to its first barrier (the hidden
+``--fault-late-barrier`` hook): a suspects it, and the last test checks that the suspicion
+between these honest members was lifted and both train on.
 """
 
 import json
@@ -11,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,7 +34,11 @@ RUN = {
     "min-peers": 2,
     "threads": 1,
     "metrics": "127.0.0.1:0",
+    # The last test's honest suspicion: b comes LATE_S late to the first barrier, a suspects
+    # it after 2 s (plus its stage's state at the link's speed, ~0.1 s here).
+    "barrier-grace": 2,
 }
+LATE_S = 6.0
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # Kept after the run (git ignores it; pytest's tmp dirs are pruned after three runs).
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -43,7 +51,7 @@ def nodes(tmp_path_factory):
     try:
         first = local.start("a")
         wait_for(lambda: first.last("ready"), 120, "the first node")
-        second = local.start("b", bootstrap=first.dht_addr)
+        second = local.start("b", bootstrap=first.dht_addr, extra={"fault-late-barrier": LATE_S})
         pair = [first, second]
         wait_for(lambda: all(len(trained_steps(n)) >= 2 for n in pair), 240, "both nodes to train")
         yield pair
@@ -310,3 +318,27 @@ def test_the_page_shows_peer_strings_as_text_in_chromium():
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def test_an_honest_member_late_to_the_barrier_is_cleared_and_both_train_on(nodes):
+    """a suspected b at the first barrier (b came LATE_S late, a waits 2 s); b came, so the
+    suspicion ends at once (suspicion.py) instead of keeping b out for 15 s, and in a swarm
+    that needs both (``--min-peers 2``) no epoch keeps b out (seating.py)."""
+    a, b = nodes
+    assert b.last("fault_late_barrier"), b.log_path.read_text()[-3000:]
+    log = a.log_path.read_text()
+    short = b.peer_id[:16]
+    assert f"suspecting {short} (barrier)" in log, log[-3000:]
+    assert f"{short} met us at a barrier: no longer suspected" in log, log[-3000:]
+    since = time.time()
+    steps = lambda: all(len([t for t in _step_times(n) if t > since]) >= 3 for n in nodes)  # noqa: E731
+    wait_for(steps, 120, "3 more steps on both nodes")
+    for node in nodes:
+        epochs = [e for e in node.snapshot() if e["event"] == "epoch"]
+        assert epochs
+        assert not any(b.peer_id in e["excluded"] for e in epochs), epochs[-3:]
+        assert sorted(p for s in epochs[-1]["stages"] for p in s) == sorted([a.peer_id, b.peer_id])
+
+
+def _step_times(node: NodeProcess) -> list[float]:
+    return [e["t"] for e in node.snapshot() if e["event"] == "step"]

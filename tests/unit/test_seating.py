@@ -16,7 +16,7 @@ from fusionllm.dht.records import (
 from fusionllm.node.control.agreement import serving_peers
 from fusionllm.node.control.seating import accusations, excluded, seatable
 from fusionllm.node.control.suspicion import SuspicionBook, SuspicionConfig
-from tests.unit.test_epochs import T0, FakeClock, Node, epoch_round, record, swarm_of
+from tests.unit.test_epochs import SETTINGS, T0, FakeClock, Node, epoch_round, record, swarm_of
 from tests.unit.test_epochs import FakeDirectory as Directory
 
 # ----------------------------------------------------------------------------- the backoff
@@ -53,6 +53,30 @@ def test_meeting_us_at_a_barrier_forgives_the_strikes():
     assert (again.strikes, again.until - clock.now) == (1, 5.0)
 
 
+def test_meeting_us_at_a_barrier_ends_a_suspicion_in_force():
+    # It came late (a view split, a slow hand-over) but came: it trains with us, and our
+    # record must stop keeping it out of the next plan.
+    clock = FakeClock()
+    book = SuspicionBook(clock=clock)
+    book.suspect("p", "barrier")
+    clock.now += 5.0
+    assert book.cleared("p") is True  # our record changes: the daemon beats at once
+    assert book.current() == ()
+    assert book.cleared("p") is False  # nothing left to lift
+    again = book.suspect("p", "barrier")
+    assert (again.strikes, again.until - clock.now) == (1, 15.0)
+
+
+def test_strikes_are_forgiven_after_a_clear_spell_and_not_before():
+    clock = FakeClock()
+    book = SuspicionBook(SuspicionConfig(forgive_after_s=600.0), clock=clock)
+    clock.now = book.suspect("p", "barrier").until + 599.0  # re-seated, failed again soon
+    assert book.suspect("p", "barrier").strikes == 2
+    clock.now = book.current()[0].until + 600.0  # ten clear minutes: a new view drop
+    fresh = book.suspect("p", "barrier")
+    assert (fresh.strikes, fresh.until - clock.now) == (1, 15.0)
+
+
 def test_the_backoff_has_a_ceiling():
     config = SuspicionConfig(first_backoff_s=15.0, max_backoff_s=100.0)
     assert [config.backoff_s(k) for k in (1, 3, 4, 40)] == [15.0, 60.0, 100.0, 100.0]
@@ -65,6 +89,8 @@ def test_the_backoff_has_a_ceiling():
         ({"first_backoff_s": 20.0, "max_backoff_s": 10.0}, "max_backoff_s"),
         ({"factor": 0.5}, "factor must be"),
         ({"factor": float("nan")}, "factor must be"),
+        ({"forgive_after_s": 0.0}, "forgive_after_s"),
+        ({"forgive_after_s": float("nan")}, "forgive_after_s"),
     ],
 )
 def test_bad_settings_are_refused(changes, match):
@@ -156,6 +182,37 @@ def test_a_suspicion_ends_with_its_backoff():
     assert excluded(members, now=T0 + 15.0) == {}
 
 
+def test_a_swarm_that_needs_every_member_seats_its_suspect():
+    # --min-peers 3 of 3: keeping c out would leave 2, and no plan at all (the session 7
+    # stall on topology C: stuck until a host was killed). Seated, c can meet the barrier.
+    members = {"a": _serving("a", "c"), "b": _serving("b", "c"), "c": _serving("c")}
+    assert excluded(members, now=T0, min_peers=3) == {}
+    assert set(seatable(members, now=T0, min_peers=3)) == {"a", "b", "c"}
+    # A swarm that can train without it keeps it out (the stalling members' protection).
+    assert set(seatable(members, now=T0, min_peers=2)) == {"a", "b"}
+    assert set(excluded(members, now=T0)) == {"c"}
+
+
+def test_only_as_many_suspects_as_the_swarm_needs_are_seated_the_least_accused_first():
+    members = {p: _serving(p) for p in "abcde"}
+    members["a"] = _serving("a", "d", "e")
+    members["b"] = _serving("b", "d", "e")
+    members["c"] = _serving("c", "e", until=T0 + 30)  # e: three accusers, d: two
+    members["w"] = record("w", observer=True)  # never seated: no room in the count
+    assert set(excluded(members, now=T0, min_peers=3)) == {"d", "e"}
+    assert set(excluded(members, now=T0, min_peers=4)) == {"e"}
+    assert excluded(members, now=T0, min_peers=5) == {}
+    assert excluded(members, now=T0, min_peers=9) == {}  # short anyway: nobody kept out
+    # Equally accused: the one whose suspicions end first, on every node alike.
+    members["c"] = _serving("c")
+    for p in "ab":
+        members[p] = dataclasses.replace(
+            members[p],
+            suspects=(Suspicion("d", T0 + 20, "barrier", 1), Suspicion("e", T0 + 10, "barrier", 1)),
+        )
+    assert set(excluded(members, now=T0, min_peers=4)) == {"d"}
+
+
 def test_observers_and_self_accusations_and_strangers_do_not_count():
     members = {
         "a": _serving("a", "a", "zz"),  # itself, and a peer that is no member
@@ -216,3 +273,36 @@ def test_every_node_plans_around_a_member_the_others_suspect():
         assert len(adopted) == 1  # the suspect too: it reads the same records
         assert "fast" not in serving_peers(nodes[0].agreement.adopted.plan)
         assert all(n.agreement.excluded.keys() == {"fast"} for n in nodes)
+
+
+def test_a_swarm_with_min_peers_all_plans_again_with_the_member_it_suspects():
+    """Three members, ``--min-peers 3``; two suspect the third (it came late to a barrier in
+    a view split): every node still adopts one plan, and it seats all three."""
+    clock = FakeClock()
+    directory = Directory()
+    settings = dataclasses.replace(SETTINGS, min_peers=3)
+    suspects = {"suspects": (Suspicion("peer2", T0 + 60, "barrier", 1),),
+                "state": NodeState.SERVING}  # fmt: skip
+    nodes = [Marked(f"peer{i}", directory, clock, marks=suspects, settings=settings)
+             for i in (0, 1)]  # fmt: skip
+    nodes.append(Node("peer2", directory, clock, settings=settings))
+    for node in nodes:
+        node.heartbeat()
+    for k in range(2):
+        epoch_round(nodes, 850_000_000 + k)
+        clock.now += 2.0
+    assert all(n.agreement.adopted is not None for n in nodes)
+    assert len({n.agreement.adopted.digest for n in nodes}) == 1
+    assert serving_peers(nodes[0].agreement.adopted.plan) == {"peer0", "peer1", "peer2"}
+    assert all(n.agreement.excluded == {} for n in nodes)
+
+
+def test_the_backup_pools_word_keeps_an_idle_plans_members_out():
+    # x and y were seated together and never trained; a and b, left out, suspected both
+    # (training/idle_plan.py). Backup members' suspicions count like any trainer's.
+    idle = {"suspects": (Suspicion("x", T0 + 15, "idle", 1), Suspicion("y", T0 + 15, "idle", 1)),
+            "training": _at(40)}  # fmt: skip
+    members = {"a": record("a", **idle), "x": _serving("x", "a"), "y": _serving("y")}
+    assert set(excluded(members, now=T0)) == {"x", "y"}  # x's word back: it never trained
+    members["b"] = record("b", **idle)
+    assert set(seatable(members, now=T0)) == {"a", "b"}
