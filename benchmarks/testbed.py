@@ -242,8 +242,8 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
 def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float | None:
     """The median interval between consecutive steps of one plan, ``times`` being when each
     step was reported and ``spans`` the plan's runs of steps [start, end). A span's first two
-    intervals are left out: the switch (barrier, state moved) and the plan's first step land
-    there. None with fewer than 3 intervals."""
+    intervals are left out: the switch (barrier, state moved) with the plan's first step,
+    and its second step, still warming up. None with fewer than 3 intervals."""
     gaps = [times[s] - times[s - 1] for start, end in spans for s in range(start + 2, end)
             if s in times and s - 1 in times]  # fmt: skip
     return statistics.median(gaps) if len(gaps) >= 3 else None
