@@ -190,6 +190,9 @@ def phase_swarm(args: argparse.Namespace, model: str, precision: str) -> dict[st
     out["losses"] = [summary["loss_first"], summary["loss_last"]]
     out["peak_device_bytes"] = list(summary["peak_device_bytes"].values())
     out["plan_stages"] = summary["stages"]
+    # The planner's own cuts and link codecs (AdaTopK may compress a loopback link that the
+    # launcher's row sends dense): compare rows only where these match.
+    out["plan_ranges"], out["plan_wire"] = summary.get("ranges"), summary.get("wire")
     return out
 
 
@@ -341,6 +344,9 @@ def table(report: dict[str, Any]) -> list[str]:
                      f"{row['model_tflops']:>8.1f} {mfu:>6}  {memory}")  # fmt: skip
     for phase, error in report["errors"].items():
         lines.append(f"{phase:<24} FAILED: {error}")
+    for phase, row in report["phases"].items():
+        if row.get("plan_wire") is not None:  # the launcher rows: even cuts, every link dense
+            lines.append(f"{phase}: the plan's cuts {row['plan_ranges']}, links {row['plan_wire']}")
     for model in report["args"]["models"]:
         local = report["phases"].get(f"local/{model}/bf16")
         pipe = report["phases"].get(f"pipeline/{model}/bf16")

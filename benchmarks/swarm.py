@@ -1,18 +1,26 @@
-"""The swarm of daemons against the launcher run of the same layout, in one run.
+"""The swarm of daemons against the launcher run of the same plan, in one run.
 
-    python benchmarks/swarm.py [--nodes 3] [--steps 30] [--min-stages 2] [--calm] [--json PATH]
+    python benchmarks/swarm.py [--nodes 3] [--steps 30] [--min-stages 2] [--calm] [--reps 3]
+                               [--json PATH]
 
 ``swarm``: N `fusionllm node` processes on 127.0.0.1 (no launcher): time from launching them to
-the first trained step, steady-state tokens/s (median step time after a quarter of the steps),
+the first trained step, steady-state step (median after a quarter of the steps) two ways: the
+runner's step (``runner_s``: its start to its summary) and the wall interval between steps
+(``step_s``: also what the trainer does between them: events, pace checks, checkpoints, votes),
 bytes each serving node sent per step. ``launcher``: `run_swarm` (one stage process per stage,
-addresses handed out by the launcher) with the cuts and replicas the swarm's plan chose, same
-run spec and data, in the same run. The ratio swarm/launcher is the cost of running inside the
-daemons (control plane beside the compute, the READY barrier, plan votes); target >= 0.9.
-``local``: the same run spec trained in this process (one torch thread, no transport), the
-baseline of issue 13's pipeline targets (2 stages >= 1.4x it on a 2-core box).
+addresses handed out by the launcher) with the cuts, replicas *and link codecs* the swarm's plan
+chose (its ``train_plan`` event's ``wire``), same run spec and data. The ratio swarm/launcher is
+the cost of running inside the daemons (control plane beside the compute, plan votes, events);
+target >= 0.9. Until session 8 the launcher ran every link dense while AdaTopK had the swarm's
+plan send top-k gradients on loopback (its compute is tiny, so every link is a bottleneck): the
+old ratio charged the codec's work to the daemons. ``--reps``: swarm and launcher alternate,
+medians reported (this box is shared: single runs moved 0.6x-1.6x). ``local``: the same run
+spec trained in this process (one torch thread, no transport), the baseline of issue 13's
+pipeline targets (2 stages >= 1.4x it on a 2-core box).
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -58,22 +66,26 @@ def bench_swarm(args: argparse.Namespace, root: Path) -> dict:
         swarm.close()
     plan = serving[0].last("train_plan")
     steps = [e for e in serving[0].snapshot() if e["event"] == "step"]
-    steady = [e["seconds"] for e in steps[len(steps) // 4 :]]
+    steady = steps[len(steps) // 4 :]
+    step_s = statistics.median(b["t"] - a["t"] for a, b in itertools.pairwise(steady))
     sent = sum(n.last("step")["bytes_out"] for n in serving)
     return {
         "first_step_s": first_step_s,
-        "step_s": statistics.median(steady),
-        "tokens_per_s": run.tokens_per_step / statistics.median(steady),
+        "step_s": step_s,
+        "runner_s": statistics.median(e["seconds"] for e in steady),
+        "tokens_per_s": run.tokens_per_step / step_s,
         "bytes_per_step": sent / len(steps),
         "ranges": plan["ranges"],
         "replicas": [len(s) for s in plan["stages"]],
+        "wire": plan["wire"],
     }
 
 
-def bench_launcher(args: argparse.Namespace, ranges: list, replicas: list) -> dict:
-    config = TrainConfig.for_run(
-        _run(args), cuts=tuple(r[0] for r in ranges[1:]), replicas=tuple(replicas)
-    )
+def bench_launcher(args: argparse.Namespace, swarm: dict) -> dict:
+    """``run_swarm`` on the swarm's plan: its cuts, replicas and link codecs."""
+    wire = {k: tuple(v) for k, v in swarm["wire"].items()}
+    cuts = tuple(r[0] for r in swarm["ranges"][1:])
+    config = TrainConfig.for_run(_run(args), cuts=cuts, replicas=tuple(swarm["replicas"]), **wire)
     result = run_swarm(config, pin_cores=not args.no_pin)
     last = [e for e in result.steps if e.get("step") is not None]
     by_step: dict[int, float] = {}
@@ -116,27 +128,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-pin", action="store_true", help="let the OS move trainers between cores"
     )
+    parser.add_argument("--reps", type=int, default=1, help="alternating swarm/launcher runs")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="fusionllm-bench-") as tmp:
-        swarm = bench_swarm(args, Path(tmp))
-    launcher = bench_launcher(args, swarm["ranges"], swarm["replicas"])
+    swarms, launchers = [], []
+    for _ in range(args.reps):  # alternate: the load moves between runs
+        with tempfile.TemporaryDirectory(prefix="fusionllm-bench-") as tmp:
+            swarms.append(bench_swarm(args, Path(tmp)))
+        launchers.append(bench_launcher(args, swarms[-1]))
     local = bench_local(args)
-    ratio = swarm["tokens_per_s"] / launcher["tokens_per_s"]
-    print(f"{args.nodes} daemons, plan ranges {swarm['ranges']}, replicas {swarm['replicas']}")
-    print(f"{'run':<10} {'step s':>8} {'tokens/s':>10}")
-    print(f"{'swarm':<10} {swarm['step_s']:>8.4f} {swarm['tokens_per_s']:>10,.0f}")
-    print(f"{'launcher':<10} {launcher['step_s']:>8.4f} {launcher['tokens_per_s']:>10,.0f}")
-    print(f"{'local':<10} {local['step_s']:>8.4f} {local['tokens_per_s']:>10,.0f}")
-    print(f"swarm / launcher tokens/s: {ratio:.2f} (target >= 0.9)")
-    print(
-        f"swarm / local (one process) tokens/s: {swarm['tokens_per_s'] / local['tokens_per_s']:.2f}"
-    )
+    pairs = zip(swarms, launchers, strict=True)
+    ratios = [s["tokens_per_s"] / la["tokens_per_s"] for s, la in pairs]
+    swarm = swarms[-1]
+    med = {
+        "swarm": statistics.median(s["step_s"] for s in swarms),
+        "swarm runner": statistics.median(s["runner_s"] for s in swarms),
+        "launcher": statistics.median(la["step_s"] for la in launchers),
+        "local": local["step_s"],
+    }
+    print(f"{args.nodes} daemons, plan ranges {swarm['ranges']}, replicas {swarm['replicas']}, "
+          f"wire {swarm['wire']}")  # fmt: skip
+    print(f"{'run':<14} {'step s':>8} {'tokens/s':>10}   (medians of {args.reps} alternating runs)")
+    for name, step_s in med.items():
+        print(f"{name:<14} {step_s:>8.4f} {_run(args).tokens_per_step / step_s:>10,.0f}")
+    print(f"swarm / launcher tokens/s: {statistics.median(ratios):.2f} (runs: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; target >= 0.9)")  # fmt: skip
+    print(f"swarm / local (one process) tokens/s: {med['local'] / med['swarm']:.2f}")
     print(f"launch -> first trained step: {swarm['first_step_s']:.1f} s")
     print(f"bytes sent per step (all serving nodes): {swarm['bytes_per_step']:,.0f}")
     if args.json:
-        result = {"swarm": swarm, "launcher": launcher, "local": local, "ratio": ratio,
-                  "args": vars(args)}  # fmt: skip
+        result = {"swarm": swarms, "launcher": launchers, "local": local, "ratios": ratios,
+                  "medians": med, "args": vars(args)}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 

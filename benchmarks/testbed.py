@@ -208,7 +208,9 @@ def _stage_seconds(nodes, warmup: int) -> dict:
 
 
 def _plans(nodes, hosts: dict[str, str]) -> dict:
-    """The plans trained (by steps run under each), the longest one's estimate and hosts."""
+    """The plans trained (by steps run under each), the longest one's estimate, hosts and
+    step time (``plan_step_s``: the estimate's measured counterpart; ``step_s`` mixes every
+    plan the run trained, switches included)."""
     estimates, stages, first = {}, {}, []
     for node in nodes:
         for e in node.snapshot():
@@ -218,18 +220,33 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
                 stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
     starts = sorted({(e["start_step"], e["digest"]) for n in nodes for e in n.snapshot()
                      if e["event"] == "train_plan"})  # fmt: skip
+    merged = _merged_steps(nodes)
     runs: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
     for (start, digest), nxt in zip(starts, [*starts[1:], (None, None)], strict=True):
-        end = nxt[0] if nxt[0] is not None else max(start, len(_merged_steps(nodes)))
+        end = nxt[0] if nxt[0] is not None else max(start, len(merged))
         runs[digest] = runs.get(digest, 0) + max(0, end - start)
+        spans.setdefault(digest, []).append((start, end))
     longest = max(runs, key=runs.get, default=None)
+    times = {step: s["t"] for step, s in merged.items()}
     return {
         "plans_trained": len(runs),
         "plan": stages.get(longest),
         "estimate_s": estimates.get(longest),
         "plan_steps": runs.get(longest, 0),
+        "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted
     }
+
+
+def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float | None:
+    """The median interval between consecutive steps of one plan, ``times`` being when each
+    step was reported and ``spans`` the plan's runs of steps [start, end). A span's first two
+    intervals are left out: the switch (barrier, state moved) with the plan's first step,
+    and its second step, still warming up. None with fewer than 3 intervals."""
+    gaps = [times[s] - times[s - 1] for start, end in spans for s in range(start + 2, end)
+            if s in times and s - 1 in times]  # fmt: skip
+    return statistics.median(gaps) if len(gaps) >= 3 else None
 
 
 def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float]:

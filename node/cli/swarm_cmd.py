@@ -309,6 +309,9 @@ def _report(progress: Progress, args, root: Path, launched: float, say, exported
         "nodes": args.nodes,
         "plan_digest": progress.plan["digest"] if progress.plan else None,
         "stages": len(progress.plan["stages"]) if progress.plan else None,
+        # the plan's cuts and link codecs: a launcher run of the same plan compares equal work
+        "ranges": progress.plan.get("ranges") if progress.plan else None,
+        "wire": progress.plan.get("wire") if progress.plan else None,
         "peak_device_bytes": dict(sorted(progress.peak_device_bytes.items())),
         "export": str(exported),
     }

@@ -42,6 +42,8 @@ logger = get_logger(__name__)
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
+# TrainConfig's per-link codec fields, as a plan sets them (assignment.assign)
+WIRE_FIELDS = ("activation_ratios", "gradient_ratios", "activation_halves", "gradient_halves")
 _PLANS_REMEMBERED = 8
 
 
@@ -439,11 +441,13 @@ class SwarmTrainer:
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None
+        wire = plan_of.config  # the links' codecs: a benchmark reruns the plan on equal terms
         self._emit({"event": "train_plan", "digest": plan_of.digest, "start_step": start,
                     "t": time.time(),
                     "sent": moved[0], "received": moved[1],
                     "stage": plan_of.role.stage, "replica": plan_of.role.replica,
                     "ranges": [list(r) for r in plan_of.ranges],
+                    "wire": {name: list(getattr(wire, name)) for name in WIRE_FIELDS},
                     "stages": [[plan_of.peers[r] for r in sorted(plan_of.peers)
                                 if r.stage == s] for s in range(len(plan_of.ranges))]})  # fmt: skip
 
