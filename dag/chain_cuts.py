@@ -61,6 +61,10 @@ class _Model:
         self.fwd, self.bwd = fwd, bwd
         self.total = fwd + bwd
         self.memory = np.array([d.memory_bytes * config.memory_fraction for d in self.profiles])
+        # CPU seconds one tensor frame costs one side of a link, per profile (0: not measured).
+        self.frame_cost = np.array([d.frame_overhead for d in self.profiles])
+        # Top-k frames cost more than dense ones only where some device measured a frame.
+        self.charges_topk = bool(self.frame_cost.any()) and config.topk_frame_factor > 1.0
         self.params = np.concatenate([[0.0], np.cumsum([n.param_bytes for n in graph.nodes])])
         # Saved for backward, per micro-batch (see OpNode.peak_activation_bytes).
         self.acts = np.concatenate(
