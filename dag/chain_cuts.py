@@ -4,8 +4,9 @@
   micro-batch (compute, parameters, saved activations, cut bytes, peak outputs), and cached
   group links (all-reduce trees, best pairs)
 - ``_Unit``, ``_make_unit``: a group of peers that runs one stage as data-parallel replicas
-- ``_Chain``: a fixed chain of units; a stage's per-step occupancy and memory feasibility for
-  many boundaries at once, reachable boundaries under a bottleneck limit
+- ``_Chain``: a fixed chain of units; a stage's per-step occupancy (compute and its dense
+  frames' CPU, as build_plan charges them) and memory feasibility for many boundaries at
+  once, reachable boundaries under a bottleneck limit
 - ``_solve_chain``: stage boundaries minimising the bottleneck (bisection on the bottleneck with
   a reachable-boundaries sweep)
 - ``_best_pair``: the peer pair that carries a link between two groups
@@ -24,6 +25,7 @@ from fusionllm.dag.cost import (
     LinkProfile,
     min_wire_bytes,
     node_time,
+    stage_frames,
 )
 from fusionllm.dag.fences import group_allreduce_link
 from fusionllm.dag.graph import GraphCosts
@@ -61,6 +63,10 @@ class _Model:
         self.fwd, self.bwd = fwd, bwd
         self.total = fwd + bwd
         self.memory = np.array([d.memory_bytes * config.memory_fraction for d in self.profiles])
+        # CPU seconds one tensor frame costs one side of a link, per profile (0: not measured).
+        self.frame_cost = np.array([d.frame_overhead for d in self.profiles])
+        # Top-k frames cost more than dense ones only where some device measured a frame.
+        self.charges_topk = bool(self.frame_cost.any()) and config.topk_frame_factor > 1.0
         self.params = np.concatenate([[0.0], np.cumsum([n.param_bytes for n in graph.nodes])])
         # Saved for backward, per micro-batch (see OpNode.peak_activation_bytes).
         self.acts = np.concatenate(
@@ -136,6 +142,7 @@ class _Unit:
     allreduce: LinkProfile
     total: np.ndarray  # (P, N + 1) prefix sums of fwd+bwd time per present profile
     memory: np.ndarray  # (P, 1) usable bytes per present profile
+    frame_cost: np.ndarray  # (P,) CPU seconds per tensor frame per present profile
 
 
 def _make_unit(model: _Model, members: np.ndarray, fence: int) -> _Unit:
@@ -148,6 +155,7 @@ def _make_unit(model: _Model, members: np.ndarray, fence: int) -> _Unit:
         model.allreduce_link(members),
         model.total[profiles],
         model.memory[profiles][:, None],
+        model.frame_cost[profiles],
     )
 
 
@@ -197,6 +205,7 @@ class _Chain:
         replicas = np.where(fit, counts, 0.0).sum(axis=0)
         ok = speed > 0
         per_mb = np.where(ok, 1.0 / np.where(ok, speed, 1.0), np.inf)
+        paced = per_mb * self._frame_slowdown(k, fit, t)
         grads = (model.params[b] - model.params[a]) * cfg.grad_bytes_per_param_byte
         link = unit.allreduce
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -204,8 +213,18 @@ class _Chain:
                 replicas > 1, 2 * (replicas - 1) / replicas * grads / link.bandwidth, 0.0
             )
             hops = np.where(replicas > 1, np.ceil(np.log2(np.maximum(replicas, 1))), 0.0)
-        occupancy = cfg.micro_batches * per_mb + ring + hops * link.rtt
+        occupancy = cfg.micro_batches * paced + ring + hops * link.rtt
         return occupancy, ok, per_mb
+
+    def _frame_slowdown(self, k: int, fit: np.ndarray, t: np.ndarray) -> np.ndarray | float:
+        """How much longer unit k's micro-batch takes with its dense frames' CPU, as build_plan
+        charges it: each replica's share (by compute speed) of compute plus frames, both
+        passes; the slowest fitting replica paces the stage."""
+        unit = self.units[k]
+        frames = 2 * stage_frames(k, self.s) * unit.frame_cost  # (P,)
+        if not frames.any():
+            return 1.0
+        return np.where(fit, 1.0 + frames[:, None] / t, 1.0).max(axis=0)  # (L,)
 
     def reachable(self, limit: float) -> list[np.ndarray] | None:
         """Boundaries reachable after each stage with every cost <= limit; None if N is not."""

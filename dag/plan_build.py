@@ -12,7 +12,7 @@ import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.chain_cuts import _Model
-from fusionllm.dag.cost import allreduce_time, compressed_wire, frame_time
+from fusionllm.dag.cost import allreduce_time, compressed_wire, stage_frames
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.plan_records import (
     InfeasiblePlanError,
@@ -63,7 +63,7 @@ def build_plan(
     # one tensor per forward+backward period of that stage in steady state.
     budget = max(r["forward_time"] + r["backward_time"] for r in stage_records)
     links = _link_plans(swarm, config, model, cuts, used, budget)
-    if any(f or b for f, b in topk_frames(links, s)):
+    if model.charges_topk and any(f or b for f, b in topk_frames(links, s)):
         # Top-k frames cost their ends CPU (config.topk_frame_factor): charged, the stages
         # grow, so does the budget, and AdaTopK may compress less. One more round, then the
         # stages are charged for the codecs that stay.
@@ -130,10 +130,9 @@ def _stage_record(
     replicas = members[fit]
     share = model.speed_share(replicas, a, b)
     prof = model.peer_profile[replicas]
-    frames = np.array([frame_time(k, s, model.profiles[i]) for i in prof])
-    per_topk = np.array([model.profiles[i].frame_overhead for i in prof]) * (
-        cfg.topk_frame_factor - 1.0
-    )
+    per_frame = model.frame_cost[prof]  # (R,)
+    frames = stage_frames(k, s) * per_frame
+    per_topk = per_frame * (cfg.topk_frame_factor - 1.0)
     fwd_frames, bwd_frames = frames + topk[0] * per_topk, frames + topk[1] * per_topk
     forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a] + fwd_frames)))
     backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a] + bwd_frames)))

@@ -104,7 +104,8 @@ class Retimer:
         ours = tuple(self._link(link, cuts, budget) for link in plan.links)
         links = tuple(map(self._as_claimed, ours, plan.links))
         extra = topk_frames(links, len(stages))
-        if any(f or b for f, b in extra):  # the claimed top-k frames' CPU, as build_plan
+        # The claimed top-k frames' CPU, as build_plan charges it.
+        if self.model.charges_topk and any(f or b for f, b in extra):
             stages = tuple(self._stage(plan, cuts, k, extra[k]) for k in range(len(stages)))
             budget = max(s.forward_time + s.backward_time for s in stages)
             ours = tuple(self._link(link, cuts, budget) for link in plan.links)

@@ -271,16 +271,27 @@ class DhtClient:
         except DhtError as exc:
             logger.warning("the new DHT worker did not start (%s): the old one goes on", exc)
             return
+        if self._install(new, old):
+            old.close()
+        elif not self._closed.is_set():  # the old one died (a restart took over), or the new one
+            logger.warning("the new DHT worker was not installed: the old one, if any, goes on")
+
+    def _install(self, new: WorkerProcess, replacing: WorkerProcess | None) -> bool:
+        """Hand requests to ``new`` if ``replacing`` still serves them (None: none does), the
+        client is open and ``new`` has not died since its hello (its exit, seen before it was
+        installed, started no restart); else kill it. Whether it was installed."""
         with self._lock:
-            installed = self._worker is old and not self._closed.is_set()
+            installed = (
+                self._worker is replacing and not self._closed.is_set() and not new.exited.is_set()
+            )
             if installed:
                 self._worker = new
                 self.restarts += 1
-        if not installed:  # closed, or the old one died and a restart took over
+        if not installed:
             new.kill()
-            return
+            return False
         logger.info("DHT worker restarted (pid %d) on %s", new.pid, self.maddrs)
-        old.close()
+        return True
 
     # ------------------------------------------------------------------ worker lifecycle
 
@@ -331,16 +342,7 @@ class DhtClient:
                 logger.warning("DHT worker restart %d failed: %s", attempt, exc)
                 delay = min(2 * delay, _MAX_RESTART_BACKOFF_S)
                 continue
-            with self._lock:
-                installed = not self._closed.is_set() and not worker.exited.is_set()
-                if installed:
-                    self._worker = worker
-                    self.restarts += 1
-            if installed:
-                logger.info("DHT worker restarted (pid %d) on %s", worker.pid, self.maddrs)
-                return
-            worker.kill()
-            if self._closed.is_set():
+            if self._install(worker, None) or self._closed.is_set():
                 return
 
     def _restart_config(self, attempt: int) -> DhtConfig:

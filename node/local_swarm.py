@@ -1,7 +1,9 @@
 """Real ``fusionllm node`` processes on one machine, for integration tests and benchmarks.
 
 Each node runs with ``--events`` as a ``JsonChild`` (children.py) that collects its JSON event
-lines; its log goes to a file. Waits have deadlines, and ``LocalSwarm.close`` kills every
+lines; its log and its events go to files (``NAME.log``, ``NAME.events.jsonl``; a restart's
+``NAME.1.log``...), which a later swarm on the same root writes afresh, so the two always tell
+of the same process. Waits have deadlines, and ``LocalSwarm.close`` kills every
 process (and the DHT worker of a node killed with SIGKILL, which cannot take it down itself).
 """
 
@@ -57,7 +59,8 @@ class NodeProcess:
         env["PYTHONUNBUFFERED"] = "1"
         argv = [sys.executable, "-m", "fusionllm.node.cli.main", "--log-level", "INFO", "node"]
         # Its events go next to its log too: what a failed run did, step by step, stays on disk.
-        self._events_file = log_path.with_suffix(".events.jsonl").open("a", encoding="utf-8")
+        # Rewritten as the log is (JsonChild): appended, a reused root mixed runs' events.
+        self._events_file = log_path.with_suffix(".events.jsonl").open("w", encoding="utf-8")
         try:
             self._child = JsonChild([*prefix, *argv, *args], name=name, env=env,
                                     stderr=log_path, on_event=self._keep)  # fmt: skip

@@ -109,7 +109,7 @@ def _stop_when(daemon: NodeDaemon, trainer, finished: threading.Event, stop, on_
             # Said loudly: a node that leaves exits 0 as one that finished does, and a swarm
             # whose nodes were all stopped at once (a stray pkill) looks like a run cut short.
             step = trainer.step if trainer is not None else None
-            logger.warning("asked to stop (SIGTERM) at step %s: leaving politely", step)
+            logger.warning("asked to stop (SIGINT or SIGTERM) at step %s: leaving politely", step)
             on_event({"event": "stopping", "step": step, "t": time.time()})
             if trainer is not None:
                 trainer.stop()

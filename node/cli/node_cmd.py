@@ -38,8 +38,9 @@ def add_parser(commands) -> None:
         "--steps the node writes its stage's parameters to --work-dir, leaves and exits 0. "
         "Every --checkpoint-every steps each stage is checkpointed to --work-dir and a copy "
         "kept by another member; restarted with the same --key and --work-dir, a node rejoins "
-        "and offers what it saved. Ctrl-C or SIGTERM leaves politely: the node finishes its "
-        "step and hands its stage to a member that stays.",
+        "and offers what it saved. Ctrl-C (SIGINT) or SIGTERM leaves politely: the node "
+        "finishes its step and hands its stage to a member that stays; Ctrl-C again quits at "
+        "once.",
     )
     add_swarm_address(node, joining=True)
     _add_identity_and_port_options(node)
@@ -403,6 +404,28 @@ def _describe(event: dict, swarm: str, every: int = 10) -> str | None:
     return None
 
 
+class _Leave:
+    """SIGINT (Ctrl-C, ``kill -INT``) and SIGTERM (docker stop, kill): leave the swarm
+    politely (run_node's ``stop``). SIGINT gets this handler explicitly: a node started as a
+    script's background job inherits SIGINT ignored, and Python then raises no
+    KeyboardInterrupt for it, so ``kill -INT`` did nothing. Once asked, a second SIGINT
+    raises KeyboardInterrupt, for whoever will not wait for the hand-over (up to
+    2 x --step-timeout); the flag keeps a signal landing inside ``stop.set()`` from taking
+    the Event's lock again (a deadlock)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._asked = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self._asked:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self._asked = True
+        self._stop.set()
+
+
 def run(args: argparse.Namespace) -> int:
     from fusionllm.node.swarm_config import SwarmNodeConfig
     from fusionllm.node.swarm_node import run_node
@@ -440,9 +463,9 @@ def run(args: argparse.Namespace) -> int:
         serve_limits=_serve_limits(args) if args.task == "serve" else None,
     )
     stop = threading.Event()
-    # SIGTERM (docker stop, kill) leaves the swarm politely, like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: leave politely, like SIGTERM
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _Leave(stop))
+    with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: out at once, cleaned up
         run_node(
             config,
             on_event=_printer(args, node_config.settings.swarm),

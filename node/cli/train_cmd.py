@@ -149,27 +149,14 @@ def _train_config(args: argparse.Namespace) -> "TrainConfig":
     links = args.stages - 1
     ratio = (args.topk_ratio,) * links if args.topk_ratio < 1.0 and links else ()
     run = run_spec_from(args, load_data(args))  # checked here, not in every stage process
-    return TrainConfig(
-        model=run.model,
-        model_dir=run.model_dir,
+    return TrainConfig.for_run(
+        run,
+        cuts=None,
         stages=args.stages,
         replicas=tuple(args.replicas) if args.replicas else None,
-        micro_batches=run.micro_batches,
-        batch_size=run.micro_batch_size,
-        seq_len=run.seq_len,
-        steps=run.steps,
-        lr=run.lr,
-        seed=run.seed,
-        data_path=args.data,
-        data_dtype=args.data_dtype,
-        vocab_size=run.vocab_size,
+        steps=run.steps,  # 0 is refused: train runs to an end
         activation_ratios=ratio if args.topk_activations else (),
         gradient_ratios=ratio,
-        gradient_codec=run.gradient_codec,
-        eval_every=run.eval_every,
-        precision=run.precision,
-        lora_rank=run.lora_rank,
-        lora_alpha=run.lora_alpha,
-        lora_fa=run.lora_fa,
-        lora_targets=run.lora_targets,
+        data_path=args.data,
+        data_dtype=args.data_dtype,
     )

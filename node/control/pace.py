@@ -158,16 +158,16 @@ def checked_compute(
     width = [len(s.peers) for s in plan.stages]
     alone = {r: stages[r] for r in range(len(stages)) if width[stages[r]] == 1}
     at = {stage: r for r, stage in alone.items()}
+    # The cuts between two stages of one process each: both ends witness across them.
+    cut_s = {c: _link_s(plan, c, micro_batches, measured) for c in at if c + 1 in at}
     checked = []
     for r, (busy, wait_in, wait_out) in enumerate(timings):
         bounds = [busy]
         t = alone.get(r)
         if t is not None and t - 1 in at:  # the upstream waited for our gradients
-            up = timings[at[t - 1]][2] - wait_out - _link_s(plan, t - 1, micro_batches, measured)
-            bounds.append(up)
+            bounds.append(timings[at[t - 1]][2] - wait_out - cut_s[t - 1])
         if t is not None and t + 1 in at:  # the downstream waited for our activations
-            down = timings[at[t + 1]][1] - wait_in - _link_s(plan, t, micro_batches, measured)
-            bounds.append(down)
+            bounds.append(timings[at[t + 1]][1] - wait_in - cut_s[t])
         seen = max(bounds)
         checked.append(seen if seen > _BELIEVED_WITHIN * busy else busy)
     return checked

@@ -21,15 +21,15 @@ from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
 from fusionllm.node.control.port_mapper import PortMapper
 from fusionllm.node.control.relay_use import RelayUse
+from fusionllm.node.p2p.announce import AnnounceAddr
 from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
 from fusionllm.node.p2p.peer_host import PeerHost
-from fusionllm.node.p2p.reachability import Reachability, announced, judge
+from fusionllm.node.p2p.reachability import REACHABLE, Reachability, announced, judge
 
 logger = get_logger(__name__)
 
-# Members whose own verdict says others reach them; then members that have not judged yet
-# ("unknown", or "" from older software): worth asking too. Never a "private" one.
-_REACHABLE = ("public", "mapped", "announced")
+# Members that have not judged yet ("unknown", or "" from older software) are worth asking
+# too, after those whose own verdict says others reach them. Never a "private" one.
 _UNJUDGED = ("unknown", "")
 
 
@@ -57,8 +57,8 @@ class ReachConfig:
 def pick_askers(members: Mapping[str, NodeInfo], me: str, count: int) -> list[NodeInfo]:
     """Up to ``count`` members to ask, reachable ones first, then by peer id. Pure."""
     others = [m for m in members.values() if m.peer_id != me and m.addrs]
-    ranked = sorted(others, key=lambda m: (m.reach not in _REACHABLE, m.peer_id))
-    return [m for m in ranked if m.reach in (*_REACHABLE, *_UNJUDGED)][:count]
+    ranked = sorted(others, key=lambda m: (m.reach not in REACHABLE, m.peer_id))
+    return [m for m in ranked if m.reach in (*REACHABLE, *_UNJUDGED)][:count]
 
 
 class ReachCheck:
@@ -110,9 +110,8 @@ class ReachCheck:
         (``mapped``), or relayed addresses while we hold any; then where we listen."""
         reach, mapped = self.current, []
         for addr in reach.addrs if reach.verdict == "mapped" else ():
-            ip, port = addr.rsplit(":", 1)
-            family = "ip6" if ":" in ip else "ip4"
-            mapped.append(f"/{family}/{ip}/tcp/{port}/p2p/{self._host.peer_id}")
+            ip, port = addr.rsplit(":", 1)  # judged from checked IPs and our own ports
+            mapped.append(f"{AnnounceAddr(host=ip).multiaddr(int(port))}/p2p/{self._host.peer_id}")
         return [*mapped, *(self._relays.addrs if self._relays else ()), *listen_addrs]
 
     def close(self) -> None:

@@ -19,12 +19,11 @@ from fusionllm.common.logs import get_logger
 from fusionllm.dht.records import NodeInfo
 from fusionllm.node.p2p.member_relay import MemberRelay, MemberRelayConfig
 from fusionllm.node.p2p.peer_host import PeerHost
+from fusionllm.node.p2p.reachability import REACHABLE
 from fusionllm.node.p2p.relay_addrs import is_relayed, relay_of, relayed_addr
 from fusionllm.node.p2p.relay_client import RelayClient
 
 logger = get_logger(__name__)
-
-REACHABLE = ("public", "mapped", "announced")  # verdicts of members others can dial
 
 
 @dataclass(frozen=True, kw_only=True)

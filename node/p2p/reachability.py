@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from fusionllm.dht.records import REACH_VERDICTS as VERDICTS
 from fusionllm.node.p2p.dialback import DialBackAnswer
 
+# Verdicts of nodes others can dial: members worth asking for a dial-back, or to relay.
+REACHABLE = ("public", "mapped", "announced")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Reachability:

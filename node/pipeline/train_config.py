@@ -184,8 +184,10 @@ class TrainConfig:
         cls,
         run: RunSpec,
         *,
-        cuts: tuple[int, ...],
-        replicas: tuple[int, ...],
+        cuts: tuple[int, ...] | None,
+        replicas: tuple[int, ...] | None,
+        stages: int | None = None,
+        steps: int | None = None,
         activation_ratios: tuple[float, ...] = (),
         gradient_ratios: tuple[float, ...] = (),
         data_path: str | None = None,
@@ -193,17 +195,21 @@ class TrainConfig:
         activation_halves: tuple[bool, ...] = (),
         gradient_halves: tuple[bool, ...] = (),
     ) -> "TrainConfig":
-        """The swarm's run spec on a given layout (cuts, replicas per stage, link ratios), with
-        this node's copy of the data (the spec names it by digest, not by path)."""
+        """The run spec on a given layout (cuts, replicas per stage, link ratios), with this
+        node's copy of the data (the spec names it by digest, not by path). ``cuts`` None:
+        ``stages`` balanced by forward FLOPs. ``steps`` None: the run's, at least one (a
+        node's own loop decides when a run without end stops)."""
+        if (cuts is None) == (stages is None):
+            raise ConfigError(f"give cuts or stages, not both or neither: {cuts}, {stages}")
         return cls(
             model=run.model,
-            stages=len(cuts) + 1,
+            stages=len(cuts) + 1 if cuts is not None else stages,
             cuts=cuts,
             replicas=replicas,
             micro_batches=run.micro_batches,
             batch_size=run.micro_batch_size,
             seq_len=run.seq_len,
-            steps=max(run.steps, 1),  # a node's own loop decides when a run without end stops
+            steps=max(run.steps, 1) if steps is None else steps,
             lr=run.lr,
             weight_decay=run.weight_decay,
             betas=run.betas,

@@ -1,5 +1,6 @@
 """A ``fusionllm node`` started with no flag at all: a TOML file and FUSIONLLM_* variables
-give every setting, and the node runs with them (its key, swarm, timing, announced addresses)."""
+give every setting, and the node runs with them (its key, swarm, timing, announced addresses).
+Started as a script's background job starts it (SIGINT ignored), it still leaves on SIGINT."""
 
 import json
 import os
@@ -14,6 +15,12 @@ from fusionllm.node.local_swarm import TEST_DEVICE
 from tests.support.forwarder import Forwarder
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+# What a shell does for a script's `cmd &`: SIGINT ignored, then exec (which keeps that).
+AS_A_BACKGROUND_JOB = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 def test_a_node_runs_with_the_settings_of_its_file_and_environment(tmp_path):
@@ -36,14 +43,18 @@ def test_a_node_runs_with_the_settings_of_its_file_and_environment(tmp_path):
             "FUSIONLLM_TTL": "6",
         }
         log = tmp_path / "node.log"
-        argv = [sys.executable, "-m", "fusionllm.node.cli.main", "node"]
+        argv = [sys.executable, "-c", AS_A_BACKGROUND_JOB, "-m", "fusionllm.node.cli.main", "node"]
         with JsonChild(argv, name="configured", env=env, stderr=log) as node:
             try:
                 ready = node.wait_for(lambda e: e["event"] == "ready", 120)
                 # no-train = true: an observer alone plans nothing, and says why each epoch.
                 _wait_for_line(log, "no member may be seated", 30)
-                node.process.send_signal(signal.SIGTERM)
+                # Python ignores a SIGINT that was ignored when it started: the node's own
+                # handler must take it, and leave as on SIGTERM.
+                node.process.send_signal(signal.SIGINT)
                 assert node.wait(60) == 0
+                node.drain(5)
+                assert any(e["event"] == "stopping" for e in node.snapshot())
             except BaseException:
                 print(log.read_text()[-4000:])
                 raise

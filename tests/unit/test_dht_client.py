@@ -6,6 +6,7 @@ import asyncio
 import io
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,6 +114,20 @@ def test_reader_that_loses_framing_gets_the_worker_killed_and_restarted():
         assert client.get("back") == [("s", b"back", 1.0)]
         # The old worker was alive (sleeping) with a useless pipe: the restart killed it.
         assert not old.is_running() or old.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_new_worker_that_died_before_the_hand_over_is_not_installed():
+    """A worker that exits between its hello and the hand-over found itself not installed
+    and started no restart: installed, it would fail every request from then on."""
+    with _client() as client:
+        old, killed = client._worker, []
+        dead = SimpleNamespace(exited=threading.Event(), pid=1, kill=lambda: killed.append(1))
+        dead.exited.set()
+        assert client._install(dead, old) is False
+        assert client._worker is old
+        assert killed == [1]
+        assert client.restarts == 0
+        assert client.get("still") == [("s", b"still", 1.0)]
 
 
 def _child_of_the_worker(client: DhtClient) -> psutil.Process:

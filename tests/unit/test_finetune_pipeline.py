@@ -141,3 +141,23 @@ def test_a_resumed_finetune_stage_reads_its_frozen_base_and_draws_lora_fas_a_aga
         assert torch.equal(p.detach(), start[canonical[name]].detach()), name
     assert worker.parameters
     assert all(n.endswith(".lora_B") for n in worker.parameters)
+
+
+def test_train_builds_its_config_from_the_run_as_the_swarm_does() -> None:
+    """``fusionllm train`` maps the run spec through ``TrainConfig.for_run`` (it kept a copy
+    of the mapping that lacked the optimizer's and the corpus's fields), on ``--stages``
+    balanced stages, and refuses a run without end."""
+    from fusionllm.node.cli.main import build_parser
+    from fusionllm.node.cli.options import run_spec_from
+    from fusionllm.node.cli.train_cmd import _train_config
+
+    args = build_parser().parse_args(["train", "--stages", "3", "--steps", "7"])
+    config = _train_config(args)
+    run = run_spec_from(args)
+    assert (config.stages, config.cuts, config.replicas, config.steps) == (3, None, None, 7)
+    for field in ("lr", "weight_decay", "betas", "max_grad_norm", "stdlib_bytes", "seed"):
+        assert getattr(config, field) == getattr(run, field), field
+    with pytest.raises(ConfigError, match="steps must be >= 1, got 0"):
+        _train_config(build_parser().parse_args(["train", "--steps", "0"]))
+    with pytest.raises(ConfigError, match="give cuts or stages"):
+        TrainConfig.for_run(run, cuts=(), stages=2, replicas=None)

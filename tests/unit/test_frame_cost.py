@@ -4,10 +4,12 @@ travels in a node's record, and the measure's arithmetic (its timing is benchmar
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.baselines import naive_plan
+from fusionllm.dag.chain_cuts import _Chain, _make_unit, _Model, _solve_chain
 from fusionllm.dag.cost import DeviceProfile, LinkProfile, frame_time, mbps, stage_frames
 from fusionllm.dag.plan_build import build_plan, topk_frames
 from fusionllm.dag.plan_check import Retimer
@@ -35,10 +37,14 @@ def test_a_stage_pays_for_the_frames_it_sends_and_receives_per_pass():
 
 
 def _swarm(device: DeviceProfile, n: int) -> Swarm:
-    peers = [Peer(peer_id=f"p{i}", device=device, uplink=mbps(1000), downlink=mbps(1000),
-                  rtt=1e-3) for i in range(n)]  # fmt: skip
+    return _swarm_of([device] * n)
+
+
+def _swarm_of(devices: list[DeviceProfile], bandwidth: float = mbps(1000)) -> Swarm:
+    peers = [Peer(peer_id=f"p{i}", device=device, uplink=bandwidth, downlink=bandwidth,
+                  rtt=1e-3) for i, device in enumerate(devices)]  # fmt: skip
     links = {
-        (x.peer_id, y.peer_id): LinkProfile(bandwidth=mbps(1000), rtt=1e-3)
+        (x.peer_id, y.peer_id): LinkProfile(bandwidth=bandwidth, rtt=1e-3)
         for x in peers
         for y in peers
         if x is not y
@@ -116,3 +122,29 @@ def test_top_k_frames_are_charged_to_both_ends_and_the_retimer_agrees():
     assert topk_frames([], 1) == [(0, 0)]
     with pytest.raises(ConfigError, match="topk_frame_factor must be >= 1"):
         PlanConfig(topk_frame_factor=0.5)
+
+
+def test_the_cut_takes_work_off_a_device_whose_frames_cost_much():
+    """The chain solver charges each stage its dense frames as build_plan does: cut blind to
+    them (the middle of 12 equal nodes), the plan is slower than with the cut it picks."""
+    graph = chain_graph(12, narrow=12, flops=10**9)  # every inner cut the same bytes
+    config = PlanConfig(micro_batches=4, batch_size=4, compression=False)
+    fast = mbps(10_000)  # links carry a cut in less than a stage computes
+
+    def solve(swarm: Swarm) -> tuple[list[int], float]:
+        model = _Model(graph, swarm, config)
+        chain = _Chain(model, [_make_unit(model, np.array([i]), i) for i in range(2)],
+                       (np.full((2, 2), fast), np.full((2, 2), 1e-3)))  # fmt: skip
+        cuts = _solve_chain(chain)
+        return cuts, chain.bottleneck(cuts)
+
+    assert solve(_swarm_of([CPU, CPU], fast))[0] == [0, 6, 12]
+    # p0's frames cost 0.1 s a side: about three nodes' compute per pass.
+    costly = _swarm_of([replace(CPU, name="slow-io", frame_overhead=0.1), CPU], fast)
+    cuts, bottleneck = solve(costly)
+    assert cuts[1] < 6
+    groups = [["p0"], ["p1"]]
+    chosen = build_plan(graph, costly, config, groups, cuts).estimated_step_time
+    blind = build_plan(graph, costly, config, groups, [0, 6, 12]).estimated_step_time
+    assert chosen < 0.97 * blind
+    assert bottleneck <= chosen  # the chain's bottleneck still bounds the plan (pruning)

@@ -113,22 +113,24 @@ class LaneListener:
         assert self._sock is not None
         while True:
             conn, _ = await self._sock.accept()
-            if self._unredeemed >= _MAX_UNREDEEMED:
-                self._refuse(LANE_CROWDED, "an unnamed connection")
-                conn.close()
-                continue
-            self._unredeemed += 1
-            nursery.start_soon(self._redeem, conn)
+            if self._held(conn):
+                nursery.start_soon(self._redeem, conn)
 
     async def redeem(self, conn: trio.socket.SocketType) -> None:
         """A connection made another way (a hole punch, punch.py), held to the same token
         check as one accepted on the port, and within the same bound."""
+        if self._held(conn):
+            await self._redeem(conn)
+
+    def _held(self, conn: trio.socket.SocketType) -> bool:
+        """Count ``conn`` among those waiting to show a token; refused and closed when too
+        many already wait."""
         if self._unredeemed >= _MAX_UNREDEEMED:
             self._refuse(LANE_CROWDED, "an unnamed connection")
             conn.close()
-            return
+            return False
         self._unredeemed += 1
-        await self._redeem(conn)
+        return True
 
     async def _redeem(self, conn: trio.socket.SocketType) -> None:
         try:

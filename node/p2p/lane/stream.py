@@ -111,9 +111,7 @@ class LaneWriter:
         if not self.lock.acquire(timeout=max(timeout, 0.0)):
             raise DeadlineError(f"the lane stayed busy for {timeout}s")
         try:
-            if self.broken:
-                raise TransportError("the lane is broken")
-            self._finish(memoryview(b""), self._batches(parts), deadline)
+            self.write_locked(parts, deadline)
         finally:
             self.lock.release()
 
