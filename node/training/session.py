@@ -39,9 +39,7 @@ from fusionllm.node.training.board import (
     TAG_READY,
     TAG_WANT,
     Board,
-    Inbox,
     Ready,
-    Router,
     encode_ready,
 )
 from fusionllm.node.training.copies import delivered, send_state
@@ -52,6 +50,7 @@ from fusionllm.node.training.holdings import (
 )
 from fusionllm.node.training.parting import Parting
 from fusionllm.node.training.resume import restore_residuals, restore_scale
+from fusionllm.node.training.router import Inbox, Router
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.transfer import DONORS, MOVES
 

@@ -27,10 +27,11 @@ from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
-from fusionllm.node.training.board import Board, Copy, Router
+from fusionllm.node.training.board import Board, Copy
 from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.donor import Donor
 from fusionllm.node.training.placement import CorePlacement
+from fusionllm.node.training.router import Router
 from fusionllm.node.training.session import LEAVE_VOTE, PlanSession
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.trainer_config import SwarmView, TrainerConfig
