@@ -16,6 +16,7 @@ Every ``checkpoint_every`` steps each member writes its stage and, unless the st
 replica, gives a copy to the next stage's first replica."""
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,12 +36,17 @@ from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.training.assignment import Assignment, plan_vote
 from fusionllm.node.training.blame import blame_stall
 from fusionllm.node.training.board import (
+    NONCE_LIMIT,
     READY_ANSWER,
+    TAG_ABORT,
     TAG_READY,
     TAG_WANT,
+    Abort,
     Board,
     Ready,
+    encode_abort,
     encode_ready,
+    with_echo,
 )
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import (
@@ -112,6 +118,10 @@ class PlanSession:
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
         self._announced: dict[int, torch.Tensor] = {}  # round -> our READY body in it
         self._answered: dict[str, float] = {}  # peer -> when we last answered its READY
+        # This meeting's name: READYs count, and ABORTs stop us, only if they echo it.
+        self.nonce = 1 + secrets.randbelow(NONCE_LIMIT - 1)
+        self._met: dict[str, int] = {}  # member -> its meeting's nonce, once we met
+        self._told = False  # a member told us it abandoned a step: no need to tell it back
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -134,10 +144,13 @@ class PlanSession:
             mine = self.vault.holdings()
             scales = [self.vault.scale_of(h) for h in mine]
             hint = self.hooks.progress()
-            body = encode_ready(self.vote, mine, round=round_, hint=hint, scales=scales)
+            body = encode_ready(
+                self.vote, mine, round=round_, hint=hint, scales=scales, nonce=self.nonce
+            )
             ready = self._hear(others, body, round_, current=current, stop=stop)
             if ready is None:
                 return None
+            self._met = {peer: r.nonce for peer, r in ready.items()}
             start = self._decide(ready, mine)
             reached = max([hint, *(r.hint for r in ready.values())])
             if start.step >= reached or round_ == MAX_ROUNDS - 1:
@@ -170,17 +183,19 @@ class PlanSession:
                 return None
             if time.monotonic() >= next_send:
                 body = self._announced.setdefault(round_, body)  # what answer() resends
-                self._announce(others, body)
+                for peer in others:  # each echoes the nonce we last heard from its receiver
+                    echo = self.board.heard(peer, self.vote)
+                    self._announce([peer], with_echo(body, echo=echo))
                 next_send = time.monotonic() + _READY_RESEND_S
-            self.board.wait(
-                lambda: len(self.board.ready_of(others, self.vote, round_)) == len(others),
-                timeout=0.5,
-            )
-            ready = self.board.ready_of(others, self.vote, round_)
+            self.board.wait(lambda: len(self._ready_in(others, round_)) == len(others), timeout=0.5)
+            ready = self._ready_in(others, round_)
             late.check(ready)
         for peer in ready:
             self.hooks.cleared(peer)
         return ready
+
+    def _ready_in(self, others: list[str], round_: int) -> dict[str, Ready]:
+        return self.board.ready_of(others, self.vote, round_, echo=self.nonce)
 
     def answer(self, peer: str, ready: Ready) -> None:
         """A member's READY, heard in the router's thread. It resends READY until it has heard
@@ -194,7 +209,23 @@ class PlanSession:
         if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
             return
         self._answered[peer] = now
-        self._announce([peer], body, step=READY_ANSWER)
+        self._announce([peer], with_echo(body, echo=ready.nonce), step=READY_ANSWER)
+
+    def aborted(self, peer: str, abort: Abort) -> None:
+        """A member's ABORT, heard in the router's thread: if it names this meeting, the step
+        it abandoned cannot complete, so ours fails now instead of at the step timeout."""
+        if abort.vote != self.vote or abort.echo != self.nonce or peer == self.me:
+            return
+        if peer not in self.assignment.members:
+            return
+        logger.info("member %s abandoned step %d: abandoning ours", peer[:16], abort.step)
+        self._told = True
+        self.runner.abort(PipelineError(f"member {peer} abandoned step {abort.step}"))
+
+    def _tell_abandoned(self, step: int) -> None:
+        """ABORT to every member we met, each naming its own meeting, so none waits for us."""
+        for peer, nonce in self._met.items():
+            self._announce([peer], encode_abort(self.vote, nonce, step), TAG_ABORT, step=step)
 
     def barrier_wait_s(self, peer: str) -> float:
         """How long the READY barrier waits for ``peer`` before suspecting it: the grace, plus
@@ -248,7 +279,7 @@ class PlanSession:
             step=step, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage
         )
         for peer in peers:
-            if tag != TAG_READY:
+            if tag == TAG_WANT:  # to nodes outside the plan; members are dialled already
                 self.hooks.connect(peer)
             try:
                 self.transport.send_async(peer, header, packed, timeout=5.0)
@@ -384,6 +415,8 @@ class PlanSession:
         self.runner.worker.optimizer.zero_grad(set_to_none=True)
         done = self.runner.completed_steps
         logger.warning("step %d of plan %s failed: %s", step, self.assignment.digest[:12], exc)
+        if not self._told:
+            self._tell_abandoned(step)
         held = self._held(done if done is not None else step)
         self.vault.set_live(held)
         return Ending(Outcome.FAILED, held, str(exc))

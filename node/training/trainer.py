@@ -98,6 +98,7 @@ class SwarmTrainer:
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
             on_ready=self._on_ready,
+            on_abort=self._on_abort,
             moves_from=self._meets,
             copies_from=self._keeps_for,
         )
@@ -161,6 +162,11 @@ class SwarmTrainer:
         session = self._session
         if session is not None:
             session.answer(peer, ready)
+
+    def _on_abort(self, peer: str, abort) -> None:
+        session = self._session
+        if session is not None:
+            session.aborted(peer, abort)
 
     def _meets(self, peer: str) -> bool:
         """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
