@@ -91,12 +91,14 @@ def test_dead_worker_is_restarted():
 def test_worker_restarts_as_a_client_once(port):
     with _client(listen_port=port) as client:
         pid = _worker_pid(client)
+        served_at = client.maddrs
         assert client.visible_maddrs()[1] == "/server"
         assert client.set_client_mode(True) is True
-        if port == 0:  # the old worker serves until the new one is up
-            assert client.get("meanwhile") == [("s", b"meanwhile", 1.0)]
+        assert client.get("meanwhile") == [("s", b"meanwhile", 1.0)]  # served until it is up
         _wait_for_restart(client, 1)
         assert client.visible_maddrs()[1] == "/client"
+        # On the port it had (a free one for 0): a peer that bootstraps from it still gets in.
+        assert client.maddrs == served_at
         assert _worker_pid(client) != pid
         assert client.config.client_mode is True
         assert client.set_client_mode(True) is False  # already one: nothing restarts
