@@ -231,6 +231,7 @@ class Board:
         on_copy: Callable[[Copy], None] = lambda copy: None,
         on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
         on_ready: Callable[[str, Ready], None] = lambda peer, ready: None,
+        on_answer: Callable[[str, Ready], None] = lambda peer, ready: None,
         on_abort: Callable[[str, Abort], None] = lambda peer, abort: None,
         moves_from: Callable[[str], bool] = lambda peer: True,
         copies_from: Callable[[str], bool] = lambda peer: True,
@@ -241,6 +242,7 @@ class Board:
         self._on_copy = on_copy
         self._on_want = on_want
         self._on_ready = on_ready  # a READY that is not an answer: the sender still waits
+        self._on_answer = on_answer  # a READY that answers one of ours
         self._on_abort = on_abort
         self._moves_from = moves_from  # who may send STATE: the plan we meet's members
         self._copies_from = copies_from  # who may send copies to keep, besides those asked
@@ -296,6 +298,8 @@ class Board:
             self._file_ready(item.peer, ready)
             if header.step != READY_ANSWER:
                 self._on_ready(item.peer, ready)
+            else:
+                self._on_answer(item.peer, ready)
         elif is_abort(header):
             abort = decode_abort(item.tensor)
             if abort is None:

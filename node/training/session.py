@@ -121,6 +121,7 @@ class PlanSession:
         # This meeting's name: READYs count, and ABORTs stop us, only if they echo it.
         self.nonce = 1 + secrets.randbelow(NONCE_LIMIT - 1)
         self._met: dict[str, int] = {}  # member -> its meeting's nonce, once we met
+        self._echoed: dict[tuple[str, int], int] = {}  # (peer, round) -> our last READY's echo
         self._told = False  # a member told us it abandoned a step: no need to tell it back
         router.route_to(self.inbox)
 
@@ -184,8 +185,7 @@ class PlanSession:
             if time.monotonic() >= next_send:
                 body = self._announced.setdefault(round_, body)  # what answer() resends
                 for peer in others:  # each echoes the nonce we last heard from its receiver
-                    echo = self.board.heard(peer, self.vote)
-                    self._announce([peer], with_echo(body, echo=echo))
+                    self._send_ready(peer, body, round_, self.board.heard(peer, self.vote))
                 next_send = time.monotonic() + _READY_RESEND_S
             self.board.wait(lambda: len(self._ready_in(others, round_)) == len(others), timeout=0.5)
             ready = self._ready_in(others, round_)
@@ -209,7 +209,23 @@ class PlanSession:
         if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
             return
         self._answered[peer] = now
-        self._announce([peer], with_echo(body, echo=ready.nonce), step=READY_ANSWER)
+        self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def answered(self, peer: str, ready: Ready) -> None:
+        """A member's answer to our READY, heard in the router's thread. If our READY it saw
+        did not echo its meeting (its own READY reached us only as this answer: we refused
+        the first, adopting the plan late), answer once so that it counts us too; never
+        twice for one nonce, so two members' answers cannot bounce for ever."""
+        body = self._announced.get(ready.round)
+        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+            return
+        if ready.echo != self.nonce or self._echoed.get((peer, ready.round)) == ready.nonce:
+            return
+        self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def _send_ready(self, peer: str, body, round_: int, echo: int, step: int = 0) -> None:
+        self._echoed[(peer, round_)] = echo
+        self._announce([peer], with_echo(body, echo=echo), step=step)
 
     def aborted(self, peer: str, abort: Abort) -> None:
         """A member's ABORT, heard in the router's thread: if it names this meeting, the step
@@ -352,6 +368,10 @@ class PlanSession:
                 return Ending(Outcome.FINISHED, self._held(step))
             if step - start == self.hooks.fault_stall_after > 0:
                 self._stall(step, stop)
+            if step - start == self.hooks.fault_abandon_after > 0:
+                logger.warning("fault injection: abandoning step %d", step)
+                self.hooks.emit({"event": "fault_abandon", "step": step, "t": time.time()})
+                self.runner.abort(PipelineError("fault injection: step abandoned"))
             if stop.is_set():
                 return Ending(Outcome.STOPPED, self._held(step))
             self.vault.begin_step()  # the live stage changes in place until set_live

@@ -98,6 +98,7 @@ class SwarmTrainer:
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
             on_ready=self._on_ready,
+            on_answer=self._on_answer,
             on_abort=self._on_abort,
             moves_from=self._meets,
             copies_from=self._keeps_for,
@@ -162,6 +163,11 @@ class SwarmTrainer:
         session = self._session
         if session is not None:
             session.answer(peer, ready)
+
+    def _on_answer(self, peer: str, ready) -> None:
+        session = self._session
+        if session is not None:
+            session.answered(peer, ready)
 
     def _on_abort(self, peer: str, abort) -> None:
         session = self._session
@@ -336,6 +342,7 @@ class SwarmTrainer:
             send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
             fault_stall_after=self.config.fault_stall_after,
+            fault_abandon_after=self.config.fault_abandon_after,
             fault_under_report=self.config.fault_under_report,
         )
 

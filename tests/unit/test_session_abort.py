@@ -94,7 +94,7 @@ def member(wire: Wire, me: str, nonce: int, met: dict[str, int]) -> PlanSession:
         board=board,
         layout=None,
         vault=SimpleNamespace(begin_step=lambda: None, set_live=lambda held: None),
-        hooks=SimpleNamespace(fault_stall_after=0),
+        hooks=SimpleNamespace(fault_stall_after=0, fault_abandon_after=0),
     )
     return session
 
