@@ -150,7 +150,7 @@ def _add_test_hooks(node: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         # Test hook (tests/integration/test_stalling_members.py): after this many steps of a
-        # plan the node abandons the next step, as when its view briefly drops a member.
+        # plan the node abandons the next step (once), as when its view briefly drops a member.
         help=argparse.SUPPRESS,
     )
     node.add_argument(

@@ -123,6 +123,7 @@ class PlanSession:
         self._met: dict[str, int] = {}  # member -> its meeting's nonce, once we met
         self._echoed: dict[tuple[str, int], int] = {}  # (peer, round) -> our last READY's echo
         self._told = False  # a member told us it abandoned a step: no need to tell it back
+        self.fault_abandoned = False  # the test hook abandoned a step of this plan
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -371,6 +372,7 @@ class PlanSession:
             if step - start == self.hooks.fault_abandon_after > 0:
                 logger.warning("fault injection: abandoning step %d", step)
                 self.hooks.emit({"event": "fault_abandon", "step": step, "t": time.time()})
+                self.fault_abandoned = True
                 self.runner.abort(PipelineError("fault injection: step abandoned"))
             if stop.is_set():
                 return Ending(Outcome.STOPPED, self._held(step))

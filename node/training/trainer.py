@@ -68,6 +68,7 @@ class SwarmTrainer:
         self.view = view
         self._emit = on_event
         self._session: PlanSession | None = None
+        self._abandoned = False  # the --fault-abandon-after hook fired (it fires once)
         self._role: int | None = None  # our replica in the plan we serve
         self._plans: dict[float, tuple[str, Plan]] = {}  # recent votes -> the plans they name
         own, custody = config.stores()
@@ -291,9 +292,10 @@ class SwarmTrainer:
             self._last_members = frozenset(plan_of.members)
             self._session = None
             session.close()
+        self._abandoned = self._abandoned or session.fault_abandoned  # the test hook: once
         self._emit({"event": "plan_end", "digest": digest, "outcome": ending.outcome.value,
                     "next_step": ending.held.next_step if ending.held else None,
-                    "detail": ending.detail})  # fmt: skip
+                    "detail": ending.detail, "t": time.time()})  # fmt: skip
         return ending
 
     def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
@@ -342,7 +344,7 @@ class SwarmTrainer:
             send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
             fault_stall_after=self.config.fault_stall_after,
-            fault_abandon_after=self.config.fault_abandon_after,
+            fault_abandon_after=0 if self._abandoned else self.config.fault_abandon_after,
             fault_under_report=self.config.fault_under_report,
         )
 

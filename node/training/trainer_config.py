@@ -55,7 +55,7 @@ class TrainerConfig:
     # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
     barrier_grace_s: float = 30.0
     fault_stall_after: int = 0  # test hook: stall after this many steps of a plan (session.py)
-    fault_abandon_after: int = 0  # test hook: abandon a step after this many of a plan
+    fault_abandon_after: int = 0  # test hook: abandon a step after this many of a plan, once
     fault_under_report: float = 1.0  # test hook: report this many times less compute
 
     def __post_init__(self) -> None:
