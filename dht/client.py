@@ -246,31 +246,41 @@ class DhtClient:
         node nobody can dial (behind NAT) must not be a DHT server: others put it in their
         routing tables and every store and get that picks it waits out a dial to its LAN
         address (``peer_timeout_s``). The new worker starts beside the old one, which serves
-        until it is up (a DHT start took 30-50 s on the loaded testbed); on a fixed port the
-        old one stops first and requests fail with DhtError meanwhile, as after a crash."""
+        until it is up (a DHT start took 30-50 s on the loaded testbed), on the same port: p2pd
+        binds its listener with SO_REUSEPORT (checked here: a second worker bound a running
+        one's port), so peers that hold our address, or bootstrap from it, still reach us."""
         with self._lock:
             worker = self._worker
             if self.config.client_mode == client_mode or self._closed.is_set() or worker is None:
                 return False
             self.config = replace(self.config, client_mode=client_mode)
-            beside = self.config.listen_port == 0  # else the new one could not bind
-            if not beside:
-                self._worker = None
-            target = self._switch if beside else self._restart
             switcher = self._restarter = threading.Thread(
-                target=target, args=(worker,), name="dht-switch", daemon=True
+                target=self._switch, args=(worker,), name="dht-switch", daemon=True
             )
         logger.info("restarting the DHT worker as a %s", "client" if client_mode else "server")
         switcher.start()
         return True
 
     def _switch(self, old: WorkerProcess) -> None:
-        """Start a worker on ``self.config`` and hand requests to it, then stop ``old``."""
+        """Start a worker on ``self.config`` at ``old``'s port and hand requests to it, then stop
+        ``old``. Where the port cannot be shared, a fixed one is freed first (requests fail with
+        DhtError meanwhile, as after a crash); else any free port will do."""
         try:
-            new = self._spawn(self.config)
+            new = self._spawn(self._restart_config(1))
         except DhtError as exc:
-            logger.warning("the new DHT worker did not start (%s): the old one goes on", exc)
-            return
+            if self.config.listen_port:
+                logger.warning("the new DHT worker could not share port %d (%s): stopping the "
+                               "old one first", self.config.listen_port, exc)  # fmt: skip
+                with self._lock:
+                    if self._worker is not old:
+                        return
+                    self._worker = None
+                return self._restart(old)
+            try:
+                new = self._spawn(self.config)
+            except DhtError as exc:
+                logger.warning("the new DHT worker did not start (%s): the old one goes on", exc)
+                return
         if self._install(new, old):
             old.close()
         elif not self._closed.is_set():  # the old one died (a restart took over), or the new one

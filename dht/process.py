@@ -224,10 +224,13 @@ class WorkerProcess:
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    """Whether process group ``pgid`` is empty within ``timeout`` (its killed members are
-    reaped by init, not by us)."""
+    """Whether process group ``pgid`` is empty within ``timeout``. Its killed members are
+    reaped by init, and that may be us: in a container started without ``--init`` the node
+    is PID 1, the worker's orphans (hivemind's DHT process, p2pd) become its children, and a
+    zombie still counts in its group, so unreaped it held every stop here to the timeout."""
     deadline = time.monotonic() + timeout
     while True:
+        _reap(pgid)
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -237,3 +240,10 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
+
+
+def _reap(pgid: int) -> None:
+    """Reap the exited members of group ``pgid`` that are our children (none: nothing)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass

@@ -19,6 +19,7 @@ class SwarmNodeConfig:
     barrier_grace_s: float = 30.0  # the READY barrier's wait for a member (training/session.py)
     checkpoint_pause_s: float = 0.0  # fault injection: sleep between a write and its rename
     fault_stall_after: int = 0  # fault injection: stop sending after this many steps of a plan
+    fault_abandon_after: int = 0  # fault injection: abandon a step after this many of a plan, once
     fault_under_report: float = 1.0  # fault injection: report this many times less compute
     fault_late_barrier_s: float = 0.0  # fault injection: come late to the first plan's barrier
     train: bool = True  # False: the control plane alone (tests and benchmarks of it)

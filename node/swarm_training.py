@@ -197,6 +197,7 @@ def _trainer(config: SwarmNodeConfig, daemon: NodeDaemon, transport, on_event) -
             checkpoint_every=config.node.settings.checkpoint_every,
             checkpoint_pause_s=config.checkpoint_pause_s,
             fault_stall_after=config.fault_stall_after,
+            fault_abandon_after=config.fault_abandon_after,
             fault_under_report=config.fault_under_report,
             fault_late_barrier_s=config.fault_late_barrier_s,
             pin_cores=config.pin_cores,

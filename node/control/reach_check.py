@@ -24,7 +24,7 @@ from fusionllm.node.control.relay_use import RelayUse
 from fusionllm.node.p2p.announce import AnnounceAddr
 from fusionllm.node.p2p.dialback import DIALBACK_PROTOCOL, DialBackConfig, DialBackServer, ask
 from fusionllm.node.p2p.peer_host import PeerHost
-from fusionllm.node.p2p.reachability import REACHABLE, Reachability, announced, judge
+from fusionllm.node.p2p.reachability import REACHABLE, Reachability, Settler, announced, judge
 
 logger = get_logger(__name__)
 
@@ -40,6 +40,7 @@ class ReachConfig:
     retry_s: float = 10.0  # while there was no member to ask
     ask: int = 3  # members asked per check
     confirmations: int = 2  # agreeing members for a verdict (fewer if fewer were asked)
+    repeats: int = 2  # checks in a row that must agree where fewer members could be asked
     connect_timeout_s: float = 10.0
     dialback: DialBackConfig = field(default_factory=DialBackConfig)
 
@@ -48,7 +49,7 @@ class ReachConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value <= 86400):
                 raise ConfigError(f"{name} must be in (0, 86400] s, got {value!r}")
-        for name in ("ask", "confirmations"):
+        for name in ("ask", "confirmations", "repeats"):
             value = getattr(self, name)
             if not (isinstance(value, int) and 1 <= value <= 16):
                 raise ConfigError(f"{name} must be in [1, 16], got {value!r}")
@@ -90,6 +91,7 @@ class ReachCheck:
         self._mapped_ports = mapped_ports  # beside the host's: lanes'
         self._asked = False  # whether the last check found members to ask
         self._stop = threading.Event()  # loop()'s, once it runs
+        self._settler = Settler(confirmations=config.confirmations, repeats=config.repeats)
         self.current = announced(self._announced) if self._announced else Reachability(
             verdict="unknown"
         )  # fmt: skip
@@ -139,7 +141,7 @@ class ReachCheck:
                 continue
             judged = self.check_once().verdict != "unknown"
             wanting = self._relays is not None and self._relays.wanting
-            settled = self._asked and judged and not wanting
+            settled = self._asked and judged and not wanting and not self._settler.pending
             wait = self._config.interval_s if settled else self._config.retry_s
             due = time.monotonic() + wait
 
@@ -159,6 +161,7 @@ class ReachCheck:
             # (they ask it, it may not ask them) would turn "unknown" at its next check, and
             # the homes relaying through it would drop it as a relay.
             verdict = self.current
+        verdict = self._settler.settle(self.current, verdict)
         if verdict != self.current:
             logger.info("reachability: %s (%d members answered)", verdict.verdict, verdict.answers)
             upnp = self._mapper is not None and self._mapper.mapped

@@ -10,6 +10,7 @@
 
 One member's word never decides: an address counts as reachable once ``confirmations``
 distinct members reached it, and ``private`` needs as many members that reached nothing.
+Where fewer members could be asked, ``Settler`` demotes a node only on repeated checks.
 """
 
 import ipaddress
@@ -68,6 +69,42 @@ def judge(
     return Reachability(
         verdict=verdict, addrs=confirmed, observed_ips=observed, answers=len(latest)
     )
+
+
+# Verdicts that make a node a DHT client and send it to relays (relay_use.py).
+_DEMOTING = ("private", "mapped")
+
+
+class Settler:
+    """Whether a fresh verdict replaces the current one. Where fewer members than
+    ``confirmations`` could be asked, one member's answer decided it: thin evidence (one
+    dial-back lost to a loaded member makes a public node "private"). A thin verdict that
+    demotes the node replaces the current one only after ``repeats`` checks in a row gave it.
+    Pure: the caller keeps it across checks."""
+
+    def __init__(self, *, confirmations: int, repeats: int) -> None:
+        if confirmations < 1 or repeats < 1:
+            raise ValueError(f"confirmations {confirmations} and repeats {repeats} must be >= 1")
+        self._confirmations, self._repeats = confirmations, repeats
+        self._thin: tuple[str, int] = ("", 0)  # a thin demoting verdict, checks in a row
+
+    @property
+    def pending(self) -> bool:
+        """A thin verdict waits for its next check."""
+        return self._thin[1] > 0
+
+    def settle(self, current: Reachability, fresh: Reachability) -> Reachability:
+        thin = fresh.answers < self._confirmations
+        if fresh.verdict not in _DEMOTING or fresh.verdict == current.verdict or not thin:
+            self._thin = ("", 0)
+            return fresh
+        verdict, times = self._thin
+        times = times + 1 if verdict == fresh.verdict else 1
+        if times >= self._repeats:
+            self._thin = ("", 0)
+            return fresh
+        self._thin = (fresh.verdict, times)
+        return current
 
 
 def punch_ip(reach: Reachability) -> str | None:

@@ -1,17 +1,20 @@
-"""Frames between plans: ready announcements and moved state, and the router that files them.
+"""Frames between plans: ready announcements and moved state, filed on the ``Board``.
 
-A node's transport outlives every plan it serves, so one receive thread (``Router``) reads
-it and files each frame: READY and STATE frames on the ``Board`` (kept across plans, from
-members only), everything else in the current session's mailbox. A session's mailbox may
-not exist yet, or not know its first step yet, when a peer's first frames arrive: those wait
-in a bounded queue until the session opens.
+The node's router (router.py) hands READY and STATE frames here (kept across plans, from
+members only); everything else goes to the current session's mailbox.
 
 READY (control tag ``TAG_READY``): float64 ``[vote, round, hint, n, (step, start, stop, scale,
-good) x MAX_HOLDINGS]``: the sender built its stage of the plan with that vote and, in that round
-of the meeting, holds the n ``Holding``s listed (unused slots are -1), each with fp16's loss
-scale state at its step (``ScaleState``; 0, 0 when it has none); ``hint`` is the newest step
-the swarm's records show it reached. A READY whose header step is ``READY_ANSWER`` answers one
-(a member that already met hears a peer still waiting): it is filed, never answered.
+good) x MAX_HOLDINGS, nonce, echo]``: the sender built its stage of the plan with that vote and,
+in that round of the meeting, holds the n ``Holding``s listed (unused slots are -1), each with
+fp16's loss scale state at its step (``ScaleState``; 0, 0 when it has none); ``hint`` is the
+newest step the swarm's records show it reached. ``nonce`` names the sender's meeting (each
+time it serves a plan, a new one); ``echo`` is the newest nonce it heard from the receiver (0:
+none). A meeting counts only READYs that echo its own nonce: a late resend from a meeting
+of the same plan served before is filed, but never taken for this one. A READY whose header
+step is ``READY_ANSWER`` answers one (a member that already met hears a peer still waiting):
+it is filed, never answered.
+ABORT (``TAG_ABORT``, float64 ``[vote, echo, step]``): the sender abandoned that step of the
+meeting ``echo`` names (the receiver's nonce): stop waiting for it now, not at the step timeout.
 WANT (``TAG_WANT``, float64 ``[hint, floor]``): a plan member asks a node outside the plan for
 copies of the newest state it holds after step ``floor`` (the newest step the plan's members hold
 in full, which is less than the swarm reached).
@@ -33,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.node.errors import DeadlineError, TransportClosedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, TensorSpec
 from fusionllm.node.pipeline.loss_scale import ScaleState
@@ -45,17 +47,20 @@ TAG_READY = 1 << 24
 TAG_MANIFEST = TAG_READY + 1
 TAG_WANT = TAG_READY + 2
 TAG_DONE = TAG_READY + 3
+TAG_ABORT = TAG_READY + 4
 TAG_STATE = 1 << 25  # + parameter index
 TAG_CUSTODY = 1 << 26  # + parameter index
 READY_ANSWER = 1  # the header step of a READY that answers one
 _READY_HEAD = 4
 _ENTRY = 5  # step, start, stop, scale, good steps
-READY_LEN = _READY_HEAD + _ENTRY * MAX_HOLDINGS
+_NONCE_AT = _READY_HEAD + _ENTRY * MAX_HOLDINGS  # then the echo
+READY_LEN = _NONCE_AT + 2
+NONCE_LIMIT = 2**48  # nonces are 1..2**48-1 (exact in float64); 0 means "none heard"
+_ECHOES_PER_KEY = 4  # READYs kept per (peer, round): one per meeting they echo, newest
 MANIFEST_LEN = 7
 _PENDING_COPIES_PER_PEER = 2
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _POLL_S = 0.2
-_MAX_EARLY_FRAMES = 4096
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,15 @@ class Ready:
     hint: int  # the newest step the sender's records show the swarm reached
     holdings: tuple[Holding, ...]  # what the sender can supply, in its order of preference
     scales: tuple[ScaleState | None, ...] = ()  # fp16's loss scale at each holding's step
+    nonce: int = 0  # the sender's meeting
+    echo: int = 0  # the receiver's meeting it answers (0: it heard none yet)
+
+
+@dataclass(frozen=True)
+class Abort:
+    vote: float
+    echo: int  # the receiver's meeting nonce
+    step: int
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,8 @@ def encode_ready(
     round: int = 0,
     hint: int = 0,
     scales: list[ScaleState | None] | None = None,
+    nonce: int = 0,
+    echo: int = 0,
 ):
     """A READY body: float64 (READY_LEN,); ``scales`` per holding (default: none known)."""
     body = torch.full((READY_LEN,), -1.0, dtype=torch.float64)
@@ -95,6 +111,15 @@ def encode_ready(
         at = _READY_HEAD + _ENTRY * i
         entry = [h.step, h.start, h.stop, *(scale or _NO_SCALE)]
         body[at : at + _ENTRY] = torch.tensor(entry, dtype=torch.float64)
+    return with_echo(body, nonce=nonce, echo=echo)
+
+
+def with_echo(body: torch.Tensor, *, echo: int, nonce: int | None = None) -> torch.Tensor:
+    """A copy of a READY body that echoes ``echo`` (and carries ``nonce`` if given)."""
+    body = body.clone()
+    if nonce is not None:
+        body[_NONCE_AT] = float(nonce)
+    body[_NONCE_AT + 1] = float(echo)
     return body
 
 
@@ -121,7 +146,10 @@ def decode_ready(body: torch.Tensor) -> Ready | None:
     """A READY body, or None if it is malformed (the frame is refused)."""
     values = body.tolist()
     vote, round_, hint, count = values[:_READY_HEAD]
+    nonce, echo = values[_NONCE_AT:]
     if not (_count(round_) and _count(hint) and _count(count, MAX_HOLDINGS + 1)):
+        return None
+    if not (_count(nonce, NONCE_LIMIT) and _count(echo, NONCE_LIMIT)):
         return None
     holdings, scales = [], []
     for i in range(int(count)):
@@ -131,11 +159,29 @@ def decode_ready(body: torch.Tensor) -> Ready | None:
             return None
         holdings.append(Holding(*(int(x) for x in triple)))
         scales.append(scale)
-    return Ready(vote, int(round_), int(hint), tuple(holdings), tuple(scales))
+    return Ready(
+        vote, int(round_), int(hint), tuple(holdings), tuple(scales), int(nonce), int(echo)
+    )
+
+
+def encode_abort(vote: float, echo: int, step: int) -> torch.Tensor:
+    return torch.tensor([vote, float(echo), float(step)], dtype=torch.float64)  # (3,)
+
+
+def decode_abort(body: torch.Tensor) -> Abort | None:
+    """An ABORT body, or None if it is malformed (the frame is refused)."""
+    vote, echo, step = body.tolist()
+    if not (_count(vote, 2**53) and _count(echo, NONCE_LIMIT) and echo > 0 and _count(step)):
+        return None
+    return Abort(vote, int(echo), int(step))
 
 
 def is_ready(header: FrameHeader) -> bool:
     return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_READY
+
+
+def is_abort(header: FrameHeader) -> bool:
+    return header.kind is FrameKind.CONTROL and header.micro_batch == TAG_ABORT
 
 
 def is_want(header: FrameHeader) -> bool:
@@ -165,6 +211,7 @@ def custody_index(header: FrameHeader) -> int | None:
 def is_board_frame(header: FrameHeader) -> bool:
     return (
         is_ready(header)
+        or is_abort(header)
         or is_want(header)
         or is_done(header)
         or is_manifest(header)
@@ -184,6 +231,8 @@ class Board:
         on_copy: Callable[[Copy], None] = lambda copy: None,
         on_want: Callable[[str, int, int], None] = lambda peer, hint, floor: None,
         on_ready: Callable[[str, Ready], None] = lambda peer, ready: None,
+        on_answer: Callable[[str, Ready], None] = lambda peer, ready: None,
+        on_abort: Callable[[str, Abort], None] = lambda peer, abort: None,
         moves_from: Callable[[str], bool] = lambda peer: True,
         copies_from: Callable[[str], bool] = lambda peer: True,
     ):
@@ -193,13 +242,18 @@ class Board:
         self._on_copy = on_copy
         self._on_want = on_want
         self._on_ready = on_ready  # a READY that is not an answer: the sender still waits
+        self._on_answer = on_answer  # a READY that answers one of ours
+        self._on_abort = on_abort
         self._moves_from = moves_from  # who may send STATE: the plan we meet's members
         self._copies_from = copies_from  # who may send copies to keep, besides those asked
         self._asked: frozenset[str] = frozenset()  # who may answer DONE: the last WANT's
         self._done: dict[str, tuple[int, int]] = {}  # peer -> (floor, copies sent) of its DONE
         self._filed: dict[str, int] = {}  # peer -> its copies filed (kept or refused) since
         self._cond = threading.Condition()
-        self._ready: dict[tuple[str, int], Ready] = {}  # (peer, round) -> the newest
+        # (peer, round) -> echo -> the newest READY: a late resend from an earlier meeting
+        # (another echo) never replaces the one that answers ours
+        self._ready: dict[tuple[str, int], dict[int, Ready]] = {}
+        self._heard: dict[str, Ready] = {}  # peer -> its newest READY (its nonce to echo)
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (step, name) -> flat state
         self._parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (peer, step) -> ...
         self._manifests: dict[tuple[str, int], tuple[Holding, int, int, ScaleState | None]] = {}
@@ -215,6 +269,8 @@ class Board:
             return TensorSpec(torch.float64, (READY_LEN,))
         if is_manifest(header):
             return TensorSpec(torch.float64, (MANIFEST_LEN,))
+        if is_abort(header):
+            return TensorSpec(torch.float64, (3,))
         if is_want(header):
             return TensorSpec(torch.float64, (2,))
         if is_done(header):
@@ -239,11 +295,16 @@ class Board:
             ready = decode_ready(item.tensor)
             if ready is None:
                 return self._refuse(item, "a malformed READY")
-            with self._cond:
-                self._ready[(item.peer, ready.round)] = ready
-                self._cond.notify_all()
+            self._file_ready(item.peer, ready)
             if header.step != READY_ANSWER:
                 self._on_ready(item.peer, ready)
+            else:
+                self._on_answer(item.peer, ready)
+        elif is_abort(header):
+            abort = decode_abort(item.tensor)
+            if abort is None:
+                return self._refuse(item, "a malformed ABORT")
+            self._on_abort(item.peer, abort)
         elif is_want(header):
             hint, floor = item.tensor.tolist()
             if not (_count(hint) and _count(floor)):
@@ -273,6 +334,16 @@ class Board:
             with self._cond:
                 self._state[(header.step, name)] = item.tensor
                 self._cond.notify_all()
+
+    def _file_ready(self, peer: str, ready: Ready) -> None:
+        with self._cond:
+            echoes = self._ready.setdefault((peer, ready.round), {})
+            echoes.pop(ready.echo, None)  # re-inserted as the newest
+            echoes[ready.echo] = ready
+            while len(echoes) > _ECHOES_PER_KEY:
+                del echoes[next(iter(echoes))]
+            self._heard[peer] = ready
+            self._cond.notify_all()
 
     def _refuse(self, item: Received, why: str) -> None:
         self.refused += 1
@@ -348,9 +419,19 @@ class Board:
             answered = {p: d[1] for p in peers if (d := self._done.get(p)) and d[0] == floor}
             return {p for p, sent in answered.items() if self._filed.get(p, 0) >= sent}
 
-    def ready_of(self, peers: list[str], vote: float, round: int = 0) -> dict[str, Ready]:
+    def ready_of(
+        self, peers: list[str], vote: float, round: int = 0, echo: int = 0
+    ) -> dict[str, Ready]:
+        """Each peer's READY for ``vote`` in ``round`` that echoes our meeting's nonce."""
         with self._cond:
-            return {p: r for p in peers if (r := self._ready.get((p, round))) and r.vote == vote}
+            found = {p: self._ready.get((p, round), {}).get(echo) for p in peers}
+            return {p: r for p, r in found.items() if r is not None and r.vote == vote}
+
+    def heard(self, peer: str, vote: float) -> int:
+        """The nonce of ``peer``'s newest READY for ``vote`` (what ours should echo), or 0."""
+        with self._cond:
+            ready = self._heard.get(peer)
+            return ready.nonce if ready is not None and ready.vote == vote else 0
 
     def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``condition()`` holds (re-checked on every filed frame) or ``timeout``."""
@@ -382,88 +463,13 @@ class Board:
         """A plan's meeting is over: its READY frames are used up (a later meeting with the same
         vote must hear its members again); moved state of steps before ``before_step`` goes."""
         with self._cond:
-            self._ready = {p: r for p, r in self._ready.items() if r.vote != vote}
+            for key, echoes in list(self._ready.items()):
+                kept = {e: r for e, r in echoes.items() if r.vote != vote}
+                if kept:
+                    self._ready[key] = kept
+                else:
+                    del self._ready[key]
             self._done.clear()
             self._filed.clear()
             if before_step is not None:
                 self._state = {k: v for k, v in self._state.items() if k[0] >= before_step}
-
-
-class Inbox:
-    """Where the router files one session's frames: early ones wait until it opens."""
-
-    def __init__(self, put: Callable[[Received], None]) -> None:
-        self._put = put
-        self._lock = threading.Lock()
-        self._early: list[Received] | None = []
-        self.dropped = 0
-
-    def deliver(self, item: Received) -> None:
-        with self._lock:
-            if self._early is not None:
-                if len(self._early) < _MAX_EARLY_FRAMES:
-                    self._early.append(item)
-                else:
-                    self.dropped += 1
-                return
-        self._put(item)
-
-    def open(self) -> None:
-        with self._lock:
-            early, self._early = self._early or [], None
-        for item in early:
-            self._put(item)
-
-
-class Router:
-    """The node's one receive thread for tensor frames."""
-
-    def __init__(self, transport, board: Board) -> None:
-        self._transport = transport
-        self._board = board
-        self._inbox: Inbox | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.unrouted = 0
-        self._thread = threading.Thread(target=self._run, name="node-router", daemon=True)
-
-    def start(self) -> "Router":
-        # A session's frames go from the transport's thread straight to its mailbox; board
-        # frames (rare, and their handlers may send) still come through this thread.
-        self._transport.deliver_to(self._deliver)
-        self._thread.start()
-        return self
-
-    def route_to(self, inbox: Inbox | None) -> None:
-        with self._lock:
-            self._inbox = inbox
-
-    def close(self) -> None:
-        self._transport.deliver_to(None)
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(2.0)
-
-    def _deliver(self, item: Received) -> bool:
-        """In the transport's thread: a session frame to its inbox; False leaves it to us."""
-        if is_board_frame(item.header):
-            return False
-        with self._lock:
-            inbox = self._inbox
-        if inbox is None:
-            return False  # counted by _run, in one place
-        inbox.deliver(item)
-        return True
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._transport.recv(timeout=_POLL_S)
-            except DeadlineError:
-                continue
-            except TransportClosedError:
-                return
-            if is_board_frame(item.header):
-                self._board.put(item)
-            elif not self._deliver(item):
-                self.unrouted += 1  # a frame for a plan we no longer (or do not yet) serve

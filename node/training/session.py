@@ -16,6 +16,7 @@ Every ``checkpoint_every`` steps each member writes its stage and, unless the st
 replica, gives a copy to the next stage's first replica."""
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,14 +36,17 @@ from fusionllm.node.pipeline.runner import PipelineRunner, StepReport
 from fusionllm.node.training.assignment import Assignment, plan_vote
 from fusionllm.node.training.blame import blame_stall
 from fusionllm.node.training.board import (
+    NONCE_LIMIT,
     READY_ANSWER,
+    TAG_ABORT,
     TAG_READY,
     TAG_WANT,
+    Abort,
     Board,
-    Inbox,
     Ready,
-    Router,
+    encode_abort,
     encode_ready,
+    with_echo,
 )
 from fusionllm.node.training.copies import delivered, send_state
 from fusionllm.node.training.holdings import (
@@ -52,6 +56,7 @@ from fusionllm.node.training.holdings import (
 )
 from fusionllm.node.training.parting import Parting
 from fusionllm.node.training.resume import restore_residuals, restore_scale
+from fusionllm.node.training.router import Inbox, Router
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.transfer import DONORS, MOVES
 
@@ -113,6 +118,12 @@ class PlanSession:
         self.moved = (0, 0)  # parameters (sent, received) as the plan started
         self._announced: dict[int, torch.Tensor] = {}  # round -> our READY body in it
         self._answered: dict[str, float] = {}  # peer -> when we last answered its READY
+        # This meeting's name: READYs count, and ABORTs stop us, only if they echo it.
+        self.nonce = 1 + secrets.randbelow(NONCE_LIMIT - 1)
+        self._met: dict[str, int] = {}  # member -> its meeting's nonce, once we met
+        self._echoed: dict[tuple[str, int], int] = {}  # (peer, round) -> our last READY's echo
+        self._told = False  # a member told us it abandoned a step: no need to tell it back
+        self.fault_abandoned = False  # the test hook abandoned a step of this plan
         router.route_to(self.inbox)
 
     def close(self) -> None:
@@ -135,10 +146,13 @@ class PlanSession:
             mine = self.vault.holdings()
             scales = [self.vault.scale_of(h) for h in mine]
             hint = self.hooks.progress()
-            body = encode_ready(self.vote, mine, round=round_, hint=hint, scales=scales)
+            body = encode_ready(
+                self.vote, mine, round=round_, hint=hint, scales=scales, nonce=self.nonce
+            )
             ready = self._hear(others, body, round_, current=current, stop=stop)
             if ready is None:
                 return None
+            self._met = {peer: r.nonce for peer, r in ready.items()}
             start = self._decide(ready, mine)
             reached = max([hint, *(r.hint for r in ready.values())])
             if start.step >= reached or round_ == MAX_ROUNDS - 1:
@@ -171,17 +185,18 @@ class PlanSession:
                 return None
             if time.monotonic() >= next_send:
                 body = self._announced.setdefault(round_, body)  # what answer() resends
-                self._announce(others, body)
+                for peer in others:  # each echoes the nonce we last heard from its receiver
+                    self._send_ready(peer, body, round_, self.board.heard(peer, self.vote))
                 next_send = time.monotonic() + _READY_RESEND_S
-            self.board.wait(
-                lambda: len(self.board.ready_of(others, self.vote, round_)) == len(others),
-                timeout=0.5,
-            )
-            ready = self.board.ready_of(others, self.vote, round_)
+            self.board.wait(lambda: len(self._ready_in(others, round_)) == len(others), timeout=0.5)
+            ready = self._ready_in(others, round_)
             late.check(ready)
         for peer in ready:
             self.hooks.cleared(peer)
         return ready
+
+    def _ready_in(self, others: list[str], round_: int) -> dict[str, Ready]:
+        return self.board.ready_of(others, self.vote, round_, echo=self.nonce)
 
     def answer(self, peer: str, ready: Ready) -> None:
         """A member's READY, heard in the router's thread. It resends READY until it has heard
@@ -195,7 +210,39 @@ class PlanSession:
         if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
             return
         self._answered[peer] = now
-        self._announce([peer], body, step=READY_ANSWER)
+        self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def answered(self, peer: str, ready: Ready) -> None:
+        """A member's answer to our READY, heard in the router's thread. If our READY it saw
+        did not echo its meeting (its own READY reached us only as this answer: we refused
+        the first, adopting the plan late), answer once so that it counts us too; never
+        twice for one nonce, so two members' answers cannot bounce for ever."""
+        body = self._announced.get(ready.round)
+        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+            return
+        if ready.echo != self.nonce or self._echoed.get((peer, ready.round)) == ready.nonce:
+            return
+        self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def _send_ready(self, peer: str, body, round_: int, echo: int, step: int = 0) -> None:
+        self._echoed[(peer, round_)] = echo
+        self._announce([peer], with_echo(body, echo=echo), step=step)
+
+    def aborted(self, peer: str, abort: Abort) -> None:
+        """A member's ABORT, heard in the router's thread: if it names this meeting, the step
+        it abandoned cannot complete, so ours fails now instead of at the step timeout."""
+        if abort.vote != self.vote or abort.echo != self.nonce or peer == self.me:
+            return
+        if peer not in self.assignment.members:
+            return
+        logger.info("member %s abandoned step %d: abandoning ours", peer[:16], abort.step)
+        self._told = True
+        self.runner.abort(PipelineError(f"member {peer} abandoned step {abort.step}"))
+
+    def _tell_abandoned(self, step: int) -> None:
+        """ABORT to every member we met, each naming its own meeting, so none waits for us."""
+        for peer, nonce in self._met.items():
+            self._announce([peer], encode_abort(self.vote, nonce, step), TAG_ABORT, step=step)
 
     def barrier_wait_s(self, peer: str) -> float:
         """How long the READY barrier waits for ``peer`` before suspecting it: the grace, plus
@@ -249,7 +296,7 @@ class PlanSession:
             step=step, micro_batch=tag, kind=FrameKind.CONTROL, stage=self.role.stage
         )
         for peer in peers:
-            if tag != TAG_READY:
+            if tag == TAG_WANT:  # to nodes outside the plan; members are dialled already
                 self.hooks.connect(peer)
             try:
                 self.transport.send_async(peer, header, packed, timeout=5.0)
@@ -322,6 +369,11 @@ class PlanSession:
                 return Ending(Outcome.FINISHED, self._held(step))
             if step - start == self.hooks.fault_stall_after > 0:
                 self._stall(step, stop)
+            if step - start == self.hooks.fault_abandon_after > 0:
+                logger.warning("fault injection: abandoning step %d", step)
+                self.hooks.emit({"event": "fault_abandon", "step": step, "t": time.time()})
+                self.fault_abandoned = True
+                self.runner.abort(PipelineError("fault injection: step abandoned"))
             if stop.is_set():
                 return Ending(Outcome.STOPPED, self._held(step))
             self.vault.begin_step()  # the live stage changes in place until set_live
@@ -385,6 +437,8 @@ class PlanSession:
         self.runner.worker.optimizer.zero_grad(set_to_none=True)
         done = self.runner.completed_steps
         logger.warning("step %d of plan %s failed: %s", step, self.assignment.digest[:12], exc)
+        if not self._told:
+            self._tell_abandoned(step)
         held = self._held(done if done is not None else step)
         self.vault.set_live(held)
         return Ending(Outcome.FAILED, held, str(exc))

@@ -65,5 +65,8 @@ class SessionHooks:
     # Test hook (--fault-stall-after): after this many steps of one plan, stop sending frames
     # and stepping until the node is killed, while its heartbeat goes on. 0: never.
     fault_stall_after: int = 0
+    # Test hook (--fault-abandon-after): after this many steps of a plan, abandon the next
+    # step as the member watcher does when our view drops a member (once a process). 0: never.
+    fault_abandon_after: int = 0
     # Test hook (--fault-under-report): report this many times less compute than we measured.
     fault_under_report: float = 1.0

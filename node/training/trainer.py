@@ -27,11 +27,12 @@ from fusionllm.node.pipeline.compute import Compute
 from fusionllm.node.pipeline.data import TokenDataset
 from fusionllm.node.pipeline.runner import StepReport
 from fusionllm.node.training.assignment import Assignment, assign, plan_vote
-from fusionllm.node.training.board import Board, Copy, Router
+from fusionllm.node.training.board import Board, Copy
 from fusionllm.node.training.checkpoints import CheckpointError
 from fusionllm.node.training.donor import Donor
 from fusionllm.node.training.idle_plan import IdlePlanWatch, idle_patience_s
 from fusionllm.node.training.placement import CorePlacement
+from fusionllm.node.training.router import Router
 from fusionllm.node.training.session import LEAVE_VOTE, PlanSession
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.trainer_config import SwarmView, TrainerConfig
@@ -70,6 +71,7 @@ class SwarmTrainer:
         self.view = view
         self._emit = on_event
         self._session: PlanSession | None = None
+        self._abandoned = False  # the --fault-abandon-after hook fired (it fires once)
         self._role: int | None = None  # our replica in the plan we serve
         self._plans: dict[float, tuple[str, Plan]] = {}  # recent votes -> the plans they name
         own, custody = config.stores()
@@ -101,6 +103,8 @@ class SwarmTrainer:
             on_copy=self._on_copy,
             on_want=lambda peer, reached, floor: self.donor.on_want(peer, floor),
             on_ready=self._on_ready,
+            on_answer=self._on_answer,
+            on_abort=self._on_abort,
             moves_from=self._meets,
             copies_from=self._keeps_for,
         )
@@ -164,6 +168,16 @@ class SwarmTrainer:
         session = self._session
         if session is not None:
             session.answer(peer, ready)
+
+    def _on_answer(self, peer: str, ready) -> None:
+        session = self._session
+        if session is not None:
+            session.answered(peer, ready)
+
+    def _on_abort(self, peer: str, abort) -> None:
+        session = self._session
+        if session is not None:
+            session.aborted(peer, abort)
 
     def _meets(self, peer: str) -> bool:
         """Whether ``peer`` is a member of the plan we meet or serve (it may move state)."""
@@ -283,9 +297,10 @@ class SwarmTrainer:
             self._last_members = frozenset(plan_of.members)
             self._session = None
             session.close()
+        self._abandoned = self._abandoned or session.fault_abandoned  # the test hook: once
         self._emit({"event": "plan_end", "digest": digest, "outcome": ending.outcome.value,
                     "next_step": ending.held.next_step if ending.held else None,
-                    "detail": ending.detail})  # fmt: skip
+                    "detail": ending.detail, "t": time.time()})  # fmt: skip
         return ending
 
     def _run_session(self, session: PlanSession, plan_of: Assignment) -> Ending:
@@ -338,6 +353,7 @@ class SwarmTrainer:
             send_bytes_per_s=self.view.send_bytes_per_s,
             barrier_grace_s=self.config.barrier_grace_s,
             fault_stall_after=self.config.fault_stall_after,
+            fault_abandon_after=0 if self._abandoned else self.config.fault_abandon_after,
             fault_under_report=self.config.fault_under_report,
         )
 

@@ -55,6 +55,7 @@ class TrainerConfig:
     # The READY barrier's wait for a member before it is suspected, beyond its state's transfer.
     barrier_grace_s: float = 30.0
     fault_stall_after: int = 0  # test hook: stall after this many steps of a plan (session.py)
+    fault_abandon_after: int = 0  # test hook: abandon a step after this many of a plan, once
     fault_under_report: float = 1.0  # test hook: report this many times less compute
     fault_late_barrier_s: float = 0.0  # test hook: come this late to our first plan's barrier
 
@@ -64,8 +65,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"fault_late_barrier_s must be in [0, 3600], got {self.fault_late_barrier_s!r}"
             )
-        if not isinstance(self.fault_stall_after, int) or self.fault_stall_after < 0:
-            raise ConfigError(f"fault_stall_after must be >= 0, got {self.fault_stall_after!r}")
+        for name in ("fault_stall_after", "fault_abandon_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value!r}")
         if not 1.0 <= self.fault_under_report <= 1e3:
             raise ConfigError(
                 f"fault_under_report must be in [1, 1000], got {self.fault_under_report!r}"

@@ -8,6 +8,7 @@ exit code 0, well inside the grace, its stage handed over.
 
 import json
 import time
+from datetime import UTC, datetime
 
 import numpy as np
 import pytest
@@ -75,7 +76,18 @@ def _leave(engine, containers: list[Container]) -> None:
     for container in containers:
         state = container.state()
         assert state["ExitCode"] == 0, (container.name, state, container.logs()[1][-3000:])
-        assert container.last("left"), f"{container.name} exited without saying it left"
+        left = container.last("left")
+        assert left, f"{container.name} exited without saying it left"
+        logger.info("%s exited %.1f s after it left", container.name,
+                    _finished_at(state) - left["t"])  # fmt: skip
+
+
+def _finished_at(state: dict) -> float:
+    """The engine's FinishedAt (RFC 3339 with nanoseconds) as a Unix time."""
+    stamp = state["FinishedAt"].rstrip("Z")
+    whole, _, fraction = stamp.partition(".")
+    seconds = datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp()
+    return seconds + float(f"0.{fraction or 0}")
 
 
 def _serving(containers: list[Container]) -> list[Container]:

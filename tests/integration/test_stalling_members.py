@@ -90,6 +90,7 @@ RTX_4090 = {
 # plan's step time, and a fast newcomer is worth a re-plan (as it is on a real swarm).
 SLOW_DEVICE = {**TEST_DEVICE, "flops": TEST_DEVICE["flops"] / 100}
 RESUME_S = 60.0
+ABORT_S = 10.0  # a member told of an abandoned step gives it up well inside patience's 15 s floor
 RUN_EPOCH_S = FAST["epoch"]
 # Epochs with an observer's links in every record before the test calls it never seated: a
 # plan is proposed from one epoch's view and adopted in the next; three leave one to spare.
@@ -98,6 +99,24 @@ SEATING_EPOCHS = 3
 
 def _step_times(nodes: list[NodeProcess]) -> list[float]:
     return sorted(e["t"] for n in nodes for e in n.snapshot() if e["event"] == "step")
+
+
+def _assert_an_abandoned_step_is_given_up_at_once(leaver: NodeProcess, nodes) -> None:
+    abandoned = wait_for(lambda: leaver.last("fault_abandon"), 180, "its abandoned step")
+    plans = [e for e in leaver.snapshot() if e["event"] == "train_plan"]
+    plan = [e for e in plans if e["t"] <= abandoned["t"]][-1]
+    members = {p for stage in plan["stages"] for p in stage} - {leaver.peer_id}
+
+    def ended(node: NodeProcess) -> list[dict]:
+        return [e for e in node.snapshot() if e["event"] == "plan_end"
+                and e["digest"] == plan["digest"] and e["t"] >= plan["t"]]  # fmt: skip
+
+    for node in [n for n in nodes if n.peer_id in members]:
+        end = wait_for(lambda n=node: ended(n), 60, "the plan's end")[0]
+        took = end["t"] - abandoned["t"]
+        print(f"step {abandoned['step']} abandoned: {node.peer_id[:12]} gave up in {took:.1f} s")
+        assert end["outcome"] == "failed", end
+        assert took < ABORT_S, (took, end)
 
 
 def _planned(node: NodeProcess, peer: str, since: float) -> list[dict]:
@@ -299,16 +318,20 @@ def test_a_member_that_stalls_mid_run_with_its_heartbeat_up_is_blamed_and_planne
     shared,
 ):
     """The newcomer computes honestly at the test CPU's speed (100x the trainers' claim), so
-    the swarm seats it; after 10 steps of that plan it stops sending frames and stepping, its
-    process and heartbeat up (the hidden ``--fault-stall-after`` hook). Its partner's step
-    times out after the step's rhythm allows (not the 60 s step timeout), blames it, and the
-    two others train on within 60 s; nobody else is suspected."""
+    the swarm seats it. First it abandons a step of its plan (``--fault-abandon-after``, as
+    a member whose view briefly dropped a peer does): it tells the plan's members, which stop
+    waiting for that step at once, not after their frame wait (15 s at least). Then, after 10
+    steps of its next plan, it stops sending frames and stepping, its process and heartbeat
+    up (the hidden ``--fault-stall-after`` hook). Its partner's step times out after the
+    step's rhythm allows (not the 60 s step timeout), blames it, and the two others train on
+    within 60 s; nobody else is suspected."""
     swarm, nodes = shared
     joined = time.time()
     staller = swarm.start("staller", bootstrap=nodes[0].dht_addr, device=TEST_DEVICE,
-                          extra={"fault-stall-after": 10})  # fmt: skip
+                          extra={"fault-stall-after": 10, "fault-abandon-after": 3})  # fmt: skip
     try:
         wait_for(lambda: _planned(nodes[0], staller.peer_id, joined), 120, "it seated")
+        _assert_an_abandoned_step_is_given_up_at_once(staller, nodes)
         stalled = wait_for(lambda: staller.last("fault_stall"), 180, "its stall")
         stalled_at = stalled["t"]
         resumed = wait_for(lambda: first_step_after(nodes, stalled_at), 120, "steps without it")

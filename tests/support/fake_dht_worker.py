@@ -2,13 +2,13 @@
 
     python tests/support/fake_dht_worker.py
 
-Speaks dht/wire.py like dht/worker.py. A store is acknowledged; "maddrs" names the worker's
-pid (so a test sees a restart); a get misbehaves as its key says: "huge:N" (a reply of N
-bytes, past the client's limit), "garbage" (a body that is not msgpack), "scalar" (a body
-that is not a map), "die" (exits at once), "unframe" (a length prefix past what a reader may
-skip: the pipe loses its framing while the process lives on), "many:N" (N small entries),
-"child" (starts a process that outlives the worker, as hivemind's p2pd may: its pid is the
-entry's value); any other key has one entry.
+Speaks dht/wire.py like dht/worker.py. Its hello names the port it was given (for 0, one of its
+own). A store is acknowledged; "maddrs" names the worker's pid (so a test sees a restart); a get
+misbehaves as its key says: "huge:N" (a reply of N bytes, past the client's limit), "garbage" (a
+body that is not msgpack), "scalar" (a body that is not a map), "die" (exits at once), "unframe"
+(a length prefix past what a reader may skip: the pipe loses its framing while the process lives
+on), "many:N" (N small entries), "child" (starts a process that outlives the worker, as
+hivemind's p2pd may: its pid is the entry's value); any other key has one entry.
 """
 
 import os
@@ -50,7 +50,11 @@ def main() -> None:
     inp = sys.stdin.buffer
     config = read_message(inp)
     mode = "client" if config.get("client_mode") else "server"
-    write_message(out, {"ok": True, "peer_id": "FakePeer", "maddrs": ["/ip4/127.0.0.1/tcp/1"]})
+    # The port it was given, or one of its own for 0 (a restart that keeps it shows).
+    port = int(config["listen"].rsplit("/", 1)[1]) or 20000 + os.getpid() % 20000
+    write_message(
+        out, {"ok": True, "peer_id": "FakePeer", "maddrs": [f"/ip4/127.0.0.1/tcp/{port}"]}
+    )
     while True:
         tag, message = read_tagged(inp)
         op = message.get("op")

@@ -19,19 +19,25 @@ from fusionllm.node.training.board import (
     _PENDING_COPIES_PER_PEER,
     _READY_HEAD,
     MANIFEST_LEN,
+    NONCE_LIMIT,
     READY_LEN,
+    TAG_ABORT,
     TAG_CUSTODY,
     TAG_DONE,
     TAG_MANIFEST,
     TAG_READY,
     TAG_STATE,
     TAG_WANT,
+    Abort,
     Board,
     Copy,
     Ready,
+    decode_abort,
     decode_ready,
+    encode_abort,
     encode_ready,
     is_board_frame,
+    with_echo,
 )
 from fusionllm.node.training.holdings import MAX_HOLDINGS, Holding
 
@@ -59,8 +65,10 @@ def _manifest(peer: str, step: int, start: int, stop: int, count: int, digest48:
     return Received(peer, _header(step if header_step is None else header_step, TAG_MANIFEST), body)
 
 
-def _ready(peer: str, vote: float, holdings: list[Holding], *, round: int = 0) -> Received:
-    return Received(peer, _header(0, TAG_READY), encode_ready(vote, holdings, round=round))
+def _ready(peer: str, vote: float, holdings: list[Holding], *, round: int = 0, nonce: int = 0,
+           echo: int = 0, step: int = 0) -> Received:  # fmt: skip
+    body = encode_ready(vote, holdings, round=round, nonce=nonce, echo=echo)
+    return Received(peer, _header(step, TAG_READY), body)
 
 
 def _want(peer: str, hint: float, floor: float = 0.0) -> Received:
@@ -77,6 +85,7 @@ class _Keeper:
     def __init__(self, meeting=MEMBERS, keeping=MEMBERS) -> None:
         self.copies: list[Copy] = []
         self.wants: list[tuple[str, int, int]] = []
+        self.aborts: list[tuple[str, Abort]] = []
         self.board = Board(
             shapes=SHAPES,
             is_member=MEMBERS.__contains__,
@@ -84,6 +93,7 @@ class _Keeper:
             on_want=lambda peer, hint, floor: self.wants.append((peer, hint, floor)),
             moves_from=meeting.__contains__,
             copies_from=keeping.__contains__,
+            on_abort=lambda peer, abort: self.aborts.append((peer, abort)),
         )
 
     def put(self, *items: Received) -> None:
@@ -98,13 +108,20 @@ def test_a_ready_body_round_trips() -> None:
     holdings = [Holding(12, 0, 7), Holding(10, 7, 20), Holding(2**40, 3, 2**33)]
     vote = float(0xABCDEF012345)  # 48 bits: exact in float64
     scales = [ScaleState(2.0**20, 17), None, ScaleState(1.0, 0)]
-    body = encode_ready(vote, holdings, round=3, hint=2**40 + 1, scales=scales)
+    nonce, echo = NONCE_LIMIT - 1, 2**47 + 5
+    body = encode_ready(
+        vote, holdings, round=3, hint=2**40 + 1, scales=scales, nonce=nonce, echo=echo
+    )
     assert body.dtype == torch.float64
     assert _READY_HEAD == 4
-    assert tuple(body.shape) == (READY_LEN,) == (4 + 5 * MAX_HOLDINGS,)
+    assert tuple(body.shape) == (READY_LEN,) == (4 + 5 * MAX_HOLDINGS + 2,)
     assert body[:4].tolist() == [vote, 3, 2**40 + 1, len(holdings)]
-    assert body[4 + 5 * len(holdings) :].eq(-1).all()  # unused slots
-    assert decode_ready(body) == Ready(vote, 3, 2**40 + 1, tuple(holdings), tuple(scales))
+    assert body[4 + 5 * len(holdings) : -2].eq(-1).all()  # unused slots
+    assert body[-2:].tolist() == [nonce, echo]
+    held = (tuple(holdings), tuple(scales))
+    assert decode_ready(body) == Ready(vote, 3, 2**40 + 1, *held, nonce=nonce, echo=echo)
+    again = decode_ready(with_echo(body, echo=7))  # the same READY answering another meeting
+    assert again == Ready(vote, 3, 2**40 + 1, *held, nonce=nonce, echo=7)
     assert decode_ready(encode_ready(3.0, [])) == Ready(3.0, 0, 0, ())  # round and hint default
 
 
@@ -165,6 +182,14 @@ def _with(body: torch.Tensor, at: int, value: float) -> torch.Tensor:
         (8, -1),  # negative good steps
         (8, 1.5),
         (13, 4),  # good steps with no scale
+        (READY_LEN - 2, -1),  # negative nonce
+        (READY_LEN - 2, 0.5),  # nonce not an integer
+        (READY_LEN - 2, float(NONCE_LIMIT)),  # past 48 bits
+        (READY_LEN - 2, float("nan")),
+        (READY_LEN - 1, -3),  # negative echo
+        (READY_LEN - 1, 2.5),
+        (READY_LEN - 1, float(NONCE_LIMIT)),
+        (READY_LEN - 1, float("inf")),
     ],
 )
 def test_a_malformed_ready_body_is_refused(at, value) -> None:
@@ -226,6 +251,79 @@ def test_wait_sees_a_ready_only_in_its_round() -> None:
     keeper.put(_ready("m1", 9.0, [], round=1))
     assert not board.wait(lambda: "m1" in board.ready_of(["m1"], 9.0, round=0), 0.05)
     assert board.wait(lambda: "m1" in board.ready_of(["m1"], 9.0, round=1), 0.05)
+
+
+def test_a_late_resend_from_an_earlier_meeting_never_counts_for_the_next_one() -> None:
+    """The plan is served twice: m1's READY of the first meeting (echoing our first nonce 11)
+    arrives again after the board forgot that meeting; the second meeting (nonce 22) must not
+    take it, or the members would choose the start from different holdings."""
+    keeper = _Keeper()
+    board = keeper.board
+    old = [Holding(4, 0, 3)]
+    keeper.put(_ready("m1", 9.0, old, nonce=101, echo=11))
+    assert board.ready_of(["m1"], 9.0, echo=11) == {
+        "m1": Ready(9.0, 0, 0, (old[0],), (None,), 101, 11)
+    }
+    board.forget(9.0)
+    keeper.put(_ready("m1", 9.0, old, nonce=101, echo=11))  # the late resend
+    assert board.ready_of(["m1"], 9.0, echo=22) == {}
+    assert board.heard("m1", 9.0) == 101  # what our READY to m1 echoes until it says more
+    new = [Holding(6, 0, 3)]
+    keeper.put(_ready("m1", 9.0, new, nonce=202, echo=22))
+    keeper.put(_ready("m1", 9.0, old, nonce=101, echo=11))  # another late one: replaces nothing
+    want = {"m1": Ready(9.0, 0, 0, (new[0],), (None,), 202, 22)}
+    assert board.ready_of(["m1"], 9.0, echo=22) == want
+    assert board.heard("m1", 9.0) == 101
+    assert board.heard("m1", 8.0) == 0
+
+
+def test_readys_kept_per_peer_and_round_are_bounded_newest_first() -> None:
+    keeper = _Keeper()
+    board = keeper.board
+    for echo in range(1, 20):  # a member naming many meetings: only the newest few are kept
+        keeper.put(_ready("m1", 9.0, [], nonce=5, echo=echo))
+    kept = [e for e in range(1, 20) if board.ready_of(["m1"], 9.0, echo=e)]
+    assert kept == [16, 17, 18, 19]
+
+
+# ----- ABORT ----------------------------------------------------------------------------------
+
+
+def test_a_members_abort_is_handed_on_and_a_bad_one_refused() -> None:
+    keeper = _Keeper()
+    body = encode_abort(float(0xABCDEF012345), 2**47, 12)
+    assert tuple(body.shape) == (3,)
+    assert body.dtype == torch.float64
+    assert keeper.board.expect(_header(12, TAG_ABORT)) == TensorSpec(torch.float64, (3,))
+    keeper.put(Received("m1", _header(12, TAG_ABORT), body))
+    keeper.put(Received("outsider", _header(12, TAG_ABORT), body))
+    keeper.put(Received("m2", _header(12, TAG_ABORT), body.float()))  # the wrong dtype
+    keeper.put(Received("m2", _header(12, TAG_ABORT), torch.zeros(4, dtype=torch.float64)))
+    assert keeper.aborts == [("m1", Abort(float(0xABCDEF012345), 2**47, 12))]
+    assert keeper.board.refused == 3
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (-1.0, 5, 1),  # a negative vote
+        (float("nan"), 5, 1),
+        (2.0**53, 5, 1),  # a vote past what float64 holds exactly
+        (1.0, 0, 1),  # echo 0: it names no meeting
+        (1.0, NONCE_LIMIT, 1),
+        (1.0, 2.5, 1),
+        (1.0, 5, -1),  # a negative step
+        (1.0, 5, float("inf")),
+        (1.0, 5, 0.5),
+    ],
+)
+def test_a_malformed_abort_is_refused(values) -> None:
+    keeper = _Keeper()
+    body = torch.tensor(values, dtype=torch.float64)
+    assert decode_abort(body) is None
+    keeper.put(Received("m1", _header(0, TAG_ABORT), body))
+    assert keeper.aborts == []
+    assert keeper.board.refused == 1
 
 
 # ----- WANT -----------------------------------------------------------------------------------

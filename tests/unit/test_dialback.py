@@ -23,7 +23,7 @@ from fusionllm.node.p2p.dialback import (
     decode_answer,
     encode_request,
 )
-from fusionllm.node.p2p.reachability import Reachability, announced, judge, punch_ip
+from fusionllm.node.p2p.reachability import Reachability, Settler, announced, judge, punch_ip
 
 PEER = ID.from_pubkey(create_new_key_pair().public_key)
 OTHER = ID.from_pubkey(create_new_key_pair().public_key)
@@ -206,6 +206,28 @@ def test_a_verdict_needs_members_to_agree():
     # a member's latest answer counts: m1 and m2 now reach us
     assert judge([*blind, *reached], listen_ips=listen).verdict == "public"
     assert announced(["1.2.3.4:4001"]).verdict == "announced"
+
+
+def test_a_thin_demoting_verdict_holds_only_when_repeated():
+    public = Reachability(verdict="public", addrs=("10.0.0.5:4001",), answers=1)
+    thin = Reachability(verdict="private", observed_ips=("10.0.0.5",), answers=1)
+    firm = Reachability(verdict="private", observed_ips=("10.0.0.5",), answers=2)
+    settler = Settler(confirmations=2, repeats=2)
+    assert settler.settle(public, firm) == firm  # members agree: at once
+    assert settler.settle(public, thin) == public
+    assert settler.pending
+    assert settler.settle(public, thin) == thin
+    assert not settler.pending
+    mapped = Reachability(verdict="mapped", addrs=("198.51.100.9:4001",), answers=1)
+    assert settler.settle(public, mapped) == public  # mapped demotes too (a DHT client)
+    assert settler.settle(public, thin) == public  # another verdict: counted from one
+    assert settler.settle(public, thin) == thin
+    unknown = Reachability(verdict="unknown")
+    assert settler.settle(unknown, public) == public  # promotions are never held back
+    assert settler.settle(thin, thin) == thin  # nothing changes: nothing to hold
+    assert Settler(confirmations=2, repeats=1).settle(public, thin) == thin
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Settler(confirmations=2, repeats=0)
 
 
 def test_a_private_node_punches_from_the_one_ip_its_members_saw():

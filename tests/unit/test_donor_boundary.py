@@ -76,7 +76,7 @@ class Donor:
             assignment=assignment,
             layout=None,
             vote=0.5,
-            hooks=SimpleNamespace(fault_stall_after=0),
+            hooks=SimpleNamespace(fault_stall_after=0, fault_abandon_after=0),
         )
         self.session.parting = SimpleNamespace(checkpoint=lambda held: None)
         self.trainer = Donations(

@@ -145,3 +145,25 @@ def test_an_announced_node_asks_nobody():
     assert check.current.verdict == check.published == "announced"
     check.loop(threading.Event())  # returns at once
     assert check.current.addrs == ("/ip4/203.0.113.5/tcp/4001/p2p/me",)
+
+
+def test_one_members_lost_dial_back_never_demotes_a_node_at_once():
+    """The docker host-join run: the host's first node had one member to ask; under load that
+    member's dial-back failed once and the node turned private (a DHT client on a new port,
+    so a guest bootstrapping from its old address failed). One member's word demotes only when
+    the next check says the same."""
+    (only,) = [ID.from_pubkey(create_new_key_pair().public_key).to_base58()]
+    members = {only: _member(only, reach="public")}
+    reached = DialBackAnswer(peer=only, observed_ip="192.168.1.2", reached={4001: True})
+    lost = DialBackAnswer(peer=only, observed_ip="192.168.1.2", reached={4001: False})
+    host = FakeHost({only: reached}, connected=[only])
+    check, events = _check(host, members)
+    assert check.check_once().verdict == "public"
+    host.answers[only] = lost
+    assert check.check_once().verdict == "public"  # thin: held back for one check
+    host.answers[only] = reached
+    assert check.check_once().verdict == "public"
+    host.answers[only] = lost
+    assert check.check_once().verdict == "public"  # the count started over
+    assert check.check_once().verdict == "private"  # twice in a row: it holds
+    assert [e[1]["verdict"] for e in events] == ["public", "private"]
