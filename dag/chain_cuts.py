@@ -36,6 +36,20 @@ _BALANCE_BAND = math.log(1.25)  # a stage within 25% of its fair share counts as
 _PRUNE_SAFETY = 0.98  # bounds are compared with this slack against float noise
 
 
+def _range_max_table(values: np.ndarray) -> np.ndarray:
+    """Sparse table for range max: row j holds max(values[i : i + 2**j]), padded with 0."""
+    rows = [values]
+    width = 1
+    while 2 * width <= values.size:
+        prev = rows[-1]
+        rows.append(np.maximum(prev[:-width], prev[width:]))
+        width *= 2
+    table = np.zeros((len(rows), values.size))
+    for j, row in enumerate(rows):
+        table[j, : row.size] = row
+    return table
+
+
 class _Model:
     """Prefix sums of the graph's costs per distinct device profile, scaled to a micro-batch."""
 
@@ -90,17 +104,9 @@ class _Model:
         self.cut[forbidden] = np.inf
         self.wire[forbidden] = np.inf
         # The largest single output a stage makes is live on top of what is saved.
-        peak = np.array([n.output_bytes * scale for n in graph.nodes], dtype=np.float64)
-        # Sparse table for range max: row j holds max(peak[i : i + 2**j]), padded with 0.
-        rows = [peak]
-        width = 1
-        while 2 * width <= self.n:
-            prev = rows[-1]
-            rows.append(np.maximum(prev[:-width], prev[width:]))
-            width *= 2
-        self._peak_table = np.zeros((len(rows), self.n))
-        for j, row in enumerate(rows):
-            self._peak_table[j, : row.size] = row
+        self._peak_table = _range_max_table(
+            np.array([n.output_bytes * scale for n in graph.nodes], dtype=np.float64)
+        )
 
     def peak(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """max output_bytes over nodes[a:b] (b > a), vectorised sparse-table query."""
