@@ -10,9 +10,16 @@ Two figures make the bandwidth (``probe_bandwidth``). The whole probe: nbytes ov
 from the first payload byte written to the ack read, less one RTT. On a far, fast link that
 mostly times TCP's slow start (1 MiB over 100 Mbit/s and 100 ms read 2.6 MB/s of 12.5 cold,
 docs/testbed.md): so the server also times the payload's second half as it arrives (the
-"tail": from the read that passed half of it to the last), when the window has opened. The
-faster of the two counts, but never more than ``STEADY_TRUST`` times the whole probe's figure:
-the tail's timing is the server's word, and what a lying server gains stays bounded. Pings and
+"tail", from the read that passed half of it to the last), when the window has opened. The
+tail's bytes are what the kernel received on the connection meanwhile (``TCP_INFO``
+bytes_received), not what the server read: a reader throttled by its CPU quota drains a
+backlog that arrived before its clock started, and counting that read 1.2-1.9x the cap on the
+testbed (docs/results.md, session 8). Where the connection has no socket to ask (a relayed
+circuit), the server sends no tail. The faster of the two counts, but never more than
+``STEADY_TRUST`` times the whole probe's figure: the tail's timing is the server's word, and
+what a lying server gains stays bounded. The round trip is the fastest of the pings and the
+kernel's minimum RTT of the connection (a ping answered by a throttled peer counts its wait;
+subtracting that from the whole probe's time read it high). Pings and
 the nonce are fresh random bytes per probe, so a prober only accepts an echo or an ack made
 from what it sent on this stream: a peer cannot answer early (to look near or fast) nor
 replay an old answer; the payload ends in fresh random bytes and the stream is in order, so
@@ -29,6 +36,7 @@ import secrets
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -40,7 +48,9 @@ from libp2p.peer.id import ID
 from fusionllm.common.errors import PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import ControlError, DeadlineError, ProbeRefusedError
+from fusionllm.node.p2p.conn_socket import kernel_view
 from fusionllm.node.p2p.gossip import Count
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
 from fusionllm.node.p2p.relay_client import relayed_conn
 
@@ -144,6 +154,7 @@ async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
         raise ControlError(f"{peer} acked a probe with a digest of other bytes")
     tail_bytes, tail_ns = TAIL.unpack(await _read_exactly(stream, TAIL.size))
     tail = tail_bandwidth(nbytes, tail_bytes, tail_ns / 1e9)
+    rtt = _wire_rtt(stream, rtt)
     return ProbeResult(
         peer=peer,
         bandwidth=probe_bandwidth(nbytes, seconds, rtt, tail=tail),
@@ -152,6 +163,42 @@ async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
         seconds=seconds,
         tail_bandwidth=tail,
     )
+
+
+def _wire_rtt(stream: INetStream, pinged: float) -> float:
+    """The faster of the pings' round trip and the kernel's minimum for the connection."""
+    view = kernel_view(stream)
+    info = view() if view is not None else None
+    if info is None or info.min_rtt_s <= 0:
+        return pinged
+    return min(pinged, info.min_rtt_s)
+
+
+class KernelTail:
+    """The payload's tail as the kernel received it: bytes that came off the wire between
+    ``start`` and ``stop`` (whatever the server had read by then), over the server's clock.
+    Each end reads the clock on the side that can only shorten the count."""
+
+    def __init__(self, view: Callable[[], TcpInfo | None] | None, clock_ns: Callable[[], int]):
+        self._view = view
+        self._clock_ns = clock_ns
+        self._from_ns = 0
+        self._from_bytes: int | None = None
+
+    def start(self) -> None:
+        if self._view is None or self._from_bytes is not None:
+            return
+        self._from_ns = self._clock_ns()
+        info = self._view()
+        self._from_bytes = info.bytes_received if info is not None else None
+
+    def stop(self, nbytes: int) -> tuple[int, int]:
+        """(tail bytes, tail ns); (0, 0) where the kernel could not be asked at both ends."""
+        info = self._view() if self._view is not None else None
+        if info is None or self._from_bytes is None:
+            return 0, 0
+        tail_ns = self._clock_ns() - self._from_ns
+        return min(max(info.bytes_received - self._from_bytes, 0), nbytes), tail_ns
 
 
 def tail_bandwidth(nbytes: int, tail_bytes: int, tail_s: float) -> float:
@@ -210,7 +257,11 @@ class ProbeServer:
         max_concurrent: int,
         timeout_s: float,
         count: Count,
+        kernel: Callable[[INetStream], Callable[[], TcpInfo | None] | None] = kernel_view,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
+        self._kernel = kernel  # the stream's connection as its kernel sees it (conn_socket.py)
+        self._clock_ns = clock_ns
         self._max_bytes = max_bytes
         self._max_per_peer_per_min = max_per_peer_per_min
         self._timeout_s = timeout_s
@@ -258,14 +309,15 @@ class ProbeServer:
             for _ in range(_PROBE_PINGS):
                 await stream.write(await _read_exactly(stream, PING_BYTES))
             received = payload_hasher(nonce)
-            remaining, half, tail_bytes, tail_from = nbytes, nbytes - nbytes // 2, 0, 0
+            remaining, half = nbytes, nbytes - nbytes // 2
+            tail = KernelTail(self._kernel(stream), self._clock_ns)
             while remaining:
                 chunk = await _read_some(stream, min(remaining, _PROBE_READ_BYTES))
                 received.update(chunk)
                 remaining -= len(chunk)
-                if not tail_from and remaining <= half:  # the tail's clock starts here
-                    tail_bytes, tail_from = remaining, time.perf_counter_ns()
-            tail_ns = time.perf_counter_ns() - tail_from if tail_bytes else 0
+                if 0 < remaining <= half:  # the tail's clock starts here (once)
+                    tail.start()
+            tail_bytes, tail_ns = tail.stop(nbytes)
             # Counted before the ack, so a prober that has its result sees it counted here.
             self._count("probes_served")
             await stream.write(received.digest() + TAIL.pack(tail_bytes, tail_ns))
