@@ -60,7 +60,7 @@ def probe_peers(key: str, addr: str, rounds: int, targets: list[str]) -> None:
             whole = probe_bandwidth(r.bytes, r.seconds, r.rtt)
             results.append({"target": target, "bandwidth": r.bandwidth, "whole": whole,
                             "raw": r.bytes / r.seconds, "tail": r.tail_bandwidth,
-                            "rtt": r.rtt})  # fmt: skip
+                            "wire": getattr(r, "wire_bandwidth", 0.0), "rtt": r.rtt})  # fmt: skip
             time.sleep(_GAP_S)
     print(json.dumps({"event": "probes", "results": results}), flush=True)
     host.close()

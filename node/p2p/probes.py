@@ -52,6 +52,7 @@ from fusionllm.node.p2p.conn_socket import kernel_view
 from fusionllm.node.p2p.gossip import Count
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
+from fusionllm.node.p2p.probe_wire import SendTimer
 from fusionllm.node.p2p.relay_client import relayed_conn
 
 logger = get_logger(__name__)
@@ -83,6 +84,7 @@ _PROBE_REASONS = {
     _PROBE_ALREADY_RUNNING: "a probe from this peer is still running",
 }
 _PROBE_CHUNK_BYTES = 256 << 10
+_PROBE_WRITE_BYTES = 64 << 10  # the kernel is asked for its rate after each write
 _PROBE_TAIL_BYTES = 16
 _PROBE_READ_BYTES = 64 << 10
 _PROBE_WINDOW_S = 60.0
@@ -99,6 +101,7 @@ class ProbeResult:
     bytes: int
     seconds: float  # first payload byte written -> ack read
     tail_bandwidth: float = 0.0  # bytes/s the server timed the payload's second half at (0: none)
+    wire_bandwidth: float = 0.0  # bytes/s our kernel timed the payload's ACKs at (0: none)
     relayed: bool = False  # measured through a relay (the path the peer's traffic takes)
 
 
@@ -129,7 +132,12 @@ async def run_probe(host: IHost, peer: ID, nbytes: int, timeout: float) -> Probe
     return result
 
 
-async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
+async def probe_over(
+    stream: INetStream,
+    peer: str,
+    nbytes: int,
+    kernel: Callable[[INetStream], Callable[[], TcpInfo | None] | None] = kernel_view,
+) -> ProbeResult:
     """The client's side of one probe on an open stream (no deadline of its own)."""
     nonce = secrets.token_bytes(16)
     # A random block repeated, then fresh random bytes at the very end: the stream is in
@@ -139,35 +147,43 @@ async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
     tail = os.urandom(min(nbytes, _PROBE_TAIL_BYTES))
     expected = payload_hasher(nonce)
     rtt = await _request(stream, peer, nbytes, nonce)
+    timer = SendTimer(kernel(stream))
+    timer.mark()
     started = time.perf_counter()
     sent, body = 0, nbytes - len(tail)
     while sent < body:
-        chunk = block[: min(len(block), body - sent)]
+        chunk = block[: min(len(block), body - sent, _PROBE_WRITE_BYTES)]
         expected.update(chunk)
         await stream.write(chunk)
+        timer.mark()
         sent += len(chunk)
     expected.update(tail)
     await stream.write(tail)
     ack = await _read_exactly(stream, ACK_BYTES)
     seconds = time.perf_counter() - started
+    timer.mark()
     if not secrets.compare_digest(ack, expected.digest()):
         raise ControlError(f"{peer} acked a probe with a digest of other bytes")
     tail_bytes, tail_ns = TAIL.unpack(await _read_exactly(stream, TAIL.size))
     tail = tail_bandwidth(nbytes, tail_bytes, tail_ns / 1e9)
-    rtt = _wire_rtt(stream, rtt)
+    view = kernel(stream)
+    rtt = _wire_rtt(view, rtt)
+    wire = timer.figure(nbytes)
+    wire_bandwidth = wire.bandwidth if wire is not None else 0.0
     return ProbeResult(
         peer=peer,
-        bandwidth=probe_bandwidth(nbytes, seconds, rtt, tail=tail),
+        # The kernel's figure is our own socket's, not the peer's word: it needs no bound.
+        bandwidth=max(probe_bandwidth(nbytes, seconds, rtt, tail=tail), wire_bandwidth),
         rtt=rtt,
         bytes=nbytes,
         seconds=seconds,
         tail_bandwidth=tail,
+        wire_bandwidth=wire_bandwidth,
     )
 
 
-def _wire_rtt(stream: INetStream, pinged: float) -> float:
+def _wire_rtt(view: Callable[[], TcpInfo | None] | None, pinged: float) -> float:
     """The faster of the pings' round trip and the kernel's minimum for the connection."""
-    view = kernel_view(stream)
     info = view() if view is not None else None
     if info is None or info.min_rtt_s <= 0:
         return pinged

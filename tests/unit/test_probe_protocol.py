@@ -378,3 +378,46 @@ def test_without_the_kernels_counts_the_server_sends_no_tail():
     result, tail, _ = _over_a_link(300_000, stall_s=0.0, kernel=False)
     assert tail == (0, 0)
     assert result.tail_bandwidth == 0.0
+
+
+class SenderKernel:
+    """The prober's socket as its kernel reports it: each reading after another 64 KiB
+    acknowledged, at ``rates`` in turn; ``app_limited`` marks every sample idle."""
+
+    def __init__(self, rates: list[float], *, app_limited: bool = False) -> None:
+        self.rates, self.app_limited, self.readings = rates, app_limited, 0
+
+    def __call__(self) -> TcpInfo:
+        rate = self.rates[min(self.readings, len(self.rates) - 1)]
+        info = replace(
+            BUSY_INFO, bytes_acked=self.readings * (64 << 10), delivery_rate=rate,
+            app_limited=self.app_limited,
+        )  # fmt: skip
+        self.readings += 1
+        return info
+
+
+def _probe_with_sender_kernel(kernel: SenderKernel, nbytes: int = 1 << 20):
+    async def main():
+        client, server_end = stream_pair(new_peer(), new_peer())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(new_server(Counter(), max_bytes=4 << 20).serve, server_end)
+            return await probe_over(client, "server", nbytes, kernel=lambda stream: kernel)
+
+    return trio.run(main)
+
+
+def test_the_probers_kernel_times_the_payload_from_busy_samples():
+    # Slow start, then the link's 2.5 MB/s; one reading per 64 KiB written, then the ack's.
+    kernel = SenderKernel([0.4e6, 1.1e6] + [2.5e6] * 30)
+    result = _probe_with_sender_kernel(kernel)
+    assert kernel.readings >= 1 + 16  # the start, each 64 KiB write, the ack (and the RTT)
+    assert result.wire_bandwidth == pytest.approx(2.5e6)
+    assert result.bandwidth >= result.wire_bandwidth
+
+
+def test_a_prober_that_kept_nothing_queued_gets_no_kernel_figure():
+    """A CPU-bound prober (a LAN faster than its Python): every sample app-limited."""
+    result = _probe_with_sender_kernel(SenderKernel([90e6], app_limited=True))
+    assert result.wire_bandwidth == 0.0
+    assert result.bandwidth > 0  # the probe's own figure stands
