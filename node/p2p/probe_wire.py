@@ -7,7 +7,7 @@ and the sender waits. The kernel times every ACK itself: a delivery-rate sample 
 the prober had data queued (not app-limited) is what the path carried, whoever had the CPU,
 as the lanes' bulk probe reads it (lane/bulk.py: the same figure, the median of trusted
 samples each after an eighth of the probe more was acknowledged). The prober reads
-``TCP_INFO`` after each write and once the ack is in; where no sample is trusted (a prober
+``TCP_INFO`` after each 256 KiB write and once the ack is in; where no sample is trusted (a prober
 too slow to keep the socket busy: a CPU-bound LAN) there is no figure, never a guess.
 """
 

@@ -84,7 +84,10 @@ _PROBE_REASONS = {
     _PROBE_ALREADY_RUNNING: "a probe from this peer is still running",
 }
 _PROBE_CHUNK_BYTES = 256 << 10
-_PROBE_WRITE_BYTES = 64 << 10  # the kernel is asked for its rate after each write
+# The kernel is asked for its rate after each write. Not smaller: on loopback 64 KiB writes
+# moved 41 MB/s where 256 KiB moved 54 (medians of 8 alternating probes, load 4-9), and a
+# LAN probe is CPU-bound (docs/results.md, session 8).
+_PROBE_WRITE_BYTES = 256 << 10
 _PROBE_TAIL_BYTES = 16
 _PROBE_READ_BYTES = 64 << 10
 _PROBE_WINDOW_S = 60.0
