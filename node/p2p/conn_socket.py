@@ -17,6 +17,7 @@ from collections.abc import Callable
 import trio
 
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo, TcpInfoError, read_tcp_info
+from fusionllm.node.p2p.relay_client import relayed_conn
 
 # The attribute each layer keeps the one below it in, first match wins at each step.
 _LAYERS = ("secured_conn", "conn", "read_writer", "read_write_closer", "stream")
@@ -42,6 +43,9 @@ def connection_socket(stream: object) -> trio.socket.SocketType | None:
 def kernel_view(stream: object) -> Callable[[], TcpInfo | None] | None:
     """A reader of the kernel's ``TCP_INFO`` for ``stream``'s connection (None where it has
     no socket to read; the reader returns None once the socket cannot be read)."""
+    # A relayed circuit's socket goes to the relay and carries others' circuits too.
+    if relayed_conn(getattr(stream, "muxed_conn", None)):
+        return None
     sock = connection_socket(stream)
     if sock is None:
         return None
