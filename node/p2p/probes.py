@@ -10,9 +10,16 @@ Two figures make the bandwidth (``probe_bandwidth``). The whole probe: nbytes ov
 from the first payload byte written to the ack read, less one RTT. On a far, fast link that
 mostly times TCP's slow start (1 MiB over 100 Mbit/s and 100 ms read 2.6 MB/s of 12.5 cold,
 docs/testbed.md): so the server also times the payload's second half as it arrives (the
-"tail": from the read that passed half of it to the last), when the window has opened. The
-faster of the two counts, but never more than ``STEADY_TRUST`` times the whole probe's figure:
-the tail's timing is the server's word, and what a lying server gains stays bounded. Pings and
+"tail", from the read that passed half of it to the last), when the window has opened. The
+tail's bytes are what the kernel received on the connection meanwhile (``TCP_INFO``
+bytes_received), not what the server read: a reader throttled by its CPU quota drains a
+backlog that arrived before its clock started, and counting that read 1.2-1.9x the cap on the
+testbed (docs/results.md, session 8). Where the connection has no socket to ask (a relayed
+circuit), the server sends no tail. The faster of the two counts, but never more than
+``STEADY_TRUST`` times the whole probe's figure: the tail's timing is the server's word, and
+what a lying server gains stays bounded. The round trip is the fastest of the pings and the
+kernel's minimum RTT of the connection (a ping answered by a throttled peer counts its wait;
+subtracting that from the whole probe's time read it high). Pings and
 the nonce are fresh random bytes per probe, so a prober only accepts an echo or an ack made
 from what it sent on this stream: a peer cannot answer early (to look near or fast) nor
 replay an old answer; the payload ends in fresh random bytes and the stream is in order, so
@@ -29,6 +36,7 @@ import secrets
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -40,8 +48,11 @@ from libp2p.peer.id import ID
 from fusionllm.common.errors import PeerError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.errors import ControlError, DeadlineError, ProbeRefusedError
+from fusionllm.node.p2p.conn_socket import kernel_view
 from fusionllm.node.p2p.gossip import Count
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.peer_host import NETWORK_ERRORS, close_quietly, reset_quietly
+from fusionllm.node.p2p.probe_wire import SendTimer
 from fusionllm.node.p2p.relay_client import relayed_conn
 
 logger = get_logger(__name__)
@@ -73,6 +84,10 @@ _PROBE_REASONS = {
     _PROBE_ALREADY_RUNNING: "a probe from this peer is still running",
 }
 _PROBE_CHUNK_BYTES = 256 << 10
+# The kernel is asked for its rate after each write. Not smaller: on loopback 64 KiB writes
+# moved 41 MB/s where 256 KiB moved 54 (medians of 8 alternating probes, load 4-9), and a
+# LAN probe is CPU-bound (docs/results.md, session 8).
+_PROBE_WRITE_BYTES = 256 << 10
 _PROBE_TAIL_BYTES = 16
 _PROBE_READ_BYTES = 64 << 10
 _PROBE_WINDOW_S = 60.0
@@ -89,6 +104,7 @@ class ProbeResult:
     bytes: int
     seconds: float  # first payload byte written -> ack read
     tail_bandwidth: float = 0.0  # bytes/s the server timed the payload's second half at (0: none)
+    wire_bandwidth: float = 0.0  # bytes/s our kernel timed the payload's ACKs at (0: none)
     relayed: bool = False  # measured through a relay (the path the peer's traffic takes)
 
 
@@ -119,7 +135,12 @@ async def run_probe(host: IHost, peer: ID, nbytes: int, timeout: float) -> Probe
     return result
 
 
-async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
+async def probe_over(
+    stream: INetStream,
+    peer: str,
+    nbytes: int,
+    kernel: Callable[[INetStream], Callable[[], TcpInfo | None] | None] = kernel_view,
+) -> ProbeResult:
     """The client's side of one probe on an open stream (no deadline of its own)."""
     nonce = secrets.token_bytes(16)
     # A random block repeated, then fresh random bytes at the very end: the stream is in
@@ -129,29 +150,74 @@ async def probe_over(stream: INetStream, peer: str, nbytes: int) -> ProbeResult:
     tail = os.urandom(min(nbytes, _PROBE_TAIL_BYTES))
     expected = payload_hasher(nonce)
     rtt = await _request(stream, peer, nbytes, nonce)
+    timer = SendTimer(kernel(stream))
+    timer.mark()
     started = time.perf_counter()
     sent, body = 0, nbytes - len(tail)
     while sent < body:
-        chunk = block[: min(len(block), body - sent)]
+        chunk = block[: min(len(block), body - sent, _PROBE_WRITE_BYTES)]
         expected.update(chunk)
         await stream.write(chunk)
+        timer.mark()
         sent += len(chunk)
     expected.update(tail)
     await stream.write(tail)
     ack = await _read_exactly(stream, ACK_BYTES)
     seconds = time.perf_counter() - started
+    timer.mark()
     if not secrets.compare_digest(ack, expected.digest()):
         raise ControlError(f"{peer} acked a probe with a digest of other bytes")
     tail_bytes, tail_ns = TAIL.unpack(await _read_exactly(stream, TAIL.size))
     tail = tail_bandwidth(nbytes, tail_bytes, tail_ns / 1e9)
+    view = kernel(stream)
+    rtt = _wire_rtt(view, rtt)
+    wire = timer.figure(nbytes)
+    wire_bandwidth = wire.bandwidth if wire is not None else 0.0
     return ProbeResult(
         peer=peer,
-        bandwidth=probe_bandwidth(nbytes, seconds, rtt, tail=tail),
+        # The kernel's figure is our own socket's, not the peer's word: it needs no bound.
+        bandwidth=max(probe_bandwidth(nbytes, seconds, rtt, tail=tail), wire_bandwidth),
         rtt=rtt,
         bytes=nbytes,
         seconds=seconds,
         tail_bandwidth=tail,
+        wire_bandwidth=wire_bandwidth,
     )
+
+
+def _wire_rtt(view: Callable[[], TcpInfo | None] | None, pinged: float) -> float:
+    """The faster of the pings' round trip and the kernel's minimum for the connection."""
+    info = view() if view is not None else None
+    if info is None or info.min_rtt_s <= 0:
+        return pinged
+    return min(pinged, info.min_rtt_s)
+
+
+class KernelTail:
+    """The payload's tail as the kernel received it: bytes that came off the wire between
+    ``start`` and ``stop`` (whatever the server had read by then), over the server's clock.
+    Each end reads the clock on the side that can only shorten the count."""
+
+    def __init__(self, view: Callable[[], TcpInfo | None] | None, clock_ns: Callable[[], int]):
+        self._view = view
+        self._clock_ns = clock_ns
+        self._from_ns = 0
+        self._from_bytes: int | None = None
+
+    def start(self) -> None:
+        if self._view is None or self._from_bytes is not None:
+            return
+        self._from_ns = self._clock_ns()
+        info = self._view()
+        self._from_bytes = info.bytes_received if info is not None else None
+
+    def stop(self, nbytes: int) -> tuple[int, int]:
+        """(tail bytes, tail ns); (0, 0) where the kernel could not be asked at both ends."""
+        info = self._view() if self._view is not None else None
+        if info is None or self._from_bytes is None:
+            return 0, 0
+        tail_ns = self._clock_ns() - self._from_ns
+        return min(max(info.bytes_received - self._from_bytes, 0), nbytes), tail_ns
 
 
 def tail_bandwidth(nbytes: int, tail_bytes: int, tail_s: float) -> float:
@@ -210,7 +276,11 @@ class ProbeServer:
         max_concurrent: int,
         timeout_s: float,
         count: Count,
+        kernel: Callable[[INetStream], Callable[[], TcpInfo | None] | None] = kernel_view,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
+        self._kernel = kernel  # the stream's connection as its kernel sees it (conn_socket.py)
+        self._clock_ns = clock_ns
         self._max_bytes = max_bytes
         self._max_per_peer_per_min = max_per_peer_per_min
         self._timeout_s = timeout_s
@@ -258,14 +328,15 @@ class ProbeServer:
             for _ in range(_PROBE_PINGS):
                 await stream.write(await _read_exactly(stream, PING_BYTES))
             received = payload_hasher(nonce)
-            remaining, half, tail_bytes, tail_from = nbytes, nbytes - nbytes // 2, 0, 0
+            remaining, half = nbytes, nbytes - nbytes // 2
+            tail = KernelTail(self._kernel(stream), self._clock_ns)
             while remaining:
                 chunk = await _read_some(stream, min(remaining, _PROBE_READ_BYTES))
                 received.update(chunk)
                 remaining -= len(chunk)
-                if not tail_from and remaining <= half:  # the tail's clock starts here
-                    tail_bytes, tail_from = remaining, time.perf_counter_ns()
-            tail_ns = time.perf_counter_ns() - tail_from if tail_bytes else 0
+                if 0 < remaining <= half:  # the tail's clock starts here (once)
+                    tail.start()
+            tail_bytes, tail_ns = tail.stop(nbytes)
             # Counted before the ack, so a prober that has its result sees it counted here.
             self._count("probes_served")
             await stream.write(received.digest() + TAIL.pack(tail_bytes, tail_ns))

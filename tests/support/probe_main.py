@@ -46,7 +46,8 @@ def probe(key: str, addr: str, target: str, rounds: int, sizes: list[int]) -> No
         for size in sizes:
             r = host.probe(peer, nbytes=size)
             results.append({"bytes": size, "bandwidth": r.bandwidth, "raw": r.bytes / r.seconds,
-                            "rtt": r.rtt, "tail": r.tail_bandwidth})  # fmt: skip
+                            "rtt": r.rtt, "tail": r.tail_bandwidth,
+                            "wire": r.wire_bandwidth})  # fmt: skip
             time.sleep(0.5)
     print(json.dumps({"event": "probes", "results": results}), flush=True)
     host.close()

@@ -15,6 +15,7 @@ from fusionllm.common.errors import ConfigError, FrameError
 from fusionllm.compression import pack_tensor, parse_frame
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.links import LinkMonitor
+from fusionllm.node.errors import TransportError
 from fusionllm.node.p2p.framing import (
     MAX_FILLER_BYTES,
     FrameHeader,
@@ -23,6 +24,7 @@ from fusionllm.node.p2p.framing import (
 )
 from fusionllm.node.p2p.inbound import Inbound
 from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, frame_sizes, run_bulk
+from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo
@@ -206,3 +208,72 @@ def test_links_with_a_lane_are_probed_on_it_the_others_by_stream():
 def _info(peer: str) -> SimpleNamespace:
     """The fields of a NodeInfo that link_table reads."""
     return SimpleNamespace(peer_id=peer, uplink=1e6, downlink=1e6)
+
+
+class FakeLane:
+    """A lane's writer side as run_bulk uses it: frames 'drain' at once, the kernel's
+    readings come from a counter; ``fail_at`` makes that frame's write break the lane."""
+
+    def __init__(self, *, fail_at: int | None = None) -> None:
+        self.lock = threading.Lock()
+        self.punched = False
+        self.acked = 0
+        self.frames = 0
+        self.info_reads = 0
+        self.fail_at = fail_at
+        self.last_reading: tuple[TcpInfo, float] | None = None
+
+    def kernel_info(self) -> TcpInfo:
+        self.info_reads += 1
+        return replace(BUSY, bytes_acked=self.acked)
+
+    def write_locked(self, parts, deadline: float) -> int:
+        if self.frames == self.fail_at:
+            raise TransportError("writing to the lane failed: reset by peer")
+        self.frames += 1
+        sealed = sum(len(p) for p in parts) + 32
+        self.acked += sealed
+        self.last_reading = (self.kernel_info(), 100.0)  # what LaneWriter._measure files
+        return sealed
+
+
+def _senders(lane: FakeLane) -> tuple[LaneSenders, PeerCounters]:
+    counters = PeerCounters()
+    senders = LaneSenders(counters)
+    senders.add("b", lane)
+    return senders, counters
+
+
+def test_a_bulk_probe_counts_the_frames_it_wrote_reading_tcp_info_once_a_frame():
+    lane = FakeLane()
+    senders, counters = _senders(lane)
+    sample = senders.bulk_probe("b", 3 << 20)  # three 1 MiB filler frames
+    assert sample is not None
+    assert sample.bandwidth == BUSY.delivery_rate
+    assert lane.frames == 3
+    # One reading at the start, one per frame (the write's own), one as the rest drained.
+    assert lane.info_reads == 1 + 3 + 1
+    head = len(encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), 1))
+    assert counters.snapshot()["b"].bytes_out == 3 * ((1 << 20) + head)
+
+
+def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
+    lane = FakeLane()
+    senders, counters = _senders(lane)
+    lane.lock.acquire()  # a training frame holds the lane past the probe's lock wait
+    try:
+        assert senders.bulk_probe("b", 1 << 20) is None
+    finally:
+        lane.lock.release()
+    assert lane.frames == 0
+    assert "b" not in counters.snapshot()
+
+
+def test_a_bulk_probe_cut_short_counts_only_whole_frames_and_drops_the_lane():
+    lane = FakeLane(fail_at=1)  # the second frame's write breaks
+    senders, counters = _senders(lane)
+    assert senders.bulk_probe("b", 3 << 20) is None
+    assert counters.snapshot()["b"].bytes_out < 2 << 20  # the first frame only
+    assert counters.snapshot()["b"].bytes_out > 1 << 20
+    assert senders.bulk_probe("b", 1 << 20) is None  # dropped: no lane to probe on
+    assert lane.frames == 1

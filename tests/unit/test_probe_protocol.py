@@ -3,6 +3,7 @@ proves the payload arrived, echoes prove the pings did, nonces are fresh, and th
 serves one probe per peer at a time within its slots."""
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
 
 from fusionllm.node.errors import ControlError, ProbeRefusedError
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.probes import (
     ACK_BYTES,
     PING_BYTES,
@@ -275,19 +277,147 @@ def test_a_tail_outside_the_payload_or_too_short_to_time_says_nothing(tail_bytes
     assert tail_bandwidth(1_000_000, tail_bytes, tail_s) == pytest.approx(expected)
 
 
-def test_the_server_times_the_second_half_of_the_payload():
+class WireStream(FakeStream):
+    """The server's end behind a link of ``rate`` bytes/s, on a fake clock: payload bytes
+    arrive at that rate from the first payload read, reads take only what arrived, each read
+    costs 0.1 ms, and once the reader passed ``stall_at`` bytes it stalls ``stall_s`` (its
+    CPU quota throttled) while the link goes on delivering into the kernel's buffer."""
+
+    def __init__(self, inbox, outbox, peer: ID, *, rate: float, stall_at: int, stall_s: float):
+        super().__init__(inbox, outbox, peer)
+        self.rate, self.stall_at, self.stall_s = rate, stall_at, stall_s
+        self.preamble = PROBE_HEADER.size + 3 * PING_BYTES  # before the payload: no link
+        self.now_ns, self.read_bytes, self.nbytes, self.head = 0, 0, 0, b""
+        self.app_tail: tuple[int, int] | None = None  # (bytes left, ns) at the half's read
+
+    def arrived(self) -> int:
+        return min(self.nbytes, int(self.rate * self.now_ns / 1e9))
+
+    def kernel(self) -> TcpInfo:
+        return replace(BUSY_INFO, bytes_received=self.preamble + self.arrived())
+
+    async def read(self, n: int) -> bytes:
+        if self.read_bytes < self.preamble:
+            data = await super().read(min(n, self.preamble - self.read_bytes))
+            self.read_bytes += len(data)
+            self.head += data
+            if len(self.head) == PROBE_HEADER.size:
+                self.nbytes = PROBE_HEADER.unpack(self.head)[1]
+            return data
+        got = self.read_bytes - self.preamble
+        if got >= self.stall_at and self.stall_s:
+            self.now_ns += int(self.stall_s * 1e9)
+            self.stall_s = 0.0
+        self.now_ns += 100_000
+        if self.arrived() <= got:  # nothing buffered: wait for the next 64 KiB or the end
+            want = min(got + (64 << 10), self.nbytes)
+            self.now_ns = max(self.now_ns, int(want / self.rate * 1e9) + 1)
+        data = await super().read(min(n, self.arrived() - got))
+        self.read_bytes += len(data)
+        half = self.nbytes - self.nbytes // 2
+        if self.app_tail is None and 0 < self.nbytes - got - len(data) <= half:
+            self.app_tail = (self.nbytes - got - len(data), self.now_ns)
+        return data
+
+
+BUSY_INFO = TcpInfo(
+    state=1, rtt_s=0.05, min_rtt_s=0.04, snd_cwnd=40, snd_mss=1448, bytes_acked=0,
+    delivery_rate=0.0, app_limited=False, busy_s=0.0, rwnd_limited_s=0.0, sndbuf_limited_s=0.0,
+)  # fmt: skip
+
+
+def _over_a_link(nbytes: int, *, stall_s: float, kernel: bool = True):
+    """A probe of ``nbytes`` into a WireStream of 1 MB/s; (result, the server's (tail bytes,
+    tail ns), the server end)."""
     count = Counter()
 
     async def main():
+        to_server_send, to_server_recv = trio.open_memory_channel(1 << 16)
+        to_client_send, to_client_recv = trio.open_memory_channel(1 << 16)
+        client = FakeStream(to_client_recv, to_server_send, new_peer())
+        server_end = WireStream(
+            to_server_recv, to_client_send, new_peer(), rate=1e6, stall_at=int(0.4 * nbytes),
+            stall_s=stall_s,
+        )  # fmt: skip
+        server = new_server(
+            count, max_bytes=4 << 20, clock_ns=lambda: server_end.now_ns,
+            kernel=lambda stream: stream.kernel if kernel else None,
+        )  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, server_end)
+            result = await probe_over(client, "server", nbytes)
+        return result, server_end
+
+    result, server_end = trio.run(main)
+    return result, TAIL.unpack(server_end.written[-1][-TAIL.size :]), server_end
+
+
+def test_the_server_times_the_payloads_second_half_as_the_kernel_received_it():
+    nbytes = 1 << 20
+    result, (tail_bytes, tail_ns), _ = _over_a_link(nbytes, stall_s=0.0)
+    # From the read past half to the last: about half the payload, at the link's rate.
+    assert nbytes // 2 - (64 << 10) <= tail_bytes <= nbytes // 2
+    assert tail_bytes / (tail_ns / 1e9) == pytest.approx(1e6, rel=0.05)
+    assert result.tail_bandwidth == pytest.approx(tail_bytes / (tail_ns / 1e9))
+
+
+def test_a_reader_draining_a_backlog_does_not_time_the_tail_faster_than_the_link():
+    """Session 7's over-reads (1.2-1.9x the cap on links stream-probed by throttled hosts):
+    the reader stalled before the half, the kernel kept receiving, and the tail's clock
+    started at the read past half, so the backlog's bytes counted as if they came after."""
+    nbytes = 1 << 20
+    _, (tail_bytes, tail_ns), server_end = _over_a_link(nbytes, stall_s=0.6)
+    app_bytes, app_from_ns = server_end.app_tail
+    app_rate = app_bytes / ((server_end.now_ns - app_from_ns) / 1e9)
+    assert app_rate > 5e6  # what the reads alone would say: over 5x the link's 1 MB/s
+    assert tail_bytes < nbytes // 8  # little arrived after the clock started
+    assert tail_bytes / (tail_ns / 1e9) <= 1e6 * 1.01
+
+
+def test_without_the_kernels_counts_the_server_sends_no_tail():
+    result, tail, _ = _over_a_link(300_000, stall_s=0.0, kernel=False)
+    assert tail == (0, 0)
+    assert result.tail_bandwidth == 0.0
+
+
+class SenderKernel:
+    """The prober's socket as its kernel reports it: each reading after another 256 KiB
+    acknowledged, at ``rates`` in turn; ``app_limited`` marks every sample idle."""
+
+    def __init__(self, rates: list[float], *, app_limited: bool = False) -> None:
+        self.rates, self.app_limited, self.readings = rates, app_limited, 0
+
+    def __call__(self) -> TcpInfo:
+        rate = self.rates[min(self.readings, len(self.rates) - 1)]
+        info = replace(
+            BUSY_INFO, bytes_acked=self.readings * (256 << 10), delivery_rate=rate,
+            app_limited=self.app_limited,
+        )  # fmt: skip
+        self.readings += 1
+        return info
+
+
+def _probe_with_sender_kernel(kernel: SenderKernel, nbytes: int = 1 << 20):
+    async def main():
         client, server_end = stream_pair(new_peer(), new_peer())
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(new_server(count).serve, server_end)
-            result = await probe_over(client, "server", 600_000)
-        return result, server_end.written[-1]
+            nursery.start_soon(new_server(Counter(), max_bytes=4 << 20).serve, server_end)
+            return await probe_over(client, "server", nbytes, kernel=lambda stream: kernel)
 
-    result, last = trio.run(main)
-    tail_bytes, tail_ns = TAIL.unpack(last[-TAIL.size :])
-    # The tail starts at the first read at or past half of the payload (reads of 64 KiB).
-    assert 600_000 - 300_000 - (64 << 10) < tail_bytes <= 300_000
-    assert tail_ns > 0
-    assert result.tail_bandwidth == pytest.approx(tail_bytes / (tail_ns / 1e9))
+    return trio.run(main)
+
+
+def test_the_probers_kernel_times_the_payload_from_busy_samples():
+    # Slow start, then the link's 2.5 MB/s; one reading per 256 KiB written, then the ack's.
+    kernel = SenderKernel([0.4e6, 1.1e6] + [2.5e6] * 30)
+    result = _probe_with_sender_kernel(kernel)
+    assert kernel.readings >= 1 + 4  # the start, each 256 KiB write, the ack (and the RTT)
+    assert result.wire_bandwidth == pytest.approx(2.5e6)
+    assert result.bandwidth >= result.wire_bandwidth
+
+
+def test_a_prober_that_kept_nothing_queued_gets_no_kernel_figure():
+    """A CPU-bound prober (a LAN faster than its Python): every sample app-limited."""
+    result = _probe_with_sender_kernel(SenderKernel([90e6], app_limited=True))
+    assert result.wire_bandwidth == 0.0
+    assert result.bandwidth > 0  # the probe's own figure stands

@@ -20,12 +20,12 @@ from fusionllm.node.p2p.lane.wire_meter import WireMeter, WireMeterConfig
 
 def fake_tcp_info(
     *, rtt_us=900, min_rtt_us=500, acked=0, rate=125_000_000, app_limited=False, state=1,
-    busy_us=0, rwnd_us=0, sndbuf_us=0, extra=b"",
+    busy_us=0, rwnd_us=0, sndbuf_us=0, received=4, extra=b"",
 ) -> bytes:  # fmt: skip
     u8 = [state, 0, 0, 0, 0, 0, 0x77, 0x04 | (1 if app_limited else 0)]
     u32 = list(range(100, 124))  # every field distinct, so a wrong offset shows
     u32[2], u32[15], u32[18] = 1448, rtt_us, 10
-    u64a = [1, 2, acked, 4]
+    u64a = [1, 2, acked, received]
     u32b = [5, 6, 7, min_rtt_us, 8, 9]
     u64b = [rate, busy_us, rwnd_us, sndbuf_us]
     return _LAYOUT.pack(*u8, *u32, *u64a, *u32b, *u64b) + extra
@@ -39,13 +39,14 @@ def test_fields_are_read_at_linux_tcp_h_offsets():
             busy_us=2_000_000,
             rwnd_us=250_000,
             sndbuf_us=125_000,
+            received=5 << 30,
             extra=bytes(40),
         )
     )
     assert info == TcpInfo(
         state=1, rtt_s=900e-6, min_rtt_s=500e-6, snd_cwnd=10, snd_mss=1448,
         bytes_acked=3 << 30, delivery_rate=987_654_321.0, app_limited=False, busy_s=2.0,
-        rwnd_limited_s=0.25, sndbuf_limited_s=0.125,
+        rwnd_limited_s=0.25, sndbuf_limited_s=0.125, bytes_received=5 << 30,
     )  # fmt: skip
     assert parse_tcp_info(fake_tcp_info(app_limited=True)).app_limited
 
@@ -78,12 +79,14 @@ def test_a_real_socket_reports_what_it_sent_and_a_delivery_rate():
             client.sendall(bytes(sent))
             reader.join(timeout=30)
             info = read_tcp_info(client)
+            received = read_tcp_info(peer).bytes_received  # all of it read: all received
     assert info.state == 1
     # The SYN counts as one byte acknowledged; the last ACK may still be on its way.
     assert 0 < info.bytes_acked <= sent + 1
     assert info.delivery_rate > 0
     assert 0 < info.min_rtt_s <= info.rtt_s
     assert info.snd_mss > 0
+    assert sent <= received <= sent + 1
 
 
 def test_a_closed_socket_is_a_typed_error():

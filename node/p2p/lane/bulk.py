@@ -18,7 +18,7 @@ the receiver reads filler frames within the same budgets as tensors and drops th
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
@@ -82,10 +82,17 @@ def bulk_figure(
 
 
 def run_bulk(
-    lane: LaneWriter, nbytes: int, timeout: float, config: BulkConfig | None = None
+    lane: LaneWriter,
+    nbytes: int,
+    timeout: float,
+    config: BulkConfig | None = None,
+    *,
+    on_frame: Callable[[int], None] = lambda nbytes: None,
 ) -> WireSample | None:
     """Probe the link under ``lane`` with ``nbytes`` of filler, all within ``timeout`` s: its
-    figure, or None (the lane busy, or no trusted sample). Raises what a write raises
+    figure, or None (the lane busy, or no trusted sample). ``on_frame`` gets each filler
+    frame's bytes (head and body) once it is written whole: what the peer was sent, which is
+    less than ``nbytes`` when the lane was busy or a write failed. Raises what a write raises
     (DeadlineError, TransportError: the lane is then broken)."""
     config = config or BulkConfig()
     deadline = time.monotonic() + timeout
@@ -96,8 +103,13 @@ def run_bulk(
         start = lane.kernel_info()
         sent = 0
         for size in frame_sizes(nbytes, config.frame_bytes):
-            sent += lane.write_locked(_filler(size), deadline)
-            readings.append((lane.kernel_info(), time.time()))
+            frame = _filler(size)
+            sent += lane.write_locked(frame, deadline)
+            on_frame(len(frame[0]) + size)
+            # The write read TCP_INFO for the lane's meter already: one system call a frame.
+            if lane.last_reading is None:
+                raise TcpInfoError("TCP_INFO was not readable after a filler frame")
+            readings.append(lane.last_reading)
     except TcpInfoError:
         return None  # not Linux, or the lane closed under us: the stream probe measures
     finally:

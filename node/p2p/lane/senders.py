@@ -58,13 +58,12 @@ class LaneSenders:
         if lane is None:
             return None
         try:
-            sample = run_bulk(lane, nbytes, timeout)
+            # Counted frame by frame: a busy lane sends nothing, a broken one part of it.
+            return run_bulk(lane, nbytes, timeout, on_frame=lambda n: self._counters.sent(peer, n))
         except FusionError:
             logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
             self.drop(peer, lane)
             return None
-        self._counters.sent(peer, nbytes)
-        return sample
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float

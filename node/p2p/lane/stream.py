@@ -103,6 +103,8 @@ class LaneWriter:
         self.broken = False
         self.punched = False  # its socket came from a hole punch (punch.py), not a dial
         self.meter = WireMeter()  # the link's rate as the kernel timed our frames
+        # What the kernel said after the last frame (and when): None if it could not be read.
+        self.last_reading: tuple[TcpInfo, float] | None = None
 
     def write_frame(self, parts: tuple[bytes | memoryview, ...], timeout: float) -> None:
         """Seal and send ``parts`` (a frame's head and body), all within ``timeout`` seconds;
@@ -182,8 +184,10 @@ class LaneWriter:
     def _measure(self) -> None:
         """Hand the kernel's view of the lane to its meter (one system call, after a frame)."""
         # Not Linux, or the socket just closed: the link keeps its probes' figure.
+        self.last_reading = None
         with contextlib.suppress(TcpInfoError):
-            self.meter.observe(read_tcp_info(self._blocking), time.time())
+            self.last_reading = (read_tcp_info(self._blocking), time.time())
+            self.meter.observe(*self.last_reading)
 
     def _fail(self, exc: BaseException) -> NoReturn:
         self.broken = True  # a frame cut short: nothing more may follow on this lane

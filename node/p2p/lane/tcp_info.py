@@ -45,6 +45,7 @@ class TcpInfo:
     busy_s: float  # time with data in flight
     rwnd_limited_s: float  # time the receiver's window held the sender back
     sndbuf_limited_s: float  # time our send buffer held it back
+    bytes_received: int = 0  # every byte the kernel took off the wire, read by us or not
 
 
 def parse_tcp_info(data: bytes) -> TcpInfo:
@@ -69,6 +70,7 @@ def parse_tcp_info(data: bytes) -> TcpInfo:
         busy_s=u64b[1] / 1e6,  # tcpi_busy_time and the two below: microseconds
         rwnd_limited_s=u64b[2] / 1e6,
         sndbuf_limited_s=u64b[3] / 1e6,
+        bytes_received=u64a[3],
     )
 
 
