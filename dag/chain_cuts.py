@@ -65,8 +65,15 @@ class _Model:
         self.memory = np.array([d.memory_bytes * config.memory_fraction for d in self.profiles])
         # CPU seconds one tensor frame costs one side of a link, per profile (0: not measured).
         self.frame_cost = np.array([d.frame_overhead for d in self.profiles])
+        # A top-k frame, one side: a constant plus a rate per dense byte (0, 0: not measured).
+        self.topk_frame = np.array([d.topk_frame_overhead for d in self.profiles])
+        self.topk_byte = np.array([d.topk_byte_cost for d in self.profiles])
         # Top-k frames cost more than dense ones only where some device measured a frame.
-        self.charges_topk = bool(self.frame_cost.any()) and config.topk_frame_factor > 1.0
+        self.charges_topk = bool(
+            (self.frame_cost.any() and config.topk_frame_factor > 1.0)
+            or self.topk_frame.any()
+            or self.topk_byte.any()
+        )
         self.params = np.concatenate([[0.0], np.cumsum([n.param_bytes for n in graph.nodes])])
         # Saved for backward, per micro-batch (see OpNode.peak_activation_bytes).
         self.acts = np.concatenate(

@@ -7,9 +7,15 @@ times frames of a tiny activation's size, (8, 64, 64) fp32, written on a lane an
 in this thread over a socket pair (the lane's own code both ways, no event loop), and halves
 the round: the CPU a frame costs one side. Like the device's other figures, the fastest of a
 few repeats counts (probe.undisturbed_seconds), and the node caches it with them.
+
+A top-k frame's cost grows with the tensor it packs (the selection scans every element: 37-74
+MB/s on 32-256 KB, 21-25 MB/s on 12.6 MB at load ~12, issue 25), so ``measure_topk_cost``
+times AdaTopK frames at two sizes and fits a per-frame constant plus a per-dense-byte rate.
+The round is halved as above: pack and unpack are charged to each end as their mean.
 """
 
 import contextlib
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -27,6 +33,11 @@ from fusionllm.node.p2p.lane.seal import LANE_KEY_BYTES
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
 
 _TIMEOUT_S = 30.0
+# Top-k probe sizes: the tiny model's activation (torch.topk's path, below 64K elements) and
+# 16x it (the sampled-threshold path GPT-2's cuts take); ratio under AdaTopK's dense fraction.
+_TOPK_SMALL = (8, 64, 64)  # (B, T, C): 128 KiB in fp32
+_TOPK_LARGE = (8, 64, 1024)  # (B, T, C): 2 MiB in fp32
+_TOPK_RATIO = 0.2
 _BUFFER_BYTES = 4 << 20  # a whole frame fits in the pair's buffers: write, then read, one thread
 
 
@@ -36,8 +47,11 @@ class FrameProbeConfig:
     frames: int = 16  # per repeat
     repeats: int = 5
     topk_ratio: float | None = None  # None: dense fp32 (what a node caches); else AdaTopK's codec
+    budget_s: float = 5.0  # no further repeat starts after this long (the first always runs)
 
     def __post_init__(self) -> None:
+        if not 0 < self.budget_s <= 600:
+            raise ConfigError(f"budget_s must be in (0, 600], got {self.budget_s}")
         if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         if not self.shape or any(not 1 <= d <= 4096 for d in self.shape) or len(self.shape) > 4:
@@ -51,6 +65,41 @@ def per_side(round_s: float, frames: int) -> float:
     if not (round_s > 0 and frames >= 1):
         raise ValueError(f"need round_s > 0 and frames >= 1, got {round_s}, {frames}")
     return round_s / frames / 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopkFrameCost:
+    """One side's CPU for a top-k frame of a dense tensor of n bytes: per_frame + per_byte * n."""
+
+    per_frame: float  # s
+    per_byte: float  # s per byte of the dense tensor packed
+
+    def __post_init__(self) -> None:
+        for name in ("per_frame", "per_byte"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be finite and >= 0, got {value}")
+
+
+def linear_cost(small: tuple[int, float], large: tuple[int, float]) -> TopkFrameCost:
+    """The line through (bytes, seconds) at two sizes, its slope and intercept clamped to >= 0
+    (timing noise can tilt a line from two points either way)."""
+    (n1, t1), (n2, t2) = small, large
+    if not (0 < n1 < n2 and t1 >= 0 and t2 >= 0):
+        raise ValueError(f"need 0 < bytes small < large and times >= 0, got {small}, {large}")
+    per_byte = max((t2 - t1) / (n2 - n1), 0.0)
+    return TopkFrameCost(per_frame=max(t1 - per_byte * n1, 0.0), per_byte=per_byte)
+
+
+def measure_topk_cost(repeats: int = 3, budget_s: float = 2.0) -> TopkFrameCost:
+    """One side's CPU per top-k frame, fitted from frames at two sizes, each bounded in time."""
+    points = []
+    for shape, frames in ((_TOPK_SMALL, 8), (_TOPK_LARGE, 2)):
+        config = FrameProbeConfig(
+            shape=shape, frames=frames, repeats=repeats, topk_ratio=_TOPK_RATIO, budget_s=budget_s
+        )
+        points.append((math.prod(shape) * 4, measure_frame_overhead(config)))
+    return linear_cost(points[0], points[1])
 
 
 def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
@@ -69,8 +118,11 @@ def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
     try:
         one = lambda: _frame_round(writer, reader, tensor, header, codec)  # noqa: E731
         one()  # warm-up: allocations, the codec's first call
-        times = []
+        times: list[float] = []
+        deadline = time.perf_counter() + config.budget_s
         for _ in range(config.repeats):
+            if times and time.perf_counter() > deadline:
+                break
             started = time.perf_counter()
             for _ in range(config.frames):
                 one()
