@@ -15,17 +15,20 @@ The round is halved as above: pack and unpack are charged to each end as their m
 """
 
 import contextlib
+import itertools
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import trio
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.compression import decode_frame, pack_tensor, parse_frame
-from fusionllm.compression.codecs import Codec, TopKCodec
+from fusionllm.compression import ErrorFeedback, decode_frame, pack_tensor, parse_frame
+from fusionllm.compression.adaptive import activation_codec
+from fusionllm.compression.codecs import TopKCodec
 from fusionllm.compression.limits import FrameLimits
 from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind, encode_head
@@ -36,7 +39,7 @@ _TIMEOUT_S = 30.0
 # Top-k probe sizes: the tiny model's activation (torch.topk's path, below 64K elements) and
 # 16x it (the sampled-threshold path GPT-2's cuts take); ratio under AdaTopK's dense fraction.
 _TOPK_SMALL = (8, 64, 64)  # (B, T, C): 128 KiB in fp32
-_TOPK_LARGE = (8, 64, 1024)  # (B, T, C): 2 MiB in fp32
+_TOPK_LARGE = (8, 64, 512)  # (B, T, C): 1 MiB in fp32
 _TOPK_RATIO = 0.2
 _BUFFER_BYTES = 4 << 20  # a whole frame fits in the pair's buffers: write, then read, one thread
 
@@ -91,23 +94,57 @@ def linear_cost(small: tuple[int, float], large: tuple[int, float]) -> TopkFrame
     return TopkFrameCost(per_frame=max(t1 - per_byte * n1, 0.0), per_byte=per_byte)
 
 
-def measure_topk_cost(repeats: int = 3, budget_s: float = 2.0) -> TopkFrameCost:
-    """One side's CPU per top-k frame, fitted from frames at two sizes, each bounded in time."""
-    points = []
-    for shape, frames in ((_TOPK_SMALL, 8), (_TOPK_LARGE, 2)):
-        config = FrameProbeConfig(
-            shape=shape, frames=frames, repeats=repeats, topk_ratio=_TOPK_RATIO, budget_s=budget_s
-        )
-        points.append((math.prod(shape) * 4, measure_frame_overhead(config)))
-    return linear_cost(points[0], points[1])
+def measure_topk_cost(rounds: int = 3, budget_s: float = 1.0) -> TopkFrameCost:
+    """One side's CPU per AdaTopK frame, fitted from frames at two sizes: activations and
+    gradients in turn, coded as their links code them (an activation at ratio <= 0.25 ternary,
+    a gradient top-k with error feedback), so the fit is their mean. The sizes are timed in
+    alternation and each keeps its fastest round: a load spike then hits one round of both,
+    not all of one size (a fit from two points is fragile; measured on 2 loaded cores)."""
+    sizes = ((_TOPK_SMALL, 4), (_TOPK_LARGE, 2))
+    packers = [_adatopk_packer(shape, _TOPK_RATIO) for shape, _ in sizes]
+    best = [math.inf, math.inf]
+    deadline = math.inf  # set after the first round: its warm-ups (first calls) take longest
+    for r in range(rounds):
+        if time.perf_counter() > deadline:
+            break
+        for i, (shape, frames) in enumerate(sizes):
+            config = FrameProbeConfig(shape=shape, frames=frames, repeats=1)
+            seconds = _per_frame(packers[i], config, warm_up=2 if r == 0 else 0)
+            best[i] = min(best[i], seconds)
+        if r == 0:
+            deadline = time.perf_counter() + budget_s
+    (small, _), (large, _) = sizes
+    return linear_cost((math.prod(small) * 4, best[0]), (math.prod(large) * 4, best[1]))
+
+
+def _adatopk_packer(shape: tuple[int, ...], ratio: float) -> Callable[[], bytes]:
+    """Frame bodies of an activation link, then a gradient link, in turn, at top-k ``ratio``."""
+    activation, gradient = torch.randn(shape), torch.randn(shape)  # (B, T, C) each
+    forward = activation_codec(activation.numel(), ratio)
+    backward = TopKCodec(ratio=ratio)
+    feedback, turn = ErrorFeedback(), itertools.count()
+
+    def pack() -> bytes:
+        if next(turn) % 2 == 0:
+            return pack_tensor(activation, forward)
+        return feedback.pack("gradient", gradient, backward)
+
+    return pack
 
 
 def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
     """Seconds of CPU a frame costs one side (the fastest repeat's, halved)."""
     config = config or FrameProbeConfig()
     tensor = torch.randn(config.shape)  # (B, T, C)
-    header = FrameHeader(step=0, micro_batch=0, kind=FrameKind.ACTIVATION, stage=0)
     codec = None if config.topk_ratio is None else TopKCodec(ratio=config.topk_ratio)
+    return _per_frame(lambda: pack_tensor(tensor, codec), config)
+
+
+def _per_frame(pack: Callable[[], bytes], config: FrameProbeConfig, warm_up: int = 2) -> float:
+    """One side's seconds per frame of the bodies ``pack`` makes, sent on a lane and read back,
+    after ``warm_up`` untimed frames (allocations, a codec's first call; two: a packer may
+    alternate codecs)."""
+    header = FrameHeader(step=0, micro_batch=0, kind=FrameKind.ACTIVATION, stage=0)
     left, right = socket.socketpair()
     for sock in (left, right):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
@@ -116,8 +153,9 @@ def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
     writer = LaneWriter(trio.socket.from_stdlib_socket(left), key)
     reader = BlockingLaneReader(right, key)
     try:
-        one = lambda: _frame_round(writer, reader, tensor, header, codec)  # noqa: E731
-        one()  # warm-up: allocations, the codec's first call
+        one = lambda: _frame_round(writer, reader, pack(), header)  # noqa: E731
+        for _ in range(warm_up):
+            one()
         times: list[float] = []
         deadline = time.perf_counter() + config.budget_s
         for _ in range(config.repeats):
@@ -135,13 +173,8 @@ def measure_frame_overhead(config: FrameProbeConfig | None = None) -> float:
 
 
 def _frame_round(
-    writer: LaneWriter,
-    reader: BlockingLaneReader,
-    tensor: torch.Tensor,
-    header: FrameHeader,
-    codec: Codec | None,
+    writer: LaneWriter, reader: BlockingLaneReader, body: bytes, header: FrameHeader
 ) -> None:
-    body = pack_tensor(tensor, codec)
     writer.write_frame((encode_head(header, len(body)), body), timeout=_TIMEOUT_S)
     head = read_head_blocking(
         reader, max_body_bytes=len(body), stall_timeout_s=_TIMEOUT_S, idle_timeout_s=_TIMEOUT_S

@@ -5,6 +5,7 @@ paying it by the cut's dense bytes, and the figures in a node's record."""
 
 from dataclasses import replace
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dag.swarm import Peer, Swarm
 from fusionllm.dht.records import DeviceInfo, RecordError
-from fusionllm.node.control.frame_cost import TopkFrameCost, linear_cost
+from fusionllm.node.control.frame_cost import TopkFrameCost, _adatopk_packer, linear_cost
 from tests.unit.test_planner import chain_graph
 
 GIB = 2**30
@@ -105,3 +106,11 @@ def test_top_k_figures_travel_in_a_record_and_a_peers_are_bounded():
                      ("tkb", "fast")):  # fmt: skip
         with pytest.raises(RecordError, match="top-k"):
             DeviceInfo.from_wire({**wire, key: bad})
+
+
+def test_the_probe_codes_activations_and_gradients_as_their_links_do():
+    """Forward a ternary activation (ratio <= 0.25, no feedback), backward a top-k gradient
+    with error feedback, in turn: the fit is the mean of the two, as the codec runs."""
+    pack = _adatopk_packer((4, 8, 16), 0.2)
+    codecs = [msgpack.unpackb(pack(), raw=False)["c"] for _ in range(4)]
+    assert codecs == ["tern", "topk", "tern", "topk"]
