@@ -94,7 +94,7 @@ def linear_cost(small: tuple[int, float], large: tuple[int, float]) -> TopkFrame
     return TopkFrameCost(per_frame=max(t1 - per_byte * n1, 0.0), per_byte=per_byte)
 
 
-def measure_topk_cost(rounds: int = 3, budget_s: float = 1.0) -> TopkFrameCost:
+def measure_topk_cost(rounds: int = 3, budget_s: float = 0.5) -> TopkFrameCost:
     """One side's CPU per AdaTopK frame, fitted from frames at two sizes: activations and
     gradients in turn, coded as their links code them (an activation at ratio <= 0.25 ternary,
     a gradient top-k with error feedback), so the fit is their mean. The sizes are timed in

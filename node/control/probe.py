@@ -151,7 +151,7 @@ def measure_device(
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
         memory_bytes = psutil.virtual_memory().total
-    topk = measure_topk_cost(rounds=config.repeats)
+    topk = measure_topk_cost(rounds=min(config.repeats, 3))
     measurement = DeviceMeasurement(
         device_name=device_name(device),
         flops=2 * n**3 / matmul_s,
