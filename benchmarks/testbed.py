@@ -71,6 +71,8 @@ def host_devices(topology: Topology) -> dict[str, dict]:
             "flops": m.flops * share, "memory_bandwidth": m.memory_bandwidth * share,
             "op_overhead": m.op_overhead / share, "cpu_cores": 1, "ram_bytes": 8 << 30,
             "frame_overhead": m.frame_overhead / share,
+            "topk_frame_overhead": m.topk_frame_overhead / share,
+            "topk_byte_cost": m.topk_byte_cost / share,
         }  # fmt: skip
     return devices
 

@@ -77,10 +77,7 @@ class _Model:
         self.fwd, self.bwd = fwd, bwd
         self.total = fwd + bwd
         self.memory = np.array([d.memory_bytes * config.memory_fraction for d in self.profiles])
-        # CPU seconds one tensor frame costs one side of a link, per profile (0: not measured).
-        self.frame_cost = np.array([d.frame_overhead for d in self.profiles])
-        # Top-k frames cost more than dense ones only where some device measured a frame.
-        self.charges_topk = bool(self.frame_cost.any()) and config.topk_frame_factor > 1.0
+        self._frame_terms(config)
         self.params = np.concatenate([[0.0], np.cumsum([n.param_bytes for n in graph.nodes])])
         # Saved for backward, per micro-batch (see OpNode.peak_activation_bytes).
         self.acts = np.concatenate(
@@ -106,6 +103,19 @@ class _Model:
         # The largest single output a stage makes is live on top of what is saved.
         self._peak_table = _range_max_table(
             np.array([n.output_bytes * scale for n in graph.nodes], dtype=np.float64)
+        )
+
+    def _frame_terms(self, config: PlanConfig) -> None:
+        """Per profile, the CPU one side of a link pays per frame (0: not measured): a dense
+        frame, and a top-k frame's constant and rate per dense byte (cost.topk_charge)."""
+        self.frame_cost = np.array([d.frame_overhead for d in self.profiles])
+        self.topk_frame = np.array([d.topk_frame_overhead for d in self.profiles])
+        self.topk_byte = np.array([d.topk_byte_cost for d in self.profiles])
+        # Top-k frames cost more than dense ones only where some device measured a frame.
+        self.charges_topk = bool(
+            (self.frame_cost.any() and config.topk_frame_factor > 1.0)
+            or self.topk_frame.any()
+            or self.topk_byte.any()
         )
 
     def peak(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from fusionllm.common.errors import ConfigError
 from fusionllm.compression.wire_sizes import target_ratio, topk_wire_bytes
 from fusionllm.dag.graph import OpNode
@@ -44,6 +46,11 @@ class DeviceProfile:
     # the lane's write or read): measured by the node (node/control/frame_cost.py), paid per
     # frame a stage sends or receives, besides its operators (issue 25, topology C).
     frame_overhead: float = 0.0
+    # A top-k frame's CPU, one side: a constant plus a rate per byte of the dense tensor it
+    # packs (its selection scans every element); both 0: not measured, and the planner falls
+    # back to PlanConfig.topk_frame_factor x frame_overhead.
+    topk_frame_overhead: float = 0.0
+    topk_byte_cost: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive(self.name, "flops", self.flops)
@@ -51,6 +58,8 @@ class DeviceProfile:
         _check_positive(self.name, "memory_bytes", self.memory_bytes)
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
         _check_positive(self.name, "frame_overhead", self.frame_overhead, allow_zero=True)
+        _check_positive(self.name, "topk_frame_overhead", self.topk_frame_overhead, allow_zero=True)
+        _check_positive(self.name, "topk_byte_cost", self.topk_byte_cost, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +126,24 @@ def stage_frames(stage: int, stages: int) -> int:
 def frame_time(stage: int, stages: int, device: DeviceProfile) -> float:
     """The CPU seconds stage ``stage`` pays per micro-batch and pass for its frames."""
     return stage_frames(stage, stages) * device.frame_overhead
+
+
+def topk_charge(
+    frames: int,
+    dense_bytes: float,
+    *,
+    dense_s: np.ndarray,
+    per_frame: np.ndarray,
+    per_byte: np.ndarray,
+    factor: float,
+) -> np.ndarray:
+    """CPU seconds one end pays for ``frames`` top-k frames packing ``dense_bytes`` in all,
+    beyond the dense frames' ``dense_s`` each it is already charged, per device (arrays alike).
+    Where a device measured top-k frames: per_frame + per_byte x bytes each; else the older
+    fixed ``factor`` x its dense frame (a peer that published no top-k figures)."""
+    measured = (per_frame > 0) | (per_byte > 0)
+    fitted = np.maximum(frames * (per_frame - dense_s) + per_byte * dense_bytes, 0.0)
+    return np.where(measured, fitted, frames * dense_s * (factor - 1.0))
 
 
 def transfer_time(nbytes: float, link: LinkProfile) -> float:

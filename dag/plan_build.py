@@ -7,12 +7,13 @@ step time, so that the OP-Fence search and the baselines follow the same rules.
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.chain_cuts import _Model
-from fusionllm.dag.cost import allreduce_time, compressed_wire, stage_frames
+from fusionllm.dag.cost import allreduce_time, compressed_wire, stage_frames, topk_charge
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.plan_records import (
     InfeasiblePlanError,
@@ -26,6 +27,17 @@ from fusionllm.dag.simulate import SimResult, simulate
 from fusionllm.dag.swarm import Swarm
 
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class TopkWork:
+    """The top-k frames a stage codes per micro-batch in one pass, and their dense bytes."""
+
+    frames: int = 0
+    dense_bytes: float = 0.0
+
+
+NO_TOPK = (TopkWork(), TopkWork())
 
 
 def build_plan(
@@ -63,8 +75,8 @@ def build_plan(
     # one tensor per forward+backward period of that stage in steady state.
     budget = max(r["forward_time"] + r["backward_time"] for r in stage_records)
     links = _link_plans(swarm, config, model, cuts, used, budget)
-    if model.charges_topk and any(f or b for f, b in topk_frames(links, s)):
-        # Top-k frames cost their ends CPU (config.topk_frame_factor): charged, the stages
+    if model.charges_topk and any(f.frames or b.frames for f, b in topk_frames(links, s)):
+        # Top-k frames cost their ends CPU (by their dense bytes): charged, the stages
         # grow, so does the budget, and AdaTopK may compress less. One more round, then the
         # stages are charged for the codecs that stay.
         stage_records = _charged(graph, swarm, config, model, cuts, groups, links)
@@ -74,18 +86,23 @@ def build_plan(
     return _assemble(swarm, config, fences, stage_records, links, method)
 
 
-def topk_frames(links: "Sequence[LinkPlan]", stages: int) -> list[tuple[int, int]]:
+def topk_frames(links: "Sequence[LinkPlan]", stages: int) -> list[tuple[TopkWork, TopkWork]]:
     """Per stage, the top-k frames it encodes or decodes per micro-batch: (forward, backward).
     A link's forward tensor is encoded by stage k and decoded by k+1; its gradient the other
-    way round, in the backward pass."""
+    way round, in the backward pass. Both are the cut's size dense (an activation and its
+    gradient have one shape)."""
     frames = [[0, 0] for _ in range(stages)]
+    nbytes = [[0.0, 0.0] for _ in range(stages)]
     for link in links:
         k = link.src_stage
         for codec, side in ((link.forward_codec, 0), (link.backward_codec, 1)):
             if codec == "topk":
-                frames[k][side] += 1
-                frames[k + 1][side] += 1
-    return [(f, b) for f, b in frames]
+                for end in (k, k + 1):
+                    frames[end][side] += 1
+                    nbytes[end][side] += link.dense_bytes
+    return [
+        (TopkWork(f[0], b[0]), TopkWork(f[1], b[1])) for f, b in zip(frames, nbytes, strict=True)
+    ]
 
 
 def _charged(graph, swarm, config, model, cuts, groups, links) -> list[dict]:
@@ -105,11 +122,11 @@ def _stage_record(
     cuts: list[int],
     k: int,
     group: list[str],
-    topk: tuple[int, int] = (0, 0),
+    topk: tuple[TopkWork, TopkWork] = NO_TOPK,
 ) -> tuple[np.ndarray, dict]:
     """Stage k's replicas (peer indices) and its StagePlan fields but the fence; ``topk``:
     the top-k frames it codes per micro-batch (forward, backward), charged beyond a dense
-    frame's cost at ``cfg.topk_frame_factor``."""
+    frame's cost by their dense bytes (cost.topk_charge)."""
     s = len(cuts) - 1
     members = np.array(sorted(swarm.index(p) for p in group), dtype=np.int64)
     a, b = cuts[k], cuts[k + 1]
@@ -132,8 +149,9 @@ def _stage_record(
     prof = model.peer_profile[replicas]
     per_frame = model.frame_cost[prof]  # (R,)
     frames = stage_frames(k, s) * per_frame
-    per_topk = per_frame * (cfg.topk_frame_factor - 1.0)
-    fwd_frames, bwd_frames = frames + topk[0] * per_topk, frames + topk[1] * per_topk
+    fwd_frames, bwd_frames = (
+        frames + _topk_extra(model, prof, per_frame, work, cfg.topk_frame_factor) for work in topk
+    )
     forward = float(np.max(share * (model.fwd[prof, b] - model.fwd[prof, a] + fwd_frames)))
     backward = float(np.max(share * (model.bwd[prof, b] - model.bwd[prof, a] + bwd_frames)))
     link = model.allreduce_link(replicas)
@@ -150,6 +168,22 @@ def _stage_record(
         forward_time=forward,
         backward_time=backward,
         allreduce_time=reduce,
+    )
+
+
+def _topk_extra(
+    model: _Model, prof: np.ndarray, per_frame: np.ndarray, work: TopkWork, factor: float
+) -> np.ndarray:
+    """What each replica (profiles ``prof``) pays for ``work`` beyond its dense frames."""
+    if not work.frames:
+        return np.zeros_like(per_frame)
+    return topk_charge(
+        work.frames,
+        work.dense_bytes,
+        dense_s=per_frame,
+        per_frame=model.topk_frame[prof],
+        per_byte=model.topk_byte[prof],
+        factor=factor,
     )
 
 

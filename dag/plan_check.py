@@ -27,7 +27,15 @@ from fusionllm.compression.wire_sizes import topk_wire_bytes
 from fusionllm.dag.chain_cuts import _Model
 from fusionllm.dag.cost import LinkProfile
 from fusionllm.dag.graph import GraphCosts
-from fusionllm.dag.plan_build import _stage_record, _wire, build_plan, link_plan, topk_frames
+from fusionllm.dag.plan_build import (
+    NO_TOPK,
+    TopkWork,
+    _stage_record,
+    _wire,
+    build_plan,
+    link_plan,
+    topk_frames,
+)
 from fusionllm.dag.plan_records import (
     PLANNERS,
     LinkPlan,
@@ -105,7 +113,7 @@ class Retimer:
         links = tuple(map(self._as_claimed, ours, plan.links))
         extra = topk_frames(links, len(stages))
         # The claimed top-k frames' CPU, as build_plan charges it.
-        if self.model.charges_topk and any(f or b for f, b in extra):
+        if self.model.charges_topk and any(f.frames or b.frames for f, b in extra):
             stages = tuple(self._stage(plan, cuts, k, extra[k]) for k in range(len(stages)))
             budget = max(s.forward_time + s.backward_time for s in stages)
             ours = tuple(self._link(link, cuts, budget) for link in plan.links)
@@ -184,7 +192,7 @@ class Retimer:
         )  # fmt: skip
 
     def _stage(
-        self, plan: Plan, cuts: list[int], k: int, topk: tuple[int, int] = (0, 0)
+        self, plan: Plan, cuts: list[int], k: int, topk: tuple[TopkWork, TopkWork] = NO_TOPK
     ) -> StagePlan:
         claimed = plan.stages[k]
         try:

@@ -63,6 +63,8 @@ class DeviceInfo:
     cpu_cores: int
     ram_bytes: int
     frame_overhead: float = 0.0  # s of CPU per tensor frame sent or received (0: not measured)
+    topk_frame_overhead: float = 0.0  # s of CPU per top-k frame, one side (0: not measured)
+    topk_byte_cost: float = 0.0  # ... plus s per byte of the dense tensor it packs
 
     def __post_init__(self) -> None:
         try:
@@ -82,6 +84,8 @@ class DeviceInfo:
             "ram": self.ram_bytes,
             # Only when measured: a record without it reads as before (0: no frame term).
             **({"frm": self.frame_overhead} if self.frame_overhead else {}),
+            **({"tkf": self.topk_frame_overhead} if self.topk_frame_overhead else {}),
+            **({"tkb": self.topk_byte_cost} if self.topk_byte_cost else {}),
         }
 
     @classmethod
@@ -90,7 +94,7 @@ class DeviceInfo:
             wire,
             {"name", "kind", "mem", "flops", "membw", "ovh", "cores", "ram"},
             "device",
-            frozenset({"frm"}),
+            frozenset({"frm", "tkf", "tkb"}),
         )
         values = {
             "name": check.text(w["name"], "device name", MAX_NAME_CHARS),
@@ -104,6 +108,9 @@ class DeviceInfo:
             "cpu_cores": check.integer(w["cores"], "cpu cores", 1, 1 << 16),
             "ram_bytes": check.integer(w["ram"], "ram", 1, _MAX_MEMORY),
             "frame_overhead": check.number(w.get("frm", 0.0), "frame overhead", 0.0, 1.0),
+            "topk_frame_overhead": check.number(w.get("tkf", 0.0), "top-k frame", 0.0, 1.0),
+            # s per byte: 1e-4 is 10 KB/s, slower than any device that could hold a stage.
+            "topk_byte_cost": check.number(w.get("tkb", 0.0), "top-k byte cost", 0.0, 1e-4),
         }
         obj = object.__new__(cls)
         for name, value in values.items():

@@ -283,7 +283,9 @@ def peer_of(info: NodeInfo) -> Peer:
         memory_bandwidth=quantize(device.memory_bandwidth / pace),
         memory_bytes=device.memory_bytes,
         op_overhead=quantize(device.op_overhead * pace) if device.op_overhead > 0 else 0.0,
-        frame_overhead=quantize(device.frame_overhead * pace) if device.frame_overhead else 0.0,
+        frame_overhead=quantize(device.frame_overhead * pace),
+        topk_frame_overhead=quantize(device.topk_frame_overhead * pace),
+        topk_byte_cost=quantize(device.topk_byte_cost * pace),
     )
     rtts = [link.rtt for link in info.links]
     rtt = quantize(max(sorted(rtts)[len(rtts) // 2], 1e-4), 2) if rtts else 0.05

@@ -20,14 +20,18 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import PRECISIONS
 from fusionllm.dht.records import DeviceInfo
-from fusionllm.node.control.frame_cost import FrameProbeConfig, measure_frame_overhead
+from fusionllm.node.control.frame_cost import (
+    FrameProbeConfig,
+    measure_frame_overhead,
+    measure_topk_cost,
+)
 from fusionllm.node.devices import resolve_device
 
 logger = get_logger(__name__)
 
 # 3: measured at the run's precision, on the device that trains; 4: the fastest repeat counts;
 # 5: with the per-frame cost
-_PROBE_VERSION = 5
+_PROBE_VERSION = 6
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -42,6 +46,8 @@ class DeviceMeasurement:
     memory_bytes: int
     op_overhead: float  # seconds per operator per pass (forward or backward) on tiny layers
     frame_overhead: float = 0.0  # seconds of CPU per tensor frame, one side (frame_cost.py)
+    topk_frame_overhead: float = 0.0  # a top-k frame, one side: s per frame (frame_cost.py)
+    topk_byte_cost: float = 0.0  # ... plus s per byte of the dense tensor it packs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +151,7 @@ def measure_device(
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
         memory_bytes = psutil.virtual_memory().total
+    topk = measure_topk_cost(rounds=min(config.repeats, 3))
     measurement = DeviceMeasurement(
         device_name=device_name(device),
         flops=2 * n**3 / matmul_s,
@@ -152,10 +159,12 @@ def measure_device(
         memory_bytes=int(memory_bytes),
         op_overhead=overhead_s / (2 * config.overhead_ops),
         frame_overhead=measure_frame_overhead(FrameProbeConfig(repeats=config.repeats)),
+        topk_frame_overhead=topk.per_frame,
+        topk_byte_cost=topk.per_byte,
     )
     logger.info(
         "%s: %.1f GFLOP/s %s matmul, %.1f GB/s element-wise, %.1f GiB, %.1f us per op, "
-        "%.0f us per frame",
+        "%.0f us per frame, top-k %.0f us + %.0f MB/s",
         measurement.device_name,
         measurement.flops / 1e9,
         str(config.dtype).removeprefix("torch."),
@@ -163,6 +172,8 @@ def measure_device(
         measurement.memory_bytes / 2**30,
         measurement.op_overhead * 1e6,
         measurement.frame_overhead * 1e6,
+        measurement.topk_frame_overhead * 1e6,
+        1e-6 / measurement.topk_byte_cost if measurement.topk_byte_cost else float("inf"),
     )
     return measurement
 
@@ -211,6 +222,8 @@ def local_device(cache: Path | None, device: str = "auto", precision: str = "fp3
         memory_bandwidth=measured.memory_bandwidth,
         op_overhead=measured.op_overhead,
         frame_overhead=measured.frame_overhead,
+        topk_frame_overhead=measured.topk_frame_overhead,
+        topk_byte_cost=measured.topk_byte_cost,
         cpu_cores=os.cpu_count() or 1,
         ram_bytes=psutil.virtual_memory().total,
     )

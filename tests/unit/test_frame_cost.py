@@ -11,7 +11,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.dag.baselines import naive_plan
 from fusionllm.dag.chain_cuts import _Chain, _make_unit, _Model, _solve_chain
 from fusionllm.dag.cost import DeviceProfile, LinkProfile, frame_time, mbps, stage_frames
-from fusionllm.dag.plan_build import build_plan, topk_frames
+from fusionllm.dag.plan_build import NO_TOPK, build_plan, topk_frames
 from fusionllm.dag.plan_check import Retimer
 from fusionllm.dag.planner import PlanConfig
 from fusionllm.dag.swarm import Peer, Swarm
@@ -110,7 +110,8 @@ def test_top_k_frames_are_charged_to_both_ends_and_the_retimer_agrees():
     charged, config = plan(8.0)
     link = charged.links[0]
     assert (link.forward_codec, link.backward_codec) == ("topk", "topk")
-    assert topk_frames(charged.links, 2) == [(1, 1), (1, 1)]
+    counts = [(f.frames, b.frames) for f, b in topk_frames(charged.links, 2)]
+    assert counts == [(1, 1), (1, 1)]
     extra = 7 * overhead  # one top-k frame per pass at each end, beyond its dense figure
     for a, b in zip(free.stages, charged.stages, strict=True):
         assert b.forward_time == pytest.approx(a.forward_time + extra)
@@ -119,7 +120,7 @@ def test_top_k_frames_are_charged_to_both_ends_and_the_retimer_agrees():
     # Every node re-times a proposal: it must find the same figures, charge included.
     retimed = Retimer(graph, swarm, config).retime(charged).plan
     assert retimed.estimated_step_time == pytest.approx(charged.estimated_step_time)
-    assert topk_frames([], 1) == [(0, 0)]
+    assert topk_frames([], 1) == [NO_TOPK]
     with pytest.raises(ConfigError, match="topk_frame_factor must be >= 1"):
         PlanConfig(topk_frame_factor=0.5)
 
