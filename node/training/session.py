@@ -54,6 +54,7 @@ from fusionllm.node.training.holdings import (
     Holding,
     choose_start,
 )
+from fusionllm.node.training.latecomers import Latecomers
 from fusionllm.node.training.parting import Parting
 from fusionllm.node.training.resume import restore_residuals, restore_scale
 from fusionllm.node.training.router import Inbox, Router
@@ -179,7 +180,8 @@ class PlanSession:
     def _hear(self, others, body, round_: int, *, current, stop) -> dict | None:
         ready: dict = {}
         next_send = 0.0
-        late = _Latecomers(self, others)
+        late = Latecomers(others, wait_s=self.barrier_wait_s,
+                          suspect=lambda peer, why: self.hooks.suspect(peer, why))  # fmt: skip
         while len(ready) < len(others):
             if stop.is_set() or not current():
                 return None
@@ -470,26 +472,3 @@ class PlanSession:
         return Held(
             self.assignment, self.layout, self.runner.worker, next_step, self.runner.scale_state()
         )
-
-
-class _Latecomers:
-    """One barrier round's members that are late: each suspected once, when its wait ends."""
-
-    def __init__(self, session: PlanSession, others: list[str]) -> None:
-        self._session, self._others = session, others
-        self._started = time.monotonic()
-        self._suspected: set[str] = set()
-        self._waits: dict[str, float] = {}
-
-    def check(self, ready: dict) -> None:
-        waited = time.monotonic() - self._started
-        for peer in self._others:
-            if peer in ready or peer in self._suspected:
-                continue
-            if peer not in self._waits:
-                self._waits[peer] = self._session.barrier_wait_s(peer)
-            if waited >= self._waits[peer]:
-                self._suspected.add(peer)
-                logger.warning("member %s is not at the READY barrier after %.0f s: suspecting it",
-                               peer[:16], waited)  # fmt: skip
-                self._session.hooks.suspect(peer, "barrier")
