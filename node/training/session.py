@@ -205,8 +205,8 @@ class PlanSession:
         every member, and so do we; but a READY of ours it refused (it adopted the plan after
         our resend reached it) is never resent once its own READY completed our round: answer
         each of its READYs of a round we announced, at most once per resend interval."""
-        body = self._announced.get(ready.round)
-        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+        body = self._answerable(peer, ready)
+        if body is None:
             return
         now = time.monotonic()
         if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
@@ -219,12 +219,24 @@ class PlanSession:
         did not echo its meeting (its own READY reached us only as this answer: we refused
         the first, adopting the plan late), answer once so that it counts us too; never
         twice for one nonce, so two members' answers cannot bounce for ever."""
-        body = self._announced.get(ready.round)
-        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
-            return
-        if ready.echo != self.nonce or self._echoed.get((peer, ready.round)) == ready.nonce:
+        body = self._answerable(peer, ready)
+        if (
+            body is None
+            or ready.echo != self.nonce
+            or self._echoed.get((peer, ready.round)) == ready.nonce
+        ):
             return
         self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def _answerable(self, peer: str, ready: Ready) -> torch.Tensor | None:
+        """Our READY body for a member's READY in a round we announced, or None. None too for
+        a member we met at another of its meetings: it left ours (it serves the plan again
+        after a step failed), and our body names what we held at ours, not what we hold now."""
+        if ready.vote != self.vote or peer not in self.assignment.members:
+            return None
+        if self._met.get(peer, ready.nonce) != ready.nonce:
+            return None
+        return self._announced.get(ready.round)
 
     def _send_ready(self, peer: str, body, round_: int, echo: int, step: int = 0) -> None:
         self._echoed[(peer, round_)] = echo
