@@ -54,6 +54,7 @@ from fusionllm.node.training.holdings import (
     Holding,
     choose_start,
 )
+from fusionllm.node.training.latecomers import Latecomers
 from fusionllm.node.training.parting import Parting
 from fusionllm.node.training.resume import restore_residuals, restore_scale
 from fusionllm.node.training.router import Inbox, Router
@@ -179,7 +180,8 @@ class PlanSession:
     def _hear(self, others, body, round_: int, *, current, stop) -> dict | None:
         ready: dict = {}
         next_send = 0.0
-        late = _Latecomers(self, others)
+        late = Latecomers(others, wait_s=self.barrier_wait_s,
+                          suspect=lambda peer, why: self.hooks.suspect(peer, why))  # fmt: skip
         while len(ready) < len(others):
             if stop.is_set() or not current():
                 return None
@@ -203,8 +205,8 @@ class PlanSession:
         every member, and so do we; but a READY of ours it refused (it adopted the plan after
         our resend reached it) is never resent once its own READY completed our round: answer
         each of its READYs of a round we announced, at most once per resend interval."""
-        body = self._announced.get(ready.round)
-        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
+        body = self._answerable(peer, ready)
+        if body is None:
             return
         now = time.monotonic()
         if now - self._answered.get(peer, -_READY_RESEND_S) < _READY_RESEND_S / 2:
@@ -217,12 +219,24 @@ class PlanSession:
         did not echo its meeting (its own READY reached us only as this answer: we refused
         the first, adopting the plan late), answer once so that it counts us too; never
         twice for one nonce, so two members' answers cannot bounce for ever."""
-        body = self._announced.get(ready.round)
-        if body is None or ready.vote != self.vote or peer not in self.assignment.members:
-            return
-        if ready.echo != self.nonce or self._echoed.get((peer, ready.round)) == ready.nonce:
+        body = self._answerable(peer, ready)
+        if (
+            body is None
+            or ready.echo != self.nonce
+            or self._echoed.get((peer, ready.round)) == ready.nonce
+        ):
             return
         self._send_ready(peer, body, ready.round, ready.nonce, step=READY_ANSWER)
+
+    def _answerable(self, peer: str, ready: Ready) -> torch.Tensor | None:
+        """Our READY body for a member's READY in a round we announced, or None. None too for
+        a member we met at another of its meetings: it left ours (it serves the plan again
+        after a step failed), and our body names what we held at ours, not what we hold now."""
+        if ready.vote != self.vote or peer not in self.assignment.members:
+            return None
+        if self._met.get(peer, ready.nonce) != ready.nonce:
+            return None
+        return self._announced.get(ready.round)
 
     def _send_ready(self, peer: str, body, round_: int, echo: int, step: int = 0) -> None:
         self._echoed[(peer, round_)] = echo
@@ -470,26 +484,3 @@ class PlanSession:
         return Held(
             self.assignment, self.layout, self.runner.worker, next_step, self.runner.scale_state()
         )
-
-
-class _Latecomers:
-    """One barrier round's members that are late: each suspected once, when its wait ends."""
-
-    def __init__(self, session: PlanSession, others: list[str]) -> None:
-        self._session, self._others = session, others
-        self._started = time.monotonic()
-        self._suspected: set[str] = set()
-        self._waits: dict[str, float] = {}
-
-    def check(self, ready: dict) -> None:
-        waited = time.monotonic() - self._started
-        for peer in self._others:
-            if peer in ready or peer in self._suspected:
-                continue
-            if peer not in self._waits:
-                self._waits[peer] = self._session.barrier_wait_s(peer)
-            if waited >= self._waits[peer]:
-                self._suspected.add(peer)
-                logger.warning("member %s is not at the READY barrier after %.0f s: suspecting it",
-                               peer[:16], waited)  # fmt: skip
-                self._session.hooks.suspect(peer, "barrier")

@@ -10,6 +10,7 @@ between these honest members was lifted and both train on.
 import json
 import math
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -342,3 +343,30 @@ def test_an_honest_member_late_to_the_barrier_is_cleared_and_both_train_on(nodes
 
 def _step_times(node: NodeProcess) -> list[float]:
     return [e["t"] for e in node.snapshot() if e["event"] == "step"]
+
+
+def test_both_nodes_train_again_after_one_drops_out_of_the_others_view(nodes):
+    """Last (it stops a node): ``--min-peers 2`` of 2, so no plan runs without either. b stops
+    (SIGSTOP) until a counts it gone and abandons the step, then resumes inside that step:
+    each suspects the other (a: b missed the barrier; b: its step stalled on a), and both must
+    train again. Failed while b's session of the first meeting, still inside step N, answered
+    a's new meeting with that meeting's READY ("b holds step 0"): a's barrier decided "the
+    members hold step 0, the swarm reached N" and waited in round 1, while b started step N
+    from round 0 and timed out every 60 s (PlanSession._answerable)."""
+    a, b = nodes
+    stopped_at = time.time()
+    b.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: "is gone: abandoning the step" in a.log_path.read_text(), 60,
+                 "a to count b gone")  # fmt: skip
+    finally:
+        b.process.send_signal(signal.SIGCONT)
+    resumed_at = time.time()
+    both = lambda: all(_steps_after(n, resumed_at) for n in nodes)  # noqa: E731
+    wait_for(both, 120, "both nodes to train again")
+    print(f"dropped after {resumed_at - stopped_at:.1f} s; both trained again after "
+          f"{max(_steps_after(n, resumed_at)[0] for n in nodes) - resumed_at:.1f} s")  # fmt: skip
+
+
+def _steps_after(node: NodeProcess, since: float) -> list[float]:
+    return [e["t"] for e in node.snapshot() if e["event"] == "step" and e["t"] > since]

@@ -14,7 +14,8 @@ import torch
 from fusionllm.compression.frame import unpack_tensor
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.p2p.transport import Received
-from fusionllm.node.training.board import TAG_ABORT, Abort, Board, decode_abort
+from fusionllm.node.training.board import TAG_ABORT, Abort, Board, decode_abort, encode_ready
+from fusionllm.node.training.holdings import Holding
 from fusionllm.node.training.session import PlanSession
 from fusionllm.node.training.session_terms import Outcome
 
@@ -79,6 +80,8 @@ def member(wire: Wire, me: str, nonce: int, met: dict[str, int]) -> PlanSession:
         shapes={"w": (2,)},
         is_member=MEMBERS.__contains__,
         on_abort=lambda peer, abort: session.aborted(peer, abort),
+        on_ready=lambda peer, ready: session.answer(peer, ready),
+        on_answer=lambda peer, ready: session.answered(peer, ready),
     )
     wire.boards[me] = board
     session.__dict__.update(
@@ -88,6 +91,9 @@ def member(wire: Wire, me: str, nonce: int, met: dict[str, int]) -> PlanSession:
         vote=VOTE,
         nonce=nonce,
         _met=dict(met),
+        _announced={},
+        _answered={},
+        _echoed={},
         _told=False,
         runner=Runner(),
         transport=wire.transport_of(me),
@@ -161,3 +167,20 @@ def test_a_step_that_times_out_tells_the_members_too() -> None:
     ]
     sent = [item.tensor for _, _, item in wire.sent]
     assert all(t.dtype == torch.float64 and tuple(t.shape) == (3,) for t in sent)
+
+
+def test_a_meeting_past_does_not_answer_a_members_new_meeting_with_what_it_held_then() -> None:
+    """a abandoned step 4 and meets b again (new nonce) while b's session of that plan, woken
+    inside step 4, still runs: b must not answer with its first meeting's READY ("b holds step
+    0"), which a's new meeting would count, deciding a start that b never agreed to."""
+    wire = Wire()
+    b = member(wire, "b", 22, {"a": 11})
+    b._announced[0] = encode_ready(VOTE, [Holding(0, 2, 4)], nonce=22)  # b's meeting: step 0
+    a_new = member(wire, "a", 12, {})
+    held_now = encode_ready(VOTE, [Holding(4, 0, 2)], hint=4, nonce=12)
+    a_new._send_ready("b", held_now, 0, echo=22)  # the nonce a last heard from b
+    assert a_new.board.ready_of(["b"], VOTE, 0, echo=12) == {}
+    # a READY of the meeting b met is still answered (a member that adopted the plan late)
+    a_new._send_ready("b", encode_ready(VOTE, [Holding(4, 0, 2)], nonce=11), 0, echo=22)
+    answered = a_new.board.ready_of(["b"], VOTE, 0, echo=11)
+    assert [(r.nonce, r.holdings) for r in answered.values()] == [(22, (Holding(0, 2, 4),))]
