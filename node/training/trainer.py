@@ -8,7 +8,6 @@ this package never imports the control plane. ``stop()`` leaves politely: this n
 leave, finishes the step and hands its stage's state to a member that stays.
 """
 
-import io
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import ConfigError, FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag import OpGraph
@@ -36,6 +34,7 @@ from fusionllm.node.training.router import Router
 from fusionllm.node.training.session import LEAVE_VOTE, PlanSession
 from fusionllm.node.training.session_terms import Ending, Held, Outcome, SessionHooks
 from fusionllm.node.training.trainer_config import SwarmView, TrainerConfig
+from fusionllm.node.training.trainer_events import plan_event, save_final_params, step_event
 from fusionllm.node.training.vault import Vault
 
 logger = get_logger(__name__)
@@ -43,8 +42,6 @@ logger = get_logger(__name__)
 FINAL_PARAMS = "final-params.pt"
 _NEVER = TensorSpec(dtype=torch.float32, shape=(-1,))  # matches nothing: the frame is refused
 _IDLE_POLL_S = 0.2
-# TrainConfig's per-link codec fields, as a plan sets them (assignment.assign)
-WIRE_FIELDS = ("activation_ratios", "gradient_ratios", "activation_halves", "gradient_halves")
 _PLANS_REMEMBERED = 8
 
 
@@ -444,28 +441,11 @@ class SwarmTrainer:
             if report.timings:
                 ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
                 self.view.witnessed(digest, ranks, list(report.timings))
-        tokens = self.run_spec.tokens_per_step
-        self._emit({"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
-                    "grad_norm": report.grad_norm, "seconds": report.seconds,
-                    "tokens_per_s": tokens / max(report.seconds, 1e-9),
-                    "busy_s": report.busy_s, "wait_s": report.wait_s,
-                    "samples": list(report.samples), "eval_loss": report.eval_loss,
-                    "bytes_out": self._bytes_out(),
-                    "links": [t.to_json() for t in report.links],
-                    "peak_device_bytes": report.peak_device_bytes,
-                    "skipped": report.skipped, "loss_scale": report.loss_scale})  # fmt: skip
+        self._emit(step_event(report, self.run_spec.tokens_per_step, self._bytes_out()))
 
     def _emit_plan(self, plan_of: Assignment, start: int, moved: tuple[int, int]) -> None:
         self._role = plan_of.role.replica if plan_of.role else None
-        wire = plan_of.config  # the links' codecs: a benchmark reruns the plan on equal terms
-        self._emit({"event": "train_plan", "digest": plan_of.digest, "start_step": start,
-                    "t": time.time(),
-                    "sent": moved[0], "received": moved[1],
-                    "stage": plan_of.role.stage, "replica": plan_of.role.replica,
-                    "ranges": [list(r) for r in plan_of.ranges],
-                    "wire": {name: list(getattr(wire, name)) for name in WIRE_FIELDS},
-                    "stages": [[plan_of.peers[r] for r in sorted(plan_of.peers)
-                                if r.stage == s] for s in range(len(plan_of.ranges))]})  # fmt: skip
+        self._emit(plan_event(plan_of, start, moved))
 
     def _bytes_out(self) -> int:
         try:
@@ -475,21 +455,8 @@ class SwarmTrainer:
 
     def _finish(self, held: Held | None) -> None:
         if held is not None:
-            role = held.assignment.role
             path = self.config.work_dir / FINAL_PARAMS
-            buffer = io.BytesIO()
-            torch.save(
-                {
-                    "params": held.worker.state_dict(),
-                    "stage": role.stage if role else None,
-                    "replica": role.replica if role else None,
-                    "nodes": list(held.layout.stages[role.stage]) if role else [],
-                    "step": held.next_step,
-                    "plan": held.assignment.digest,
-                },
-                buffer,
-            )
-            write_atomic(path, buffer.getvalue())
+            save_final_params(path, held)
             self._emit({"event": "saved", "path": str(path), "step": held.next_step})
         self.view.publish(self._role, self.step, self.loss, True, self.evaluation)
         self._emit({"event": "finished", "step": self.step, "loss": self.loss,
