@@ -395,7 +395,9 @@ class PlanSession:
                 report = self.runner.run_step(step)
             except FrameTimeoutError as exc:
                 self._blame(exc)
-                return self._failed(step, exc)
+                # No ABORT: the members on the wait chain time out on their own, and an ABORT
+                # would cut short their collection of stall notes, leaving the stalled unblamed.
+                return self._failed(step, exc, tell=False)
             except (PipelineError, FusionError) as exc:
                 return self._failed(step, exc)
             on_step(report)
@@ -446,12 +448,12 @@ class PlanSession:
         self.hooks.emit({"event": "fault_stall", "step": step, "t": time.time()})
         stop.wait()
 
-    def _failed(self, step: int, exc: Exception) -> Ending:
+    def _failed(self, step: int, exc: Exception, *, tell: bool = True) -> Ending:
         self.runner.worker.drop(step)
         self.runner.worker.optimizer.zero_grad(set_to_none=True)
         done = self.runner.completed_steps
         logger.warning("step %d of plan %s failed: %s", step, self.assignment.digest[:12], exc)
-        if not self._told:
+        if tell and not self._told:
             self._tell_abandoned(step)
         held = self._held(done if done is not None else step)
         self.vault.set_live(held)

@@ -1,7 +1,7 @@
 """The docker tests' session: one engine check, one image build, everything removed after.
 
 The image is built here, or ahead of the session in the background (tests/docker/prepare.py,
-as .ci/run does): with ``FUSIONLLM_DOCKER_READY`` naming the file that build writes last, the
+as .ci/run does): with ``CI_FUSIONLLM_DOCKER_READY`` naming the file that build writes last, the
 session waits for it and takes its image, or skips with the reason it failed. The docker tests
 run after all the others (``pytest_collection_modifyitems``) so that the build overlaps them.
 """

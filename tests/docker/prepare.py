@@ -3,7 +3,7 @@
 ``python -m tests.docker.prepare --ready FILE`` builds the image the docker tests run, as their
 session would, and writes FILE (JSON) last: ``{"image": TAG, "made": [...]}`` or
 ``{"error": REASON}``. CI (.ci/run) runs it in the background while lint and the other tests
-run; with ``FUSIONLLM_DOCKER_READY=FILE`` the session waits for FILE and takes that image (and
+run; with ``CI_FUSIONLLM_DOCKER_READY=FILE`` the session waits for FILE and takes that image (and
 removes it after) instead of building one, or skips with the reason the build failed.
 """
 
@@ -27,7 +27,7 @@ logger = get_logger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE_TIMEOUT_S = 900
-READY_ENV = "FUSIONLLM_DOCKER_READY"
+READY_ENV = "CI_FUSIONLLM_DOCKER_READY"
 WHEELS_DONE = "wheelhouse.complete"  # beside the wheels: pip made every one the image needs
 
 
