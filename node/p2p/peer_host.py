@@ -137,6 +137,12 @@ class HostService:
             logger.warning("service %s still stopping after close_timeout_s", self.name)
 
 
+def _stopping(exc: Exception) -> bool:
+    """py-libp2p's services (pubsub) start a task per message in their own nursery; one that
+    arrives as the service stops raises this, which is the service ending, not a fault."""
+    return isinstance(exc, RuntimeError) and "closed to new arrivals" in str(exc)
+
+
 class _Handler:
     """A registered stream handler and the cancel scopes of the streams it serves."""
 
@@ -153,10 +159,13 @@ class _Handler:
             self.scopes.add(scope)
             try:
                 await self.handler(stream)
-            except Exception:
+            except Exception as exc:
                 # An error out of a handler would end the host's trio thread, every peer's
                 # streams with it (a dial-back handler once did): only this stream ends.
-                logger.error("stream handler %s failed", self.handler, exc_info=True)
+                if _stopping(exc):
+                    logger.info("stream handler %s ended: its service is stopping", self.handler)
+                else:
+                    logger.error("stream handler %s failed", self.handler, exc_info=True)
                 failed = True
             finally:
                 self.scopes.discard(scope)

@@ -88,10 +88,12 @@ def test_a_stranger_on_the_lane_port_is_closed_and_the_node_serves_on(plain_node
     for garbage in (b"", os.urandom(TOKEN_BYTES), b"GET / HTTP/1.1\r\n\r\n" * 4):
         with socket.create_connection(("127.0.0.1", lane_port_of(node)), timeout=_WAIT_S) as s:
             s.sendall(garbage)
-            s.shutdown(socket.SHUT_WR)
+            # the node may have refused and reset it already (a bad token read at once)
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_WR)
             try:
                 answer = s.recv(16)
-            except ConnectionResetError:  # closed with our bytes unread
+            except OSError:  # reset: closed with our bytes unread
                 answer = b""
             assert answer == b""  # never accepted
     assert wait_for_refusal(node, "lane_bad_token", before) == 3

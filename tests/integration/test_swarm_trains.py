@@ -198,7 +198,7 @@ def test_the_main_job_prints_a_json_summary_and_leaves_nothing_behind(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {"steps", "loss_first", "loss_last", "loss_last_steps", "eval_losses",
                             "eval_loss_last", "tokens_per_s", "nodes", "plan_digest",
-                            "export", "stages", "peak_device_bytes"}  # fmt: skip
+                            "export", "stages", "peak_device_bytes", "ranges", "wire"}  # fmt: skip
     assert summary["loss_last_steps"] == 1  # a quarter of 6 steps, rounded down, at least 1
     assert sorted(summary["eval_losses"]) == ["0", "3"]
     assert summary["eval_loss_last"] == summary["eval_losses"]["3"] < summary["eval_losses"]["0"]
