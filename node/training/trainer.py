@@ -304,8 +304,10 @@ class SwarmTrainer:
         """A leave asked for at the barrier does not end it at once: the members wait there
         for our stage, which may be its only copy, so we meet them, serve the first step and
         part at its boundary (our vote to leave), handing the stage over. Members that do not
-        come within the barrier's grace are not waited for any longer: we leave then."""
+        come within the barrier's grace are not waited for any longer: we leave then, or at
+        once when none of them is alive in our view (nobody waits for our stage)."""
         digest = plan_of.digest
+        others = tuple(plan_of.others().values())
         self._connect(plan_of)
         # A plan whose members never all meet (one of them followed another plan, which then
         # ran to the end and left) is given up once the members' records say the run is over.
@@ -313,6 +315,7 @@ class SwarmTrainer:
             (self.view.adopted() or ("",))[0] == digest
             and not self.view.run_finished()
             and not self._left_long_ago()
+            and not (self._leaving.is_set() and not any(map(self.view.is_member, others)))
         )
         if self.config.fault_late_barrier_s > 0 and not self._came_late:
             self._came_late = True

@@ -385,6 +385,33 @@ def test_a_member_that_never_comes_to_the_barrier_is_suspected_and_planned_aroun
     assert all(v.suspected.count(("peer-c", "barrier")) == 1 for v in views)
 
 
+def test_a_leave_at_a_barrier_whose_members_are_all_gone_does_not_wait_out_the_grace(
+    cluster_of,
+):
+    """A stops as it reaches the barrier of a plan whose other member left the swarm (CI met
+    it: the last of two nodes, SIGTERMed after its partner left, sat out the 30 s grace and was
+    killed): nobody waits for its stage, so it leaves at once, well within the grace."""
+    peers = ["peer-a", "peer-b"]
+    cluster = cluster_of(peers)  # a barrier grace of 30 s
+    leaver = cluster.trainers["peer-a"]
+    cluster.views["peer-a"].alive.discard("peer-b")
+    connect = leaver._connect
+
+    def connect_then_sigterm(plan_of) -> None:
+        connect(plan_of)
+        leaver.stop()  # at the barrier, before anyone met
+
+    leaver._connect = connect_then_sigterm
+    cluster.adopt(_plan(peers, 2))
+    began = time.monotonic()
+    leaver.start()
+    assert leaver.wait_gone(20.0)
+    assert time.monotonic() - began < 15.0
+    ends = [e["outcome"] for e in cluster.events["peer-a"] if e["event"] == "plan_end"]
+    assert ends, "no plan_end"
+    assert set(ends) == {"abandoned"}, ends  # nobody met: no step, no hand-over
+
+
 def test_a_member_that_stalls_mid_run_is_blamed_not_the_neighbour_waiting_on_it(cluster_of):
     """The last stage stops after 5 steps, its heartbeat up (it stays a member): the middle
     stage times out waiting for its gradient, the first for the middle's; both suspect the
@@ -512,17 +539,19 @@ def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
 
 
 def _sigterm_after_the_switch_vote(leaver: SwarmTrainer, moved: Plan) -> None:
-    """Right after the leaver's vote of a step went out (so it counts only from the next
-    summary), a step the members end with a switch to ``moved``."""
-    switch_vote, vote = plan_vote(moved.digest()), leaver._vote
+    """After the leaver's vote of a step went out (so it counts only from the next summary),
+    in a step the members end with a switch to ``moved``: the stop lands as the leaver reads
+    that step's unanimous votes. (Stopping as the leaver cast its switch vote raced: under
+    load a member could cast that step's vote before it adopted ``moved``, the step then
+    ended without a switch and the leaver parted from the old plan.)"""
+    switch_vote, next_plan = plan_vote(moved.digest()), leaver._next_plan
 
-    def vote_then_sigterm() -> float:
-        cast = vote()
-        if cast == switch_vote:
-            leaver.stop()  # after this step's vote: the members switch, then we leave
-        return cast
+    def switch_then_sigterm(vote: float):
+        if vote == switch_vote:
+            leaver.stop()  # the members switch at this step's end, then we leave
+        return next_plan(vote)
 
-    leaver._vote = vote_then_sigterm
+    leaver._next_plan = switch_then_sigterm
 
 
 def _sigterm_at_the_new_barrier(leaver: SwarmTrainer, moved: Plan) -> None:
