@@ -22,6 +22,7 @@ from fusionllm.dag.planner import Plan
 from fusionllm.dht.records import TrainingProgress
 from fusionllm.node.control.daemon import NodeDaemon
 from fusionllm.node.p2p.framing import FrameHeader
+from fusionllm.node.p2p.lane.prober import LaneProber
 from fusionllm.node.p2p.reachability import punch_ip
 from fusionllm.node.p2p.transport import TensorSpec, Transport
 from fusionllm.node.pipeline.compute import pins_frames
@@ -177,7 +178,9 @@ def start_training(
         public_ip=lambda: punch_ip(daemon.reach.current) if daemon.reach is not None else None,
     ).start()
     daemon.wire_samples = transport.lane_senders.wire_samples
-    daemon.lane_probe = transport.lane_senders.bulk_probe
+    # Opens a lane to a member the plan does not use, so every link that can carry one is
+    # measured on the path tensors would take (lane/prober.py).
+    daemon.lane_probe = LaneProber(transport.lane_senders, transport.open_lane)
     daemon.lane_port = lambda: transport.lane_port or 0
     try:
         trainer = _trainer(config, daemon, transport, on_event).start()

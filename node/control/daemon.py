@@ -71,8 +71,8 @@ class NodeDaemon:
         self.book = BandwidthBook(max_age_s=max(6 * config.probe_interval_s, 60.0))
         # Our lanes' kernel-timed link figures; the tensor plane sets it once it runs.
         self.wire_samples: Callable[[], dict[str, WireSample]] = dict
-        # A bulk probe on our lane to a peer (lane/bulk.py): (peer, bytes) -> its figure, or
-        # None where no lane carries it (then the stream probe measures); set with the above.
+        # A bulk probe on a lane to a peer, opened for it if need be (lane/prober.py): (peer,
+        # bytes) -> its figure, or None where no lane can (the stream probe measures then).
         self.lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None
         self.lane_port: Callable[[], int] = lambda: 0  # mapped on the router beside the host's
         self.agreement: PlanAgreement | None = None  # the plan epochs, from start()

@@ -231,8 +231,9 @@ class LinkMonitor:
         for peer in targets:
             if self._stop.is_set():
                 return
-            # Links the plan uses get full-size probes (a better estimate where it matters);
-            # the rest a quarter, enough to rank them.
+            # Links the plan uses get full-size stream probes (a better estimate where it
+            # matters); the rest a quarter, enough to rank them. A lane probe is always full
+            # size (_probe): it costs the link a few ms, not Python's time.
             full = peer in priority
             nbytes = self.probe_bytes if full else max(16 << 10, self.probe_bytes // 4)
             sample = self._probe(peer, min(nbytes, self.probe_bytes))
@@ -241,14 +242,19 @@ class LinkMonitor:
                 self.book.record(self.peer_id, peer, sample, now=now, window=self.PROBE_WINDOW)
 
     def _probe(self, peer: str, nbytes: int) -> LinkSample | None:
-        """One measure of the link to ``peer``: a bulk transfer on our lane to it where one is
-        open (timed by the kernel, whoever has the CPU), else the stream probe (a relayed
-        link, or one we send no frames on); None if that failed."""
-        wire = self._lane_probe(peer, nbytes)
+        """One measure of the link to ``peer``: a bulk transfer on our lane to it (timed by the
+        kernel, whoever has the CPU; the lane opened for it where none was, lane/prober.py),
+        else the stream probe (no lane to be had: lanes off, relayed, refused); None if that
+        failed."""
+        # Full size on a lane whatever the stream probe's: the link's lane may be new (opened
+        # to probe it), and 256 KiB on a new lane ends inside slow start (38-77 MB/s of 125 on
+        # the testbed, 1 MiB 114-122: docs/testbed.md).
+        lane_bytes = max(nbytes, self.probe_bytes)
+        wire = self._lane_probe(peer, lane_bytes)
         if wire is not None:
             logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",
-                         peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, nbytes)  # fmt: skip
-            return LinkSample(wire.bandwidth, wire.rtt, time.time())
+                         peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, lane_bytes)  # fmt: skip
+            return LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
         try:
             result = self.control.probe(peer, nbytes=nbytes)
         except (TransportError, FusionError) as exc:

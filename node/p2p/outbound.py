@@ -1,10 +1,12 @@
 """Our side of each peer's outbound path: one lane or libp2p tensor stream per peer, opened on
-the first frame, watched for the peer ending it, dropped when it breaks (trio thread only).
+the first frame (or a lane only, for the link prober: ``open_lane``), watched for the peer
+ending it, dropped when it breaks, a lane closed once idle (trio thread only).
 
 A frame goes whole over one writer at a time (the per-peer lock), so a frame cut short by a
 failed write ends that writer and nothing more follows on it; the next frame opens a new one.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import trio
@@ -28,6 +30,14 @@ logger = get_logger(__name__)
 # Bytes per stream.write: the most one yamux DATA frame carries inside one Noise message (yamux
 # alone cuts 64 KiB frames, one byte over Noise's plaintext limit: twice the messages).
 WRITE_CHUNK_BYTES = min(_YAMUX_MAX_FRAME_BYTES, _NOISE_MAX_PLAINTEXT) - _YAMUX_HEADER_BYTES
+
+# A lane that carries no frame for this long is closed by us (a bulk probe's filler does not
+# count): the link prober opens lanes to members the plan does not use (open_lane), and the
+# receiver, which reads each lane in a thread of its own, would otherwise keep them as long as
+# probes come (its idle_timeout_s counts filler). Half the receiver's default idle timeout;
+# a peer probed again later, or sent a frame, gets a new lane (one offer, one TCP handshake).
+LANE_IDLE_S = 300.0
+_BUSY_RECHECK_S = 1.0  # an idle lane found busy (a bulk probe on it) is looked at again then
 
 
 @dataclass
@@ -96,6 +106,24 @@ class Outbound:
         if out is not None and out.stream is None and not out.lock.locked():
             del self._writers[peer]
 
+    async def open_lane(self, peer: str) -> bool:
+        """Whether our writer for ``peer`` is a lane, dialling one where it has none (never a
+        stream: the link prober wants the path tensors take); False where a stream carries the
+        peer's frames, or no lane opened (lanes off, relayed, refused: Lanes.dial backs off).
+        The lane then carries frames and is watched like one a frame opened."""
+        out = self._writers.setdefault(peer, _Writer())
+        async with out.lock:
+            if isinstance(out.stream, LaneWriter) and out.stream.broken:
+                self._drop_lane(peer, out)
+            if out.stream is None:
+                lane = await self._lanes.dial(self._host.libp2p, peer)
+                if lane is not None:
+                    self._adopt_lane(peer, out, lane)
+            opened = isinstance(out.stream, LaneWriter)
+        if out.stream is None and self._writers.get(peer) is out and not out.lock.locked():
+            del self._writers[peer]  # nothing kept for a peer we could not reach
+        return opened
+
     async def reset_all(self) -> None:
         """End every writer (the transport detaches from a host that may live on)."""
         self._senders.clear()
@@ -107,9 +135,7 @@ class Outbound:
         assert self.nursery is not None
         lane = await self._lanes.dial(self._host.libp2p, peer)
         if lane is not None:
-            out.stream = lane
-            self._senders.add(peer, lane)  # from now on callers write to it themselves
-            self.nursery.start_soon(self._watch, peer, out, lane)
+            self._adopt_lane(peer, out, lane)
             return
         dial_s = self._dial_timeout_s
         # Dialing (when not connected yet) and protocol negotiation get the dial deadline, not
@@ -121,6 +147,40 @@ class Outbound:
             raise DeadlineError(f"opening a stream to {peer} took over {dial_s}s")
         out.stream = stream
         self.nursery.start_soon(self._watch, peer, out, stream)
+
+    def _adopt_lane(self, peer: str, out: _Writer, lane: LaneWriter) -> None:
+        assert self.nursery is not None
+        out.stream = lane
+        self._senders.add(peer, lane)  # from now on callers write to it themselves
+        self.nursery.start_soon(self._watch, peer, out, lane)
+        self.nursery.start_soon(self._close_when_idle, peer, out, lane)
+
+    async def _close_when_idle(self, peer: str, out: _Writer, lane: LaneWriter) -> None:
+        """Close ``lane`` once no frame went over it for LANE_IDLE_S; ends with the lane."""
+        while out.stream is lane:
+            left = lane.frame_at + LANE_IDLE_S - time.monotonic()
+            if left > 0:
+                await trio.sleep(left)
+            elif await self._close_if_idle(peer, out, lane):
+                return
+            else:
+                await trio.sleep(_BUSY_RECHECK_S)
+
+    async def _close_if_idle(self, peer: str, out: _Writer, lane: LaneWriter) -> bool:
+        """Close ``lane`` if it is still ours, free and idle; whether it was closed."""
+        async with out.lock:  # no frame of the trio path is being written
+            if out.stream is not lane or not lane.lock.acquire(blocking=False):
+                return False  # gone, or a caller's frame (or a bulk probe) is on it now
+            try:
+                if time.monotonic() - lane.frame_at < LANE_IDLE_S:
+                    return False
+                self._drop_lane(peer, out)
+                lane.broken = True  # a thread that found it before the drop writes nothing
+            finally:
+                lane.lock.release()
+        logger.debug("closing our lane to %s: no frame for %.0fs", peer, LANE_IDLE_S)
+        await lane.close()  # its watcher wakes and forgets the writer
+        return True
 
     async def _watch(self, peer: str, out: _Writer, stream: INetStream | LaneWriter) -> None:
         """Notice at once when the peer ends a stream we write to; receivers never write back.

@@ -3,10 +3,10 @@
 py-libp2p is trio-native and the compute side is plain threads and torch, so the host runs in
 its own thread (peer_host.py) and the rest of the node talks to the data plane only through
 this class: ``send``/``send_async`` (a ``concurrent.futures.Future``), ``recv`` (a thread-safe
-inbox), ``connect``, ``stats`` and ``close``. Heavy torch work in the caller's thread and
-encryption/muxing in the trio thread then only share the GIL, never an event loop. Given the
-node's ``PeerHost`` it attaches ``TENSOR_PROTOCOL`` to it and starts nothing of its own
-(closing it detaches and leaves the host running); given none, it makes and owns a host.
+inbox), ``connect``, ``open_lane``, ``stats`` and ``close``. Heavy torch work in the caller's
+thread and encryption/muxing in the trio thread then only share the GIL, never an event loop.
+Given the node's ``PeerHost`` it attaches ``TENSOR_PROTOCOL`` to it and starts nothing of its
+own (closing it detaches and leaves the host running); given none, it makes and owns a host.
 
 A frame goes over a lane (lane/: a TCP connection of its own, sealed under a key agreed in
 the Noise session; the caller's thread writes it, the receiver reads it in a thread of the
@@ -266,6 +266,25 @@ class Transport:
         """The peers our frames go to over a lane now (not a libp2p stream)."""
         return self.host.call_sync(self._outbound.lane_peers)
 
+    def open_lane(self, peer: str, timeout: float) -> bool:
+        """Whether a lane to ``peer`` is open, dialling one if none is (never a libp2p stream),
+        waiting at most ``timeout`` s: then it carries frames like any lane (outbound.py).
+        False where lanes are off, a stream carries the peer's frames, no lane could be opened
+        (relayed, refused, unreachable: lane/service.py backs off), or the wait ran out (the
+        open goes on in the trio thread, bounded by ``lane_timeout_s``). Any thread."""
+        parse_peer_id(peer)
+        if self.lane_senders.has(peer):
+            return True
+        if not self.config.lanes:
+            return False
+        self._require_running()
+        opened: Future[bool] = Future()
+        self.host.run_sync_soon(self._spawn_open_lane, opened, peer)
+        try:
+            return opened.result(timeout)
+        except TimeoutError:  # the future's own wait: it holds a bool or TransportClosedError
+            return False
+
     def punched_lanes(self) -> list[str]:
         """The peers of ``outbound_lanes`` whose lane was punched through NATs (lane/punch.py)."""
         return self.host.call_sync(self._outbound.punched_peers)
@@ -346,6 +365,29 @@ class Transport:
         except RuntimeError:
             if future.set_running_or_notify_cancel():
                 future.set_exception(TransportClosedError("transport closed"))
+
+    def _spawn_open_lane(self, opened: "Future[bool]", peer: str) -> None:
+        # A run_sync_soon callback, like _spawn_send: it must not raise.
+        try:
+            nursery = self._outbound.nursery
+            if nursery is None:
+                raise RuntimeError("transport stopping")
+            nursery.start_soon(self._open_lane_task, opened, peer)
+        except RuntimeError:  # stopping, or its nursery closed to new tasks
+            opened.set_exception(TransportClosedError("transport closed"))
+
+    async def _open_lane_task(self, opened: "Future[bool]", peer: str) -> None:
+        try:
+            result = await self._outbound.open_lane(peer)
+        except Exception:
+            # Lanes.dial takes the failures it knows; anything else is a bug: no lane, the
+            # link gets the stream probe, the node keeps its transport.
+            logger.warning("opening a lane to %s failed unexpectedly", peer, exc_info=True)
+            result = False
+        except BaseException:  # trio.Cancelled: the transport is closing
+            opened.set_exception(TransportClosedError("transport closed while opening a lane"))
+            raise
+        opened.set_result(result)
 
     async def _send_task(
         self, future: Future, peer: str, head: bytes, body: bytes, timeout: float

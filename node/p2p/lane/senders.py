@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
+from functools import partial
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -30,6 +31,10 @@ class LaneSenders:
 
     def add(self, peer: str, lane: LaneWriter) -> None:
         self._by_peer[peer] = lane
+
+    def has(self, peer: str) -> bool:
+        """Whether a lane to ``peer`` is open (any thread)."""
+        return peer in self._by_peer
 
     def drop(self, peer: str, lane: LaneWriter) -> None:
         if self._by_peer.get(peer) is lane:
@@ -59,11 +64,12 @@ class LaneSenders:
             return None
         try:
             # Counted frame by frame: a busy lane sends nothing, a broken one part of it.
-            return run_bulk(lane, nbytes, timeout, on_frame=lambda n: self._counters.sent(peer, n))
+            sample = run_bulk(lane, nbytes, timeout, on_frame=partial(self._counters.sent, peer))
         except FusionError:
             logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
             self.drop(peer, lane)
             return None
+        return replace(sample, punched=True) if sample is not None and lane.punched else sample
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float
@@ -75,6 +81,9 @@ class LaneSenders:
         frame is out, or fails when the lane broke (the next frame opens a new one)."""
         lane = self._by_peer.get(peer)
         if lane is None or not lane.lock.acquire(blocking=False):
+            return None
+        if lane.broken:  # closed after we found it (idle, outbound.py): the other path reopens
+            lane.lock.release()
             return None
         future: Future[None] = Future()
         deadline = time.monotonic() + timeout

@@ -105,6 +105,9 @@ class LaneWriter:
         self.meter = WireMeter()  # the link's rate as the kernel timed our frames
         # What the kernel said after the last frame (and when): None if it could not be read.
         self.last_reading: tuple[TcpInfo, float] | None = None
+        # When a frame of the caller's (not a bulk probe's filler) last began (monotonic):
+        # a lane that carries none for long is closed (outbound.py, LANE_IDLE_S).
+        self.frame_at = time.monotonic()
 
     def write_frame(self, parts: tuple[bytes | memoryview, ...], timeout: float) -> None:
         """Seal and send ``parts`` (a frame's head and body), all within ``timeout`` seconds;
@@ -112,6 +115,7 @@ class LaneWriter:
         deadline = time.monotonic() + timeout
         if not self.lock.acquire(timeout=max(timeout, 0.0)):
             raise DeadlineError(f"the lane stayed busy for {timeout}s")
+        self.frame_at = time.monotonic()
         try:
             self.write_locked(parts, deadline)
         finally:
@@ -123,6 +127,7 @@ class LaneWriter:
         blocking; the lock must stay held until that has run."""
         if self.broken:
             raise TransportError("the lane is broken")
+        self.frame_at = time.monotonic()
         batches = self._batches(parts)
         try:
             self._blocking.settimeout(0.0)  # a full socket raises BlockingIOError, never waits
