@@ -4,7 +4,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from fusionllm.node.control.bandwidth import BandwidthBook
+from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.links import LinkMonitor
 from fusionllm.node.errors import TransportError
 
@@ -109,3 +109,35 @@ def test_a_quiet_member_that_vanished_is_suspected_unless_it_answers():
     # A loud member's record is suspected after the usual silence anyway; "back" took a
     # new connection: only the quiet one that cannot be reached is out now.
     assert suspects == ["quiet"]
+
+
+def _connects_later(control: FakeControl, peer: str, after_calls: int):
+    seen = {p: rec(p) for p in "abc"}
+    calls = []
+
+    def members():
+        calls.append(1)
+        if len(calls) == after_calls:
+            control.peers.append(peer)  # connected since the last round (over a relay, say)
+        return dict(seen)
+
+    return members
+
+
+def test_a_member_connected_since_the_round_and_never_measured_ends_the_wait():
+    control = FakeControl("b")
+    link_monitor = monitor(_connects_later(control, "c", 3), threading.Event(), control)
+    link_monitor._probeable = frozenset({"b"})  # what the last round could probe
+    started = time.monotonic()
+    assert not link_monitor._wait(30.0, frozenset("abc"))
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_member_connected_since_the_round_but_measured_waits_the_whole_time():
+    control = FakeControl("b")
+    link_monitor = monitor(_connects_later(control, "c", 3), threading.Event(), control)
+    link_monitor._probeable = frozenset({"b"})
+    link_monitor.book.record("a", "c", LinkSample(1e6, 0.01, time.time()), now=time.time())
+    started = time.monotonic()
+    assert not link_monitor._wait(0.3, frozenset("abc"))
+    assert time.monotonic() - started >= 0.3
