@@ -9,11 +9,11 @@ Every kernel object it makes carries its tag, ``fltb-<pid>-<n>``: a namespace pe
 cgroup per host (``/sys/fs/cgroup/cpu/<tag>/<host>``). A host behind NAT (``nat`` in the
 topology) is two namespaces: its router ``<tag>-<host>.nat`` holds the TUN and the public
 address, and ``<tag>-<host>``, where its processes run, sits behind it on a veth LAN
-(``<lan_prefix>.<i+1>.2/24``; see ``nat`` and ``router``). ``close`` (leaving the ``with`` block,
-also on an exception or Ctrl-C) kills every process started in a host (by pid, then whatever
-is left in its namespace or cgroup), stops the emulator, deletes the namespaces and cgroups,
-and raises TestbedError if any of that failed. ``sweep_stale`` removes what a testbed whose
-process died (SIGKILL) left behind.
+(``<lan_prefix>.<i+1>.2/24``; see ``nat`` and ``router``). ``close`` (leaving the ``with``
+block, also on an exception, Ctrl-C or SIGTERM) kills every process started in a host (by pid,
+then whatever is left in its namespace or cgroup), stops the emulator, deletes the namespaces
+and cgroups, and raises TestbedError if any of that failed. ``sweep_stale`` removes what a
+testbed whose process died (SIGKILL) left behind.
 """
 
 import contextlib
@@ -23,8 +23,10 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,15 +166,24 @@ class Testbed:
     # ----- up ---------------------------------------------------------------------------------
 
     def __enter__(self) -> "Testbed":
+        self._sigterm = _exit_on_sigterm()
         try:
             self.up()
         except BaseException:
-            self.close()
+            self._leave()
             raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._leave()
+
+    def _leave(self) -> None:
+        try:
+            self.close()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+                self._sigterm = None
 
     def up(self) -> None:
         reason = unavailable()
@@ -385,3 +396,19 @@ def sweep_stale() -> list[str]:
                 cgroups.remove(path)
                 removed.append(f"cgroup {path}")
     return removed
+
+
+def _exit_on_sigterm():
+    """SIGTERM as SystemExit while a testbed is up, so ``with`` tears it down: by default the
+    signal ends the process at once and leaves namespaces, cgroups and node processes behind
+    (a `pkill` of a benchmark did). Only where nobody handles SIGTERM yet, from the main
+    thread (the only one that may set handlers); returns the handler to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)

@@ -100,6 +100,7 @@ SIDE_MODULES = frozenset(
         "gpu_benchmark",
         "gpu_stages",
         "handler_errors",
+        "lane_prober",
         "lanes",
         "lying_members",
         "member_relay",

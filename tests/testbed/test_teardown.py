@@ -154,3 +154,32 @@ def test_ctrl_c_while_the_cli_sets_up_tears_down_once_it_is_up():
     tag = out.split()[1]
     assert tag.startswith("fltb-"), out
     assert leftovers(tag) == []
+
+
+_SCRIPT = """
+import sys, time
+from fusionllm.testbed.bed import Testbed
+from fusionllm.testbed.topology import parse_topology
+with Testbed(parse_topology({"name": "two", "hosts": [{"name": "x"}, {"name": "y"}]})) as bed:
+    bed.popen("x", ["sleep", "300"])
+    print(bed.tag, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_sigterm_on_a_script_inside_a_testbed_tears_down():
+    """A benchmark stopped with `kill` (SIGTERM) leaves nothing behind: by default the signal
+    ended the process at once, its namespaces, cgroups and node processes left over."""
+    script = subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        tag = script.stdout.readline().strip()
+        assert tag.startswith("fltb-"), (tag, script.stderr.read() if script.poll() else "")
+        assert leftovers(tag)
+        script.send_signal(signal.SIGTERM)
+        assert script.wait(30) == 128 + signal.SIGTERM, script.stderr.read()
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait()
+    assert leftovers(tag) == []
