@@ -266,7 +266,7 @@ class LinkMonitor:
         # Full size on a lane whatever the stream probe's: the link's lane may be new (opened
         # to probe it), and 256 KiB on a new lane ends inside slow start (38-77 MB/s of 125 on
         # the testbed, 1 MiB 114-122: docs/testbed.md).
-        lane_bytes = max(nbytes, self.probe_bytes)
+        lane_bytes = self.probe_bytes
         wire = self._lane_probe(peer, lane_bytes)
         if wire is not None:
             logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",

@@ -120,8 +120,7 @@ class Outbound:
                 if lane is not None:
                     self._adopt_lane(peer, out, lane)
             opened = isinstance(out.stream, LaneWriter)
-        if out.stream is None and self._writers.get(peer) is out and not out.lock.locked():
-            del self._writers[peer]  # nothing kept for a peer we could not reach
+        self.forget(peer)  # nothing kept for a peer we could not reach
         return opened
 
     async def reset_all(self) -> None:
