@@ -52,6 +52,8 @@ TOKENS_PER_STEP = 64 * 8 * 4
 TIMING = {**FAST, "heartbeat": 2.0, "ttl": 10.0, "epoch": 4.0, "probe-kib": 1024}
 QUICK = {"topologies": ["mini"], "methods": ["naive", "opfence"], "steps": 30}
 KILLED = "opfence-kill"  # OP-Fence + AdaTopK with a member SIGKILLed halfway
+# StepReport.phases, as the step events carry them
+PHASES = ("exchange_s", "summary_wait_s", "update_s", "sends_s")
 KILL_CHECKPOINTS = 5  # steps between checkpoints in the killed run
 
 
@@ -198,13 +200,14 @@ def _timing(steps: dict[int, dict], warmup: int, total: int) -> dict:
 def _stage_seconds(nodes, warmup: int) -> dict:
     """Per host, medians after the warm-up of what its steps spent computing (``busy_s``),
     waiting for frames (``wait_s``) and in all (``seconds``: the runner's step, from its start
-    to the summary; the rest of the interval between steps is the trainer's): where a step's
-    time goes, beside the plan's estimate."""
-    out: dict[str, dict[str, float]] = {"busy_s": {}, "wait_s": {}, "seconds": {}}
+    to the summary; the rest of the interval between steps is the trainer's), and the phases
+    after the schedule (StepReport.phases): where a step's time goes, beside the estimate."""
+    keys = ("busy_s", "wait_s", "seconds", *PHASES)
+    out: dict[str, dict[str, float]] = {key: {} for key in keys}
     for node in nodes:
         steps = [e for e in node.snapshot() if e["event"] == "step" and e["step"] >= warmup]
         for key in out:
-            if steps:
+            if steps and key in steps[0]:
                 out[key][node.name] = statistics.median(e[key] for e in steps)
     return out
 

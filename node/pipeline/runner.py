@@ -37,30 +37,31 @@ the ternary code) with error feedback (link_feedback.py: one residual per link a
 link_codecs.py packs both and counts their bytes.
 """
 
+import itertools
 import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 
 import torch
 
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import pack_tensor
 from fusionllm.node.errors import FrameTimeoutError, PipelineError, StepAbortedError
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind
 from fusionllm.node.p2p.transport import Received, Transport
 from fusionllm.node.pipeline.busy import compute_clock
 from fusionllm.node.pipeline.compute import Compute, Staging
 from fusionllm.node.pipeline.data import TokenDataset
-from fusionllm.node.pipeline.evaluation import eval_pass, is_eval_step
-from fusionllm.node.pipeline.exchanges import all_reduce_replicas, sum_tied
-from fusionllm.node.pipeline.expectations import (
-    TAG_SUMMARY,
-    Expectations,
-    roles_of,
+from fusionllm.node.pipeline.evaluation import eval_pass
+from fusionllm.node.pipeline.exchanges import (
+    all_reduce_replicas,
+    gather_summary,
+    send_summary,
+    sum_tied,
+    summary_first,
 )
+from fusionllm.node.pipeline.expectations import Expectations, roles_of
 from fusionllm.node.pipeline.layout import PipelineLayout
 from fusionllm.node.pipeline.link_codecs import LinkCodecs
 from fusionllm.node.pipeline.link_feedback import GradientFeedback
@@ -70,7 +71,7 @@ from fusionllm.node.pipeline.patience import Patience, PatienceConfig
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
 from fusionllm.node.pipeline.steps import Sends, StepReport
-from fusionllm.node.pipeline.summary import StepTotals, Summary, combine
+from fusionllm.node.pipeline.summary import Summary
 from fusionllm.node.pipeline.traffic import LinkTraffic
 from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
 
@@ -84,13 +85,10 @@ _WARMUP_SLACK = 1
 _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
 
 
-def _summary_first(role: Role, tied_names: list[str], layout: PipelineLayout) -> bool:
-    """Whether this process's share of the norm does not wait on the tied sums, so it sends
-    its summary before them: the last stage's is then at stage 0 when stage 0's last backward
-    ends, and the step ends one link latency after that, not two (the tied frame, then the
-    summary). Replicas but the first send a norm of 0, and a stage whose tied copies another
-    stage counts leaves them out of its share."""
-    return role.replica != 0 or set(tied_names) <= layout.counted_elsewhere(role.stage)
+def _phases(marks: list[float]) -> dict[str, float]:
+    """StepReport.phases from the clock read between them."""
+    names = ("exchange_s", "summary_wait_s", "update_s", "sends_s")
+    return {name: b - a for name, (a, b) in zip(names, itertools.pairwise(marks), strict=True)}
 
 
 def _compute_for(config: TrainConfig, compute: Compute | None) -> Compute:
@@ -167,7 +165,7 @@ class PipelineRunner:
             config=config, staging=self.staging, feedback=self._feedback, traffic=self.traffic
         )
         self._compute_cpu_s = 0.0  # this step's, so far (StepReport.busy_cpu_s)
-        self._summary_first = _summary_first(role, self.tied_names, layout)
+        self._summary_first = summary_first(role, self.tied_names, layout)
         self.expectations = Expectations(config, layout, role)
         self.mailbox = self._new_mailbox()
         self._stop = threading.Event()
@@ -277,15 +275,18 @@ class PipelineRunner:
         losses, busy, (wait_in, wait_out), order = self._schedule(step, sends)
         if self.loss_scale is not None:  # before any gradient leaves: they must be finite
             self._overflow |= self.worker.unscale_or_zero(scale)
+        marks = [time.perf_counter()]
         all_reduce_replicas(self, step, sends)
         mine = Summary(0.0, sum(float(x) for x in losses), len(losses), 0.0, self._overflow,
                        eval_sum, eval_count, busy, wait_in, wait_out)  # fmt: skip
         if self._summary_first:
-            mine = self._send_summary(step, sends, mine)
+            mine = send_summary(self, step, sends, mine)
         sum_tied(self, step, sends)
         if not self._summary_first:
-            mine = self._send_summary(step, sends, mine)
-        totals = self._gather_summary(step, sends, mine)  # checks the counts: never half-apply
+            mine = send_summary(self, step, sends, mine)
+        marks.append(time.perf_counter())
+        totals = gather_summary(self, step, sends, mine)  # checks the counts: never half-apply
+        marks.append(time.perf_counter())
         norm = math.sqrt(totals.sq)
         if totals.overflow:  # some stage's gradients overflowed: every stage skips the step
             self.worker.skip_step()
@@ -295,7 +296,9 @@ class PipelineRunner:
             self.loss_scale.update(totals.overflow)
             self._feedback.rescale(scale, self.loss_scale.scale)
         self.completed_steps = step + 1  # from here on the step counts, even if a send fails
+        marks.append(time.perf_counter())
         sends.wait(self.timeout_s)
+        marks.append(time.perf_counter())
         return StepReport(
             step=step,
             loss=totals.loss_sum / totals.loss_count,
@@ -312,6 +315,7 @@ class PipelineRunner:
             eval_loss=totals.eval_sum / totals.eval_count if totals.eval_count else None,
             links=self.traffic.take(),
             timings=totals.timings,
+            phases=_phases(marks),
         )
 
     def _samples_read(self, step: int, order: list[tuple[str, int]]) -> tuple[int, ...]:
@@ -424,42 +428,6 @@ class PipelineRunner:
         return computed, t1 - t0
 
     # ----- the exchanges after the schedule (exchanges.py) and the summary --------------------
-
-    def _send_summary(self, step: int, sends: Sends, losses: Summary) -> Summary:
-        """Our summary (summary.py: ``losses`` with our norm share and vote), sent to every
-        other process."""
-        sq = 0.0
-        if self.role.replica == 0:  # replicas hold the same averaged gradients: count once
-            sq = self.worker.local_grad_sq_norm(self.layout.counted_elsewhere(self.role.stage))
-        mine = replace(losses, sq=sq, vote=float(self._vote()))
-        body = pack_tensor(mine.to_tensor())
-        for other in self.roles:
-            if other != self.role:
-                sends.futures.append(self.send(other, FrameKind.CONTROL, step, TAG_SUMMARY, body))
-        return mine
-
-    def _gather_summary(self, step: int, sends: Sends, mine: Summary) -> StepTotals:
-        """The all-gather's totals, in rank order (summary.combine); a step whose losses do not
-        count every micro-batch (and every validation one, on an evaluation step) is refused."""
-        parts = [
-            mine
-            if other == self.role
-            else Summary.from_tensor(
-                self.take(FrameKind.CONTROL, step, TAG_SUMMARY, other, sends),
-                step=step,
-                sender=other,
-            )
-            for other in self.roles
-        ]
-        totals = combine(parts)
-        m = self.config.micro_batches
-        evals = m if is_eval_step(self.config, step) else 0
-        if totals.loss_count != m or totals.eval_count != evals:
-            raise PipelineError(
-                f"step {step}: {totals.loss_count} losses and {totals.eval_count} "
-                f"validation losses for {m} micro-batches"
-            )
-        return totals
 
     # ----- frames -----------------------------------------------------------------------------
 

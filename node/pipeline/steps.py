@@ -30,6 +30,11 @@ class StepReport:
     # Every process's (compute s, activation wait s, gradient wait s), in rank order, from the
     # step's summaries (summary.py): what the members witness of each other's pace.
     timings: tuple[tuple[float, float, float], ...] = ()
+    # Wall seconds of the step's phases after the schedule (runner.run_step): the exchanges
+    # (replicas, tied sums, own summary out), the wait for the others' summaries, the
+    # optimizer update, and the wait for this step's sends. Where a step's time goes that
+    # the planner's model of compute and frames does not see (issue 25's estimate misses).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

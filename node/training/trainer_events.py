@@ -20,7 +20,7 @@ def step_event(report: StepReport, tokens_per_step: int, bytes_out: int) -> dict
     return {"event": "step", "step": report.step, "loss": report.loss, "t": time.time(),
             "grad_norm": report.grad_norm, "seconds": report.seconds,
             "tokens_per_s": tokens_per_step / max(report.seconds, 1e-9),
-            "busy_s": report.busy_s, "wait_s": report.wait_s,
+            "busy_s": report.busy_s, "wait_s": report.wait_s, **report.phases,
             "samples": list(report.samples), "eval_loss": report.eval_loss,
             "bytes_out": bytes_out,
             "links": [t.to_json() for t in report.links],
