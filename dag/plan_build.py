@@ -23,6 +23,7 @@ from fusionllm.dag.plan_records import (
     StagePlan,
     pipeline_times,
 )
+from fusionllm.dag.replica_links import replica_link
 from fusionllm.dag.simulate import SimResult, simulate
 from fusionllm.dag.swarm import Swarm
 
@@ -213,11 +214,16 @@ def _link_plans(
     used: list[np.ndarray],
     budget: float,
 ) -> list[LinkPlan]:
-    """The cut after each stage, carried by the best pair of the two stages' replicas."""
+    """The cut after each stage, named by the best pair of the two stages' replicas and timed
+    over every pair its micro-batches cross (replica_links.py)."""
     links = []
     for k in range(len(used) - 1):
         dense = round(model.cut[cuts[k + 1]])
         src, dst, fwd_link, bwd_link = model.best_pair(used[k], used[k + 1])
+        if used[k].size > 1 or used[k + 1].size > 1:
+            a, b, m = used[k].tolist(), used[k + 1].tolist(), cfg.micro_batches
+            fwd_link = replica_link(swarm.link, a, b, m)
+            bwd_link = replica_link(swarm.link, b, a, m)
         pair = (swarm.peers[src].peer_id, swarm.peers[dst].peer_id)
         links.append(link_plan(k, pair, dense, (fwd_link, bwd_link), budget, cfg))
     return links

@@ -44,6 +44,7 @@ from fusionllm.dag.plan_records import (
     StagePlan,
     pipeline_times,
 )
+from fusionllm.dag.replica_links import replica_link
 from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
 
@@ -109,14 +110,14 @@ class Retimer:
                 raise PlanCheckError(f"the cut after stage {k} is one the runtime cannot ship")
         stages = tuple(self._stage(plan, cuts, k) for k in range(len(plan.stages)))
         budget = max(s.forward_time + s.backward_time for s in stages)
-        ours = tuple(self._link(link, cuts, budget) for link in plan.links)
+        ours = tuple(self._link(link, cuts, budget, plan.stages) for link in plan.links)
         links = tuple(map(self._as_claimed, ours, plan.links))
         extra = topk_frames(links, len(stages))
         # The claimed top-k frames' CPU, as build_plan charges it.
         if self.model.charges_topk and any(f.frames or b.frames for f, b in extra):
             stages = tuple(self._stage(plan, cuts, k, extra[k]) for k in range(len(stages)))
             budget = max(s.forward_time + s.backward_time for s in stages)
-            ours = tuple(self._link(link, cuts, budget) for link in plan.links)
+            ours = tuple(self._link(link, cuts, budget, plan.stages) for link in plan.links)
             links = tuple(map(self._as_claimed, ours, plan.links))
         rule = tuple(map(self._by_the_rule, links, plan.links, (budget,) * len(links)))
         result = simulate(pipeline_times(stages, links, self.config.micro_batches))
@@ -210,12 +211,21 @@ class Retimer:
             )
         return StagePlan(fence=claimed.fence, **record)
 
-    def _link(self, claimed: LinkPlan, cuts: list[int], budget: float) -> LinkPlan:
+    def _link(
+        self, claimed: LinkPlan, cuts: list[int], budget: float, stages: tuple[StagePlan, ...]
+    ) -> LinkPlan:
         k = claimed.src_stage
         dense_bytes = round(float(self.model.cut[cuts[k + 1]]))
         src, dst = self.swarm.index(claimed.src_peer), self.swarm.index(claimed.dst_peer)
         forward = self._seen(src, dst, claimed.forward_bandwidth, claimed.forward_rtt)
         backward = self._seen(dst, src, claimed.backward_bandwidth, claimed.backward_rtt)
+        a, b = (list(map(self.swarm.index, s.peers)) for s in stages[k : k + 2])
+        if len(a) > 1 or len(b) > 1:  # timed over every pair it crosses, as build_plan does
+            m = self.config.micro_batches
+            fwd_claim = (claimed.forward_bandwidth, claimed.forward_rtt)
+            bwd_claim = (claimed.backward_bandwidth, claimed.backward_rtt)
+            forward = replica_link(lambda i, j: self._seen(i, j, *fwd_claim), a, b, m)
+            backward = replica_link(lambda i, j: self._seen(i, j, *bwd_claim), b, a, m)
         pair = (claimed.src_peer, claimed.dst_peer)
         return link_plan(k, pair, dense_bytes, (forward, backward), budget, self.config)
 

@@ -21,6 +21,7 @@ from fusionllm.node.control.bandwidth import (
     LinkSample,
     choose_probe_targets,
 )
+from fusionllm.node.control.probe_budget import ProbeBudget, ProbeBudgetConfig
 from fusionllm.node.control.quiet import MAX_PROBE_STRETCH, ConnectionWatch, HeldAge
 from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
@@ -75,6 +76,7 @@ class LinkMonitor:
         quiet: Callable[[], int] = lambda: 1,
         wire: Callable[[], dict[str, WireSample]] = dict,
         lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None,
+        probe_budget: ProbeBudgetConfig | None = None,
     ) -> None:
         self.control = control
         self.book = book
@@ -99,6 +101,7 @@ class LinkMonitor:
         self._lock = threading.Lock()
         self._probes_failed = 0
         self._backoff = ProbeBackoff(max_factor_for(probe_interval_s, book.max_age_s))
+        self._budget = ProbeBudget(probe_budget, now=time.monotonic())
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None
 
@@ -234,12 +237,9 @@ class LinkMonitor:
         priority = self._neighbours()
         connected = set(self.control.connected_peers())
         self._probeable = frozenset(connected)
-        # A punched lane's own kernel-timed figures (file_wire) measure the path its frames
-        # take; a probe would cross the relay that the libp2p connection still goes through.
-        punched = {peer for peer, wire in self._wire().items() if wire.punched}
         targets = choose_probe_targets(
             self.peer_id,
-            [p for p in members if p in connected and p not in punched],
+            [p for p in members if p in connected and p not in self._measured_by_lanes()],
             self.book.last_measured(self.peer_id, time.time()),
             count=self.probe_fanout,
             priority=priority,
@@ -248,21 +248,41 @@ class LinkMonitor:
         for peer in targets:
             if self._stop.is_set():
                 return
+            if not self._budget.allows(time.monotonic()):
+                logger.debug("probe budget spent: %d target(s) wait for a later round",
+                             len(targets) - targets.index(peer))  # fmt: skip
+                return
             # Links the plan uses get full-size stream probes (a better estimate where it
             # matters); the rest a quarter, enough to rank them. A lane probe is always full
             # size (_probe): it costs the link a few ms, not Python's time.
             full = peer in priority
             nbytes = self.probe_bytes if full else max(16 << 10, self.probe_bytes // 4)
-            sample = self._probe(peer, min(nbytes, self.probe_bytes))
+            sample, sent = self._probe(peer, min(nbytes, self.probe_bytes))
             if sample is not None:
+                # The uplink's busy time at the rate measured, not the wall time: that may
+                # include a lane's opening (up to 4 s, lane/prober.py), which costs no link.
+                self._budget.spend(sent / max(sample.bandwidth, 1.0), time.monotonic())
                 now = time.time()
                 self.book.record(self.peer_id, peer, sample, now=now, window=self.PROBE_WINDOW)
 
-    def _probe(self, peer: str, nbytes: int) -> LinkSample | None:
-        """One measure of the link to ``peer``: a bulk transfer on our lane to it (timed by the
-        kernel, whoever has the CPU; the lane opened for it where none was, lane/prober.py),
-        else the stream probe (no lane to be had: lanes off, relayed, refused); None if that
-        failed."""
+    def _measured_by_lanes(self) -> set[str]:
+        """Peers whose links our lanes' own frames measure (file_wire), so a probe would only
+        take their bandwidth: a punched lane (a probe would cross the relay the libp2p
+        connection still goes through), and a lane whose kernel-timed figure is fresh (a
+        training link that its frames keep busy: on topology C the plan's links got a 1 MiB
+        probe every round besides, 38% of a home's uplink, issue 25)."""
+        now, fresh_s = time.time(), self.book.max_age_s / 2
+        return {
+            peer
+            for peer, wire in self._wire().items()
+            if wire.punched or now - wire.measured_at <= fresh_s
+        }
+
+    def _probe(self, peer: str, nbytes: int) -> tuple[LinkSample | None, int]:
+        """One measure of the link to ``peer`` and the bytes it sent: a bulk transfer on our
+        lane to it (timed by the kernel, whoever has the CPU; the lane opened for it where none
+        was, lane/prober.py), else the stream probe (no lane to be had: lanes off, relayed,
+        refused); None if that failed."""
         # Full size on a lane whatever the stream probe's: the link's lane may be new (opened
         # to probe it), and 256 KiB on a new lane ends inside slow start (38-77 MB/s of 125 on
         # the testbed, 1 MiB 114-122: docs/testbed.md).
@@ -271,20 +291,21 @@ class LinkMonitor:
         if wire is not None:
             logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",
                          peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, lane_bytes)  # fmt: skip
-            return LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
+            sample = LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
+            return sample, lane_bytes
         try:
             result = self.control.probe(peer, nbytes=nbytes)
         except (TransportError, FusionError) as exc:
             with self._lock:
                 self._probes_failed += 1
             logger.debug("probe of %s failed: %s", peer[:16], exc)
-            return None
+            return None, 0
         logger.debug(
             "probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes in %.3g ms",
             peer[:16], result.bandwidth / 1e6, result.rtt * 1e3, result.bytes,
             result.seconds * 1e3,
         )  # fmt: skip
-        return LinkSample(result.bandwidth, result.rtt, time.time(), result.relayed)
+        return LinkSample(result.bandwidth, result.rtt, time.time(), result.relayed), result.bytes
 
     def connect(self, members: dict[str, NodeInfo]) -> None:
         connected = set(self.control.connected_peers())
