@@ -192,4 +192,6 @@ def pipeline_times(
         latency_backward=tuple(x.backward_rtt / 2 for x in links),
         allreduce=tuple(s.allreduce_time for s in stages),
         micro_batches=micro_batches,
+        bytes_forward=tuple(float(x.forward_wire_bytes) for x in links),
+        bytes_backward=tuple(float(x.backward_wire_bytes) for x in links),
     )

@@ -6,6 +6,8 @@ in the 1F1B order (warm-up forwards, one-forward-one-backward, cool-down backwar
 sends, activations forward and gradients back alike, leave through its one uplink: a FIFO busy
 for the serialisation time of each transfer, which then arrives after the link's one-way
 latency (so a step pays the 2(S-1) one-way latencies of the pipeline's fill and drain); a
+frame on a connection that sat idle past its retransmission timeout starts from a smaller
+TCP window and slow-starts (tcp_window.py: on slow, distant links that doubles a frame); a
 stage averages its gradients inside its fence after its last backward (no overlap with
 compute: conservative, and the same for every method).
 
@@ -24,6 +26,16 @@ import math
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.dag.tcp_window import send_time, window_after_idle
+
+_LINK_FIELDS = (
+    "send_forward",
+    "send_backward",
+    "latency_forward",
+    "latency_backward",
+    "bytes_forward",
+    "bytes_backward",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +50,11 @@ class PipelineTimes:
     latency_backward: tuple[float, ...] = ()
     allreduce: tuple[float, ...] = ()  # once per step, per stage
     micro_batches: int = 1
+    # A frame's bytes per link and direction. Given, a frame on a connection that sat idle
+    # past its retransmission timeout restarts from a smaller window (tcp_window.py); the
+    # link's bandwidth is then bytes over its send time, its round trip twice the latency.
+    bytes_forward: tuple[float, ...] = ()
+    bytes_backward: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         s = len(self.forward)
@@ -45,7 +62,7 @@ class PipelineTimes:
             raise ConfigError("a pipeline needs at least one stage")
         if len(self.backward) != s:
             raise ConfigError(f"{s} forward times but {len(self.backward)} backward times")
-        for name in ("send_forward", "send_backward", "latency_forward", "latency_backward"):
+        for name in _LINK_FIELDS:
             n = len(getattr(self, name))
             if n not in (0, s - 1):
                 raise ConfigError(f"{name} needs {s - 1} entries (or none), got {n}")
@@ -61,6 +78,8 @@ class PipelineTimes:
             "latency_forward",
             "latency_backward",
             "allreduce",
+            "bytes_forward",
+            "bytes_backward",
         ):
             bad = [x for x in getattr(self, name) if not (math.isfinite(x) and x >= 0)]
             if bad:
@@ -89,20 +108,66 @@ def _schedule(stage: int, stages: int, micro_batches: int) -> list[tuple[str, in
     return order
 
 
+class _Uplinks:
+    """Each stage's uplink (one FIFO for its frames both ways) and, where frame bytes are
+    given, each connection's silence: connection (k, +1) carries link k's activations, (k, -1)
+    its gradients. ``last``: when each connection last sent, relative to this step's start
+    (negative: in the step before)."""
+
+    def __init__(self, times: PipelineTimes, last: dict[tuple[int, int], float]) -> None:
+        s_count = times.stages
+        self.times, self.last = times, dict(last)
+        self.free = [0.0] * s_count
+        self.send = {
+            +1: _links(times.send_forward, s_count),
+            -1: _links(times.send_backward, s_count),
+        }
+        self.lat = {
+            +1: _links(times.latency_forward, s_count),
+            -1: _links(times.latency_backward, s_count),
+        }
+        self.nbytes = {+1: times.bytes_forward, -1: times.bytes_backward}
+
+    def send_frame(self, stage: int, link: int, way: int, ready: float) -> float:
+        """Stage ``stage`` sends a frame of ``link`` (way +1: forward) once it is ``ready``;
+        when it arrives."""
+        start = max(ready, self.free[stage])
+        seconds, lat = self.send[way][link], self.lat[way][link]
+        nbytes = self.nbytes[way][link] if self.nbytes[way] else 0.0
+        if nbytes > 0 and seconds > 0:
+            bandwidth, rtt = nbytes / seconds, 2 * lat
+            idle = start - self.last.get((link, way), start)
+            window = window_after_idle(idle, rtt, bandwidth)
+            seconds = send_time(nbytes, bandwidth, rtt, window)
+        self.free[stage] = start + seconds
+        self.last[(link, way)] = self.free[stage]
+        return self.free[stage] + lat
+
+
+def _links(values: tuple[float, ...], s_count: int) -> tuple[float, ...]:
+    return values if values else (0.0,) * (s_count - 1)
+
+
 def simulate(times: PipelineTimes) -> SimResult:
-    """Time one step; exact for the model in the module docstring."""
+    """Time one step; exact for the model in the module docstring. With frame bytes, the step
+    runs twice: the second starts each connection as the first left it, a step earlier."""
+    result, last = _run(times, {})
+    if not (times.bytes_forward or times.bytes_backward):
+        return result
+    carried = {conn: at - result.step_time for conn, at in last.items()}
+    return _run(times, carried)[0]
+
+
+def _run(
+    times: PipelineTimes, last: dict[tuple[int, int], float]
+) -> tuple[SimResult, dict[tuple[int, int], float]]:
+    """One step from connections last used at ``last``: its result, and when each last sent."""
     s_count, m = times.stages, times.micro_batches
-
-    def link_list(values: tuple[float, ...]) -> tuple[float, ...]:
-        return values if values else (0.0,) * (s_count - 1)
-
-    send_f, send_b = link_list(times.send_forward), link_list(times.send_backward)
-    lat_f, lat_b = link_list(times.latency_forward), link_list(times.latency_backward)
     allreduce = times.allreduce or (0.0,) * s_count
+    uplinks = _Uplinks(times, last)
     # arrive_f[s][i]: activation of micro-batch i available at stage s; arrive_b likewise.
     arrive_f = [[0.0 if s == 0 else math.nan] * m for s in range(s_count)]
     arrive_b = [[math.nan] * m for _ in range(s_count)]
-    uplink_free = [0.0] * s_count  # when each stage's uplink is next free
     forward_done = [[math.nan] * m for _ in range(s_count)]
     schedules = [_schedule(s, s_count, m) for s in range(s_count)]
     cursor = [0] * s_count
@@ -127,11 +192,9 @@ def simulate(times: PipelineTimes) -> SimResult:
                 if kind == "F":
                     forward_done[s][i] = clock[s]
                     if s < s_count - 1:
-                        uplink_free[s] = max(clock[s], uplink_free[s]) + send_f[s]
-                        arrive_f[s + 1][i] = uplink_free[s] + lat_f[s]
+                        arrive_f[s + 1][i] = uplinks.send_frame(s, s, +1, clock[s])
                 elif s > 0:
-                    uplink_free[s] = max(clock[s], uplink_free[s]) + send_b[s - 1]
-                    arrive_b[s - 1][i] = uplink_free[s] + lat_b[s - 1]
+                    arrive_b[s - 1][i] = uplinks.send_frame(s, s - 1, -1, clock[s])
                 cursor[s] += 1
                 remaining -= 1
                 progressed = True
@@ -140,4 +203,4 @@ def simulate(times: PipelineTimes) -> SimResult:
     finish = tuple(clock[s] + allreduce[s] for s in range(s_count))
     step = max(finish)
     bubble = 1.0 - sum(busy) / (s_count * step) if step > 0 else 0.0
-    return SimResult(step_time=step, bubble_fraction=bubble, stage_finish=finish)
+    return SimResult(step_time=step, bubble_fraction=bubble, stage_finish=finish), uplinks.last
