@@ -1,6 +1,7 @@
 """probe_budget.py: probes take at most a share of the uplink's time, after a burst; and
 links.py spends it, skipping the links our lanes' own frames measure."""
 
+import itertools
 import threading
 import time
 from types import SimpleNamespace
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from fusionllm.common.errors import ConfigError
-from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
+from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.links import LinkMonitor
 from fusionllm.node.control.probe_budget import ProbeBudget, ProbeBudgetConfig
 from fusionllm.node.p2p.lane.wire_meter import WireSample
@@ -36,8 +37,9 @@ def test_one_probe_a_second_of_uplink_comes_every_ten_seconds_at_a_tenth():
         now += 0.5
     # The burst (1 s, and what refills while the first probe runs) lets two through at
     # once; then one each time 1 s was paid back at a tenth of a second per second.
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert starts[0] == 0.0 and gaps[0] <= 2.0
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert starts[0] == 0.0
+    assert gaps[0] <= 2.0
     assert all(9.5 <= g <= 10.5 for g in gaps[1:]), gaps
     assert len(starts) == 11
 
@@ -50,7 +52,9 @@ def test_the_bucket_never_holds_more_than_the_burst_and_a_clock_step_back_refill
     assert not budget.allows(9_000.0)  # the clock stepped back: still owed
 
 
-@pytest.mark.parametrize("share,burst", [(0.0, 1.0), (1.5, 1.0), (float("nan"), 1.0), (0.1, 0.0)])
+@pytest.mark.parametrize(
+    ("share", "burst"), [(0.0, 1.0), (1.5, 1.0), (float("nan"), 1.0), (0.1, 0.0)]
+)
 def test_config_is_checked(share, burst):
     with pytest.raises(ConfigError):
         ProbeBudgetConfig(share=share, burst_s=burst)
@@ -59,7 +63,7 @@ def test_config_is_checked(share, burst):
 def test_spend_refuses_a_bad_charge():
     budget = ProbeBudget(now=0.0)
     for bad in (-1.0, float("inf")):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="finite and >= 0"):
             budget.spend(bad, 0.0)
 
 
@@ -125,4 +129,3 @@ def test_without_lane_figures_every_link_is_probed():
     link_monitor, members = _monitor(["b", "c", "d"], probed, {}, None)
     link_monitor._probe_round(members)
     assert sorted(probed) == ["b", "c", "d"]
-    assert isinstance(link_monitor.book, BandwidthBook) and LinkSample

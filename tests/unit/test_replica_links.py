@@ -21,7 +21,8 @@ def table(links: dict[tuple[int, int], tuple[float, float]]):
 
 def test_one_pair_is_that_pairs_link():
     link = replica_link(table({(0, 1): (5 * MB, 0.02)}), [0], [1], 4)
-    assert link.bandwidth == pytest.approx(5 * MB) and link.rtt == 0.02
+    assert link.bandwidth == pytest.approx(5 * MB)
+    assert link.rtt == 0.02
 
 
 def test_one_sender_to_two_replicas_pays_the_slow_pairs_half():
@@ -44,7 +45,7 @@ def test_fewer_micro_batches_than_replicas_time_only_the_pairs_used():
     assert replica_link(links, [0], [1, 2], 1) == LinkProfile(bandwidth=4 * MB, rtt=0.01)
 
 
-@pytest.mark.parametrize("senders,receivers,m", [([], [1], 4), ([0], [], 4), ([0], [1], 0)])
+@pytest.mark.parametrize(("senders", "receivers", "m"), [([], [1], 4), ([0], [], 4), ([0], [1], 0)])
 def test_an_empty_cut_is_refused(senders, receivers, m):
     with pytest.raises(ConfigError):
         replica_link(table({}), senders, receivers, m)
