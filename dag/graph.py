@@ -51,12 +51,20 @@ class GraphCosts:
     output_names: tuple[str, ...] = ()
     # Cut positions the runtime cannot ship (a non-float value crosses): never planned.
     uncuttable: frozenset[int] = frozenset()
+    # Parameters several nodes use (GPT-2's wte and lm_head): (the users' positions, the
+    # parameter's bytes). Stages that split them sum their gradients every step.
+    shared_params: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uncuttable", frozenset(self.uncuttable))
         bad = [c for c in self.uncuttable if not 0 < c < len(self.nodes)]
         if bad:
             raise ValueError(f"uncuttable positions {sorted(bad)} are not inside the graph")
+        for users, nbytes in self.shared_params:
+            if len(users) < 2 or list(users) != sorted(set(users)) or nbytes < 0:
+                raise ValueError(f"shared parameter ({users}, {nbytes}): bad users or bytes")
+            if not 0 <= users[0] <= users[-1] < len(self.nodes):
+                raise ValueError(f"shared parameter users {users} are not inside the graph")
         seen: set[str] = set(self.input_bytes)
         for node in self.nodes:
             if node.node_id in seen:
@@ -113,6 +121,7 @@ def costs_to_json(costs: GraphCosts) -> dict:
         "input_bytes": dict(costs.input_bytes),
         "output_names": list(costs.output_names),
         "uncuttable": sorted(costs.uncuttable),
+        "shared_params": [[list(users), nbytes] for users, nbytes in costs.shared_params],
     }
 
 
@@ -130,4 +139,8 @@ def costs_from_json(data: dict) -> GraphCosts:
         input_bytes={str(k): int(v) for k, v in dict(data.get("input_bytes", {})).items()},
         output_names=tuple(str(name) for name in data.get("output_names", ())),
         uncuttable=frozenset(int(c) for c in data.get("uncuttable", ())),
+        shared_params=tuple(
+            (tuple(int(u) for u in users), int(nbytes))
+            for users, nbytes in data.get("shared_params", ())
+        ),
     )

@@ -105,9 +105,20 @@ class OpGraph:
     def costs(self) -> GraphCosts:
         """The pure numeric view the planner consumes, with the cuts it must not choose."""
         if not self._costs_checked:
-            self._costs = dataclasses.replace(self._costs, uncuttable=uncuttable(self))
+            self._costs = dataclasses.replace(
+                self._costs, uncuttable=uncuttable(self), shared_params=self._shared_costs()
+            )
             self._costs_checked = True
         return self._costs
+
+    def _shared_costs(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """GraphCosts.shared_params: each shared parameter's users (positions) and bytes."""
+        params = dict(self._gm.named_parameters())  # canonical names: the first of each
+        return tuple(
+            (tuple(sorted(self._index[u] for u in users)), params[name].nbytes)
+            for name, users in sorted(self.shared_parameters().items())
+            if name in params
+        )
 
     def model_output(self, values: Mapping[str, Any]) -> Any:
         """Rebuild what the model's forward returns (tuple, dict, ...) from named values."""

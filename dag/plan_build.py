@@ -26,6 +26,7 @@ from fusionllm.dag.plan_records import (
 from fusionllm.dag.replica_links import replica_link
 from fusionllm.dag.simulate import SimResult, simulate
 from fusionllm.dag.swarm import Swarm
+from fusionllm.dag.tied_exchange import tied_tails
 
 GIB = 2**30
 
@@ -84,7 +85,8 @@ def build_plan(
         budget = max(r["forward_time"] + r["backward_time"] for r in stage_records)
         links = _link_plans(swarm, config, model, cuts, used, budget)
         stage_records = _charged(graph, swarm, config, model, cuts, groups, links)
-    return _assemble(swarm, config, fences, stage_records, links, method)
+    tails = tied_tails(graph, cuts, [int(u[0]) for u in used], swarm.link)
+    return _assemble(swarm, config, fences, stage_records, links, method, tails)
 
 
 def topk_frames(links: "Sequence[LinkPlan]", stages: int) -> list[tuple[TopkWork, TopkWork]]:
@@ -262,6 +264,7 @@ def _assemble(
     stage_records: list[dict],
     links: list[LinkPlan],
     method: str,
+    tails: tuple[float, ...],
 ) -> Plan:
     """The Plan: fences renumbered to those in use, the rest in backup, timed by the simulator."""
     fence_of = {pid: f for f, members in enumerate(fences) for pid in members}
@@ -274,7 +277,7 @@ def _assemble(
     plan_fences = tuple(
         tuple(sorted(p for p in fences[f] if p in in_use)) if f >= 0 else () for f in fence_ids
     )
-    times = pipeline_times(stages, tuple(links), cfg.micro_batches)
+    times = pipeline_times(stages, tuple(links), cfg.micro_batches, tails)
     result: SimResult = simulate(times)
     return Plan(
         method=method,

@@ -47,6 +47,7 @@ from fusionllm.dag.plan_records import (
 from fusionllm.dag.replica_links import replica_link
 from fusionllm.dag.simulate import simulate
 from fusionllm.dag.swarm import Swarm
+from fusionllm.dag.tied_exchange import tied_tails
 
 CODECS = ("dense", "fp16", "topk")
 
@@ -120,7 +121,9 @@ class Retimer:
             ours = tuple(self._link(link, cuts, budget, plan.stages) for link in plan.links)
             links = tuple(map(self._as_claimed, ours, plan.links))
         rule = tuple(map(self._by_the_rule, links, plan.links, (budget,) * len(links)))
-        result = simulate(pipeline_times(stages, links, self.config.micro_batches))
+        firsts = [self.swarm.index(s.peers[0]) for s in stages]
+        tails = tied_tails(self.graph, cuts, firsts, self.swarm.link)
+        result = simulate(pipeline_times(stages, links, self.config.micro_batches, tails))
         return Retimed(
             Plan(
                 method=plan.method,

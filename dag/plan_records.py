@@ -181,8 +181,14 @@ def _canonical(value):
 
 
 def pipeline_times(
-    stages: tuple[StagePlan, ...], links: tuple[LinkPlan, ...], micro_batches: int
+    stages: tuple[StagePlan, ...],
+    links: tuple[LinkPlan, ...],
+    micro_batches: int,
+    tails: tuple[float, ...] = (),
 ) -> PipelineTimes:
+    """The simulator's view of a plan; ``tails``: per stage, uplink seconds after its
+    schedule besides its all-reduce (tied_exchange.py), none by default."""
+    tails = tails or (0.0,) * len(stages)
     return PipelineTimes(
         forward=tuple(s.forward_time for s in stages),
         backward=tuple(s.backward_time for s in stages),
@@ -190,7 +196,7 @@ def pipeline_times(
         send_backward=tuple(x.backward_wire_bytes / x.backward_bandwidth for x in links),
         latency_forward=tuple(x.forward_rtt / 2 for x in links),
         latency_backward=tuple(x.backward_rtt / 2 for x in links),
-        allreduce=tuple(s.allreduce_time for s in stages),
+        allreduce=tuple(s.allreduce_time + t for s, t in zip(stages, tails, strict=True)),
         micro_batches=micro_batches,
         bytes_forward=tuple(float(x.forward_wire_bytes) for x in links),
         bytes_backward=tuple(float(x.backward_wire_bytes) for x in links),

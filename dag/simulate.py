@@ -19,7 +19,8 @@ independent links, the naive plan ran at 2.07 s; at the configured caps this mod
 
 The step's summary all-gather (node/pipeline/runner.py) is not timed: every stage but the one
 counting a tied parameter sends its summary before the tied sums, so the summaries stage 0
-waits for left their stages before its last backward ended and are there when it ends.
+waits for left their stages before its last backward ended and are there when it ends. The
+tied sums' frames are: a stage's ``allreduce`` term carries them too (tied_exchange.py).
 """
 
 import math

@@ -289,7 +289,11 @@ def _add_probe_options(node: argparse.ArgumentParser) -> None:
         "--probe-interval", type=float, default=10.0, help="s between probe rounds (%(default)s)"
     )
     group.add_argument(
-        "--probe-fanout", type=int, default=3, help="peers probed per round (%(default)s)"
+        "--probe-fanout",
+        type=int,
+        default=3,
+        help="peers probed per round at most (%(default)s); probes never take more than a "
+        "tenth of the uplink's time, and links that training frames keep busy are not probed",
     )
     group.add_argument(
         "--probe-kib", type=float, default=1024, help="bytes per probe, KiB (%(default)s)"
