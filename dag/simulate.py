@@ -151,11 +151,18 @@ def _links(values: tuple[float, ...], s_count: int) -> tuple[float, ...]:
 
 def simulate(times: PipelineTimes) -> SimResult:
     """Time one step; exact for the model in the module docstring. With frame bytes, the step
-    runs twice: the second starts each connection as the first left it, a step earlier."""
+    runs twice: the second starts each connection as the first left it, a step earlier. A
+    stage's step summary (runner.py) leaves on every connection it has as its schedule ends,
+    so none of them has been silent since before that."""
     result, last = _run(times, {})
     if not (times.bytes_forward or times.bytes_backward):
         return result
-    carried = {conn: at - result.step_time for conn, at in last.items()}
+    allreduce = times.allreduce or (0.0,) * times.stages
+    carried = {}
+    for (link, way), at in last.items():
+        sender = link if way > 0 else link + 1
+        summary = result.stage_finish[sender] - allreduce[sender]
+        carried[(link, way)] = max(at, summary) - result.step_time
     return _run(times, carried)[0]
 
 
