@@ -137,15 +137,6 @@ class _Model:
             self._pairs[key] = _best_pair(self.swarm, a, b)
         return self._pairs[key]
 
-    def speed_share(self, members: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Each member's fraction of a micro-batch: proportional to its speed on the stage."""
-        t = (
-            self.total[self.peer_profile[members], stop]
-            - self.total[self.peer_profile[members], start]
-        )
-        speed = 1.0 / np.maximum(t, 1e-300)
-        return speed / speed.sum()
-
 
 @dataclass(frozen=True)
 class _Unit:

@@ -114,7 +114,9 @@ def audit(claimed: Plan, retimed: Retimed, config: PlanConfig, limits: AuditLimi
     for k, (mine, theirs) in enumerate(zip(ours.stages, claimed.stages, strict=True)):
         off = max(abs(a - b) for a, b in zip(mine.shares, theirs.shares, strict=True))
         if off > limits.share_tolerance:
-            raise RecordError(f"stage {k} shares differ from the devices' speeds by {off:.3g}")
+            raise RecordError(
+                f"stage {k} shares differ from the micro-batches its replicas run by {off:.3g}"
+            )
     for k, (mine, theirs) in enumerate(zip(ours.links, claimed.links, strict=True)):
         if theirs.dense_bytes != mine.dense_bytes:
             raise RecordError(
