@@ -5,10 +5,10 @@ congestion window once per timeout of silence, down to the initial window (RFC 5
 ``tcp_cwnd_restart``), and slow start doubles it again once per round trip. A frame of a slow
 pipeline meets that on every link whose frames come further apart than the timeout: on the
 testbed's topology C (issue 25) a 128 KiB activation over a 1 MB/s, 80 ms link takes ~0.27 s
-from the initial window, not 0.13 s, and the naive plan stepped in 1.80 s against an estimate
+from the initial window, not 0.13 s, and a naive plan stepped in 1.80 s against an estimate
 of 1.06 s; with the restart turned off in every namespace (tcp_slow_start_after_idle=0) a naive
-plan stepped within 6% of its estimate. A node cannot turn it off for its user (a sysctl, root,
-per network namespace), so the estimate counts it.
+plan (another peer order) stepped in 1.41 s, 0.95 of its estimate. A node cannot turn it off
+for its user (a sysctl, root, per network namespace), so the estimate counts it.
 
 Pure functions of bytes, bytes/s and seconds; the simulator (simulate.py) tracks each
 connection's silence.

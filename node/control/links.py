@@ -270,7 +270,7 @@ class LinkMonitor:
         take their bandwidth: a punched lane (a probe would cross the relay the libp2p
         connection still goes through), and a lane whose kernel-timed figure is fresh (a
         training link that its frames keep busy: on topology C the plan's links got a 1 MiB
-        probe every round besides, 38% of a home's uplink, issue 25)."""
+        probe every round besides: 37% of a home's uplink, issue 25)."""
         now, fresh_s = time.time(), self.book.max_age_s / 2
         return {
             peer

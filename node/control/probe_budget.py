@@ -2,9 +2,9 @@
 
 A probe is bulk data: 1 MiB by default, a second of an 8 Mbit/s home uplink. Before this
 budget a node probed ``fanout`` peers every round whatever its link; on the testbed's
-topology C (issue 25) the 1 MB/s homes spent 38-57% of their uplink on probes, the naive
-plan's training frames shared the rest and stepped in 2.13 s against an estimate of 1.13 s,
-and probes into the same home collided and read its links low.
+topology C (issue 25) the homes the plan did not seat sent 51-63% of their uplinks in probes,
+and a seated 1 MB/s home 37% beside the naive plan's frames, which then stepped in 2.13 s
+against an estimate of 1.13 s (1.67 s with this budget, the estimate 0.91 of it).
 
 ``ProbeBudget`` is a token bucket over seconds of probing: it refills at ``share`` seconds per
 second up to ``burst_s``, and a probe may start while the bucket holds anything (a probe's
