@@ -237,9 +237,10 @@ class LinkMonitor:
         priority = self._neighbours()
         connected = set(self.control.connected_peers())
         self._probeable = frozenset(connected)
+        by_lanes = self._measured_by_lanes()
         targets = choose_probe_targets(
             self.peer_id,
-            [p for p in members if p in connected and p not in self._measured_by_lanes()],
+            [p for p in members if p in connected and p not in by_lanes],
             self.book.last_measured(self.peer_id, time.time()),
             count=self.probe_fanout,
             priority=priority,
