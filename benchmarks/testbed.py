@@ -33,6 +33,7 @@ from benchmarks.testbed_status import StatusWatch
 from benchmarks.testbed_swarm import _links
 from fusionllm.node.control.probe import measure_device
 from fusionllm.node.local_swarm import FAST, LocalSwarm, trained_steps, wait_for
+from fusionllm.node.pipeline.steps import PHASES
 from fusionllm.testbed.bed import Testbed, unavailable
 from fusionllm.testbed.topology import Topology, load_topology
 
@@ -52,8 +53,6 @@ TOKENS_PER_STEP = 64 * 8 * 4
 TIMING = {**FAST, "heartbeat": 2.0, "ttl": 10.0, "epoch": 4.0, "probe-kib": 1024}
 QUICK = {"topologies": ["mini"], "methods": ["naive", "opfence"], "steps": 30}
 KILLED = "opfence-kill"  # OP-Fence + AdaTopK with a member SIGKILLed halfway
-# StepReport.phases, as the step events carry them
-PHASES = ("exchange_s", "summary_wait_s", "update_s", "sends_s")
 KILL_CHECKPOINTS = 5  # steps between checkpoints in the killed run
 
 

@@ -138,7 +138,7 @@ def _stage_record(
     stored = (model.acts[b] - model.acts[a] + model.cut[a]) * inflight + float(
         model.peak(np.array([a]), np.array([b]))[0]
     )
-    fit = _fitting(model, members, a, b, static, stored)
+    fit = _fitting(model, members, static, stored)
     if not fit.any():
         largest = max(model.memory[model.peer_profile[members]])
         raise InfeasiblePlanError(
@@ -200,11 +200,9 @@ def micro_batch_shares(replicas: int, micro_batches: int) -> np.ndarray:
     return np.array(counts, dtype=np.float64) / micro_batches
 
 
-def _fitting(
-    model: _Model, members: np.ndarray, a: int, b: int, static: float, stored: float
-) -> np.ndarray:
-    """Which members can hold nodes[a:b]: the static bytes, plus the stored activations of
-    their share of each micro-batch; a member that cannot drops out and the rest share more."""
+def _fitting(model: _Model, members: np.ndarray, static: float, stored: float) -> np.ndarray:
+    """Which members can hold a stage of ``static`` bytes, plus ``stored`` activations times
+    their share of the micro-batches; a member that cannot drops out and the rest share more."""
     fit = model.memory[model.peer_profile[members]] >= static
     for _ in range(members.size):
         if not fit.any():

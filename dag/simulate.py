@@ -117,7 +117,7 @@ class _Uplinks:
 
     def __init__(self, times: PipelineTimes, last: dict[tuple[int, int], float]) -> None:
         s_count = times.stages
-        self.times, self.last = times, dict(last)
+        self.last = dict(last)
         self.free = [0.0] * s_count
         self.send = {
             +1: _links(times.send_forward, s_count),
@@ -154,22 +154,21 @@ def simulate(times: PipelineTimes) -> SimResult:
     runs twice: the second starts each connection as the first left it, a step earlier. A
     stage's step summary (runner.py) leaves on every connection it has as its schedule ends,
     so none of them has been silent since before that."""
-    result, last = _run(times, {})
+    result, last, ends = _run(times, {})
     if not (times.bytes_forward or times.bytes_backward):
         return result
-    allreduce = times.allreduce or (0.0,) * times.stages
     carried = {}
     for (link, way), at in last.items():
         sender = link if way > 0 else link + 1
-        summary = result.stage_finish[sender] - allreduce[sender]
-        carried[(link, way)] = max(at, summary) - result.step_time
+        carried[(link, way)] = max(at, ends[sender]) - result.step_time
     return _run(times, carried)[0]
 
 
 def _run(
     times: PipelineTimes, last: dict[tuple[int, int], float]
-) -> tuple[SimResult, dict[tuple[int, int], float]]:
-    """One step from connections last used at ``last``: its result, and when each last sent."""
+) -> tuple[SimResult, dict[tuple[int, int], float], list[float]]:
+    """One step from connections last used at ``last``: its result, when each last sent, and
+    when each stage's schedule ended (its summary leaves then)."""
     s_count, m = times.stages, times.micro_batches
     allreduce = times.allreduce or (0.0,) * s_count
     uplinks = _Uplinks(times, last)
@@ -211,4 +210,5 @@ def _run(
     finish = tuple(clock[s] + allreduce[s] for s in range(s_count))
     step = max(finish)
     bubble = 1.0 - sum(busy) / (s_count * step) if step > 0 else 0.0
-    return SimResult(step_time=step, bubble_fraction=bubble, stage_finish=finish), uplinks.last
+    result = SimResult(step_time=step, bubble_fraction=bubble, stage_finish=finish)
+    return result, uplinks.last, clock

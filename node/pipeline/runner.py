@@ -70,7 +70,7 @@ from fusionllm.node.pipeline.mailbox import Mailbox, Role, pump
 from fusionllm.node.pipeline.patience import Patience, PatienceConfig
 from fusionllm.node.pipeline.schedule import owner, replica_schedule
 from fusionllm.node.pipeline.stage import StageWorker
-from fusionllm.node.pipeline.steps import Sends, StepReport
+from fusionllm.node.pipeline.steps import PHASES, Sends, StepReport
 from fusionllm.node.pipeline.summary import Summary
 from fusionllm.node.pipeline.traffic import LinkTraffic
 from fusionllm.node.pipeline.train_config import TrainConfig, weight_source
@@ -87,8 +87,7 @@ _CHECK_S = 1.0  # how often a wait for a frame looks at our own failed sends
 
 def _phases(marks: list[float]) -> dict[str, float]:
     """StepReport.phases from the clock read between them."""
-    names = ("exchange_s", "summary_wait_s", "update_s", "sends_s")
-    return {name: b - a for name, (a, b) in zip(names, itertools.pairwise(marks), strict=True)}
+    return {name: b - a for name, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True)}
 
 
 def _compute_for(config: TrainConfig, compute: Compute | None) -> Compute:
@@ -426,8 +425,6 @@ class PipelineRunner:
             body = self._pack_gradient(s - 1, target, flat)
             sends.futures.append(self.send(target, FrameKind.GRADIENT, step, mb, body))
         return computed, t1 - t0
-
-    # ----- the exchanges after the schedule (exchanges.py) and the summary --------------------
 
     # ----- frames -----------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from fusionllm.node.errors import PipelineError
 from fusionllm.node.pipeline.traffic import LinkTally
 
+# StepReport.phases' names, in the order the runner reads its clock between them
+PHASES = ("exchange_s", "summary_wait_s", "update_s", "sends_s")
+
 
 @dataclass
 class StepReport:
