@@ -34,6 +34,7 @@ from benchmarks.testbed_swarm import _links
 from fusionllm.node.control.probe import measure_device
 from fusionllm.node.local_swarm import FAST, LocalSwarm, trained_steps, wait_for
 from fusionllm.node.pipeline.steps import PHASES
+from fusionllm.testbed import cgroups
 from fusionllm.testbed.bed import Testbed, unavailable
 from fusionllm.testbed.topology import Topology, load_topology
 
@@ -99,6 +100,7 @@ class _Watch:
         self.bed, self.nodes, self.warmup, self.steps = bed, nodes, warmup, steps
         self.killer = killer
         self.counters: dict[int, dict] = {}
+        self.cpu: dict[int, dict[str, cgroups.CpuUsage]] = {}  # at the same marks, per host
         self.status: dict = {}
         # the bootstrap node: never killed
         self._status = StatusWatch(bed, bed.hosts[0], nodes[0].dht_addr)
@@ -110,6 +112,7 @@ class _Watch:
         for mark in (self.warmup, self.steps - 1):
             if last >= mark and mark not in self.counters:
                 self.counters[mark] = {"step": last, **self.bed.emulator_stats()["fifos"]}
+                self.cpu[mark] = {h: cgroups.usage(self.bed.cgroup(h)) for h in self.bed.hosts}
         if self.killer is not None:
             self.killer.poll(last)
         return all(not n.alive() for n in self.nodes)
@@ -158,6 +161,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         **_plans(nodes, hosts),
         **_stage_seconds(nodes, warmup),
         "wire": _wire(watch.counters, warmup, steps),
+        "host_cpu": _host_cpu(watch.cpu, watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
         "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {}),
                      "readings": watch.status.get("readings"), "step": watch.status.get("step")},
@@ -201,7 +205,7 @@ def _stage_seconds(nodes, warmup: int) -> dict:
     waiting for frames (``wait_s``) and in all (``seconds``: the runner's step, from its start
     to the summary; the rest of the interval between steps is the trainer's), and the phases
     after the schedule (StepReport.phases): where a step's time goes, beside the estimate."""
-    keys = ("busy_s", "wait_s", "seconds", *PHASES)
+    keys = ("busy_s", "wait_s", "seconds", "busy_cpu_s", "step_cpu_s", *PHASES)
     out: dict[str, dict[str, float]] = {key: {} for key in keys}
     for node in nodes:
         steps = [e for e in node.snapshot() if e["event"] == "step" and e["step"] >= warmup]
@@ -251,6 +255,25 @@ def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float 
     gaps = [times[s] - times[s - 1] for start, end in spans for s in range(start + 2, end)
             if s in times and s - 1 in times]  # fmt: skip
     return statistics.median(gaps) if len(gaps) >= 3 else None
+
+
+def _host_cpu(cpu: dict, counters: dict, warmup: int, steps: int) -> dict[str, dict]:
+    """Per host, between the warm-up's end and the last step: the cores its processes used
+    (beside its share), their CPU seconds per step, and the share of the quota's periods
+    where it ran out (a host whose quota runs out every period is bound by its CPU)."""
+    if warmup not in cpu or steps - 1 not in cpu:
+        return {}
+    n = counters[steps - 1]["step"] - counters[warmup]["step"]
+    out = {}
+    for host, b in cpu[steps - 1].items():
+        a = cpu[warmup][host]
+        used, periods = b.cpu_s - a.cpu_s, b.periods - a.periods
+        out[host] = {
+            "cores": used / max(b.at - a.at, 1e-9),
+            "cpu_per_step_s": used / n if n > 0 else None,
+            "throttled": (b.throttled - a.throttled) / periods if periods > 0 else 0.0,
+        }
+    return out
 
 
 def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float]:

@@ -74,6 +74,26 @@ def _wire_rows(topology: dict) -> list[str]:
     return _per_run(topology, title, "wire", lambda nbytes: f"{nbytes / 1024:.0f}")
 
 
+def _cpu_rows(topology: dict) -> list[str]:
+    """Per run and host: the cores its processes used (of its share), their CPU per step and
+    the training thread's (``step_cpu_s``, of it ``busy_cpu_s`` computing), and the share of
+    quota periods that ran out."""
+    rows = [
+        f"host CPU after the warm-up ({topology['topology']}; cores used of the share, CPU "
+        "ms per step: all processes / the training thread / its compute, quota ran out in):"
+    ]
+    shares = {h: d["name"].removeprefix("cpu-x") for h, d in topology.get("devices", {}).items()}
+    for r in topology["runs"]:
+        for host, c in sorted(r.get("host_cpu", {}).items()):
+            per = c["cpu_per_step_s"]
+            step_cpu = r.get("step_cpu_s", {}).get(host)
+            busy_cpu = r.get("busy_cpu_s", {}).get(host)
+            ms = [f"{1e3 * v:.0f}" if v is not None else "-" for v in (per, step_cpu, busy_cpu)]
+            rows.append(f"  {r['method']:14} {host:4} {c['cores']:.2f} of {shares.get(host, '?')}"
+                        f"  {' / '.join(ms)}  {100 * c['throttled']:.0f}% of periods")  # fmt: skip
+    return rows
+
+
 def _link_rows(topology: dict) -> list[str]:
     rows = [f"links measured by the nodes ({topology['topology']}, mid-run, under training load):",
             f"  {'method':14} {'link':10} {'cap MB/s':>8} {'measured':>8} {'rtt ms':>7} "
@@ -106,7 +126,7 @@ def tables(results: dict) -> str:
     lines: list[str] = []
     for topology in results["topologies"]:
         lines += [*_method_rows(topology), *_node_rows(topology), *_wire_rows(topology),
-                  *_link_rows(topology), ""]  # fmt: skip
+                  *_cpu_rows(topology), *_link_rows(topology), ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fusionllm.common.logs import get_logger
@@ -53,6 +54,40 @@ def procs(path: Path) -> list[int]:
     with contextlib.suppress(OSError):
         return [int(p) for p in (path / "cgroup.procs").read_text().split()]
     return []
+
+
+@dataclass(frozen=True)
+class CpuUsage:
+    """What a host's processes took of its CPU share so far: CPU seconds (every thread of
+    every process now in the cgroup since each started, and the children they reaped) and
+    the quota's enforcement periods
+    (those that ran, those where the quota ran out, seconds spent held back)."""
+
+    at: float  # time.monotonic() when read
+    cpu_s: float
+    periods: int
+    throttled: int
+    throttled_s: float
+
+
+def usage(path: Path) -> CpuUsage:
+    """The cgroup's CpuUsage now; a process that exits meanwhile is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu_s = 0.0
+    for pid in procs(path):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            # utime, stime, and cutime, cstime: a child that exited (a DHT worker restarted)
+            # still counts, in the parent that reaped it
+            cpu_s += sum(int(f) for f in fields[11:15]) / tick
+    stat: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError):
+        stat = {k: int(v) for k, v in (line.split() for line in
+                                      (path / "cpu.stat").read_text().splitlines())}  # fmt: skip
+    return CpuUsage(
+        at=time.monotonic(), cpu_s=cpu_s, periods=stat.get("nr_periods", 0),
+        throttled=stat.get("nr_throttled", 0), throttled_s=stat.get("throttled_time", 0) / 1e9,
+    )  # fmt: skip
 
 
 def remove(path: Path) -> None:

@@ -262,7 +262,7 @@ class PipelineRunner:
     # ----- one step ---------------------------------------------------------------------------
 
     def run_step(self, step: int) -> StepReport:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         self.patience.step_started(step, time.monotonic())
         self.mailbox.advance(step)
         sends = Sends()
@@ -306,6 +306,7 @@ class PipelineRunner:
             busy_s=busy,
             wait_s=wait_in + wait_out,
             busy_cpu_s=self._compute_cpu_s,
+            step_cpu_s=time.thread_time() - started_cpu,
             votes=totals.votes,
             peak_device_bytes=self.compute.peak_memory_bytes(),
             skipped=totals.overflow,

@@ -21,6 +21,10 @@ class StepReport:
     # The CPU time of that compute (this thread's): below busy_s where the process shared its
     # core (busy_s then counts the other's turns too), above where compute itself got slower.
     busy_cpu_s: float = 0.0
+    # This thread's CPU time over the whole step: what it spent beside its compute (framing,
+    # data, the schedule's bookkeeping, the update) is step_cpu_s - busy_cpu_s, which a
+    # host short of CPU pays in step time too.
+    step_cpu_s: float = 0.0
     votes: tuple[float, ...] = ()  # every process's plan vote, in rank order
     peak_device_bytes: int = 0  # this process's GPU memory high-water mark so far (0: a CPU)
     skipped: bool = False  # fp16: a gradient overflowed somewhere; no stage stepped

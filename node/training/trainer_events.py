@@ -21,6 +21,7 @@ def step_event(report: StepReport, tokens_per_step: int, bytes_out: int) -> dict
             "grad_norm": report.grad_norm, "seconds": report.seconds,
             "tokens_per_s": tokens_per_step / max(report.seconds, 1e-9),
             "busy_s": report.busy_s, "wait_s": report.wait_s, **report.phases,
+            "busy_cpu_s": report.busy_cpu_s, "step_cpu_s": report.step_cpu_s,
             "samples": list(report.samples), "eval_loss": report.eval_loss,
             "bytes_out": bytes_out,
             "links": [t.to_json() for t in report.links],

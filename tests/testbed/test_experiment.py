@@ -50,7 +50,16 @@ def test_the_quick_experiment_trains_both_methods_to_the_end(tmp_path):
         seated = {host for stage in run["plan"] for host in stage}
         assert all(run["node_steps"][h] > 0 for h in seated), (run["plan"], run["node_steps"])
         assert run["status_s"]["call"] > 0  # the mid-run `fusionllm status`, timed
+        # every host's CPU after the warm-up; the seated ones' training threads, per step
+        assert set(run["host_cpu"]) == {"n1", "n2", "home"}
+        for host in seated:
+            cpu = run["host_cpu"][host]
+            assert cpu["cores"] > 0, (host, cpu)
+            assert cpu["cpu_per_step_s"] > 0, (host, cpu)
+            assert 0 <= cpu["throttled"] <= 1, (host, cpu)
+            assert 0 < run["busy_cpu_s"][host] <= run["step_cpu_s"][host], run
     assert "topology mini" in result.stdout
+    assert "host CPU after the warm-up (mini" in result.stdout
     assert sorted(p.name for p in plots.iterdir()) == [
         "estimate_vs_measured.png", "loss_vs_time.png", "tokens_per_s.png"
     ]  # fmt: skip

@@ -74,6 +74,8 @@ def test_runners_match_one_process(dataset, stages, replicas) -> None:
         assert run.reports[0].grad_norm > config.max_grad_norm, "clipping is not exercised"
         for report in run.reports:  # a thread's CPU time never exceeds its wall time
             assert 0 < report.busy_cpu_s <= report.busy_s + 1e-4, (role, report)
+            # the step's CPU holds its compute's, and fits in the step
+            assert report.busy_cpu_s <= report.step_cpu_s <= report.seconds + 1e-4, (role, report)
     params = swarm.parameters()
     assert params.keys() == reference.parameters.keys()
     for name, value in reference.parameters.items():
