@@ -13,7 +13,13 @@ from fusionllm.testbed.errors import TestbedError
 logger = get_logger(__name__)
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+# The quota's enforcement period. A host that spends its quota early in a period is held
+# back for the rest of it: at 100 ms (the kernel's default) a 0.2-core host with its CPU taken
+# stood frozen up to 80 ms at a time, no thread of it reading its sockets, so its receive
+# window closed and a 1 MiB probe into it read 0.47-0.64 of the link (topology C, one busy
+# loop a host), where a real slow CPU still runs every thread within milliseconds. At 10 ms
+# the holds are at most 8 ms, inside one round trip of every link: 0.69-0.97 (docs/testbed.md).
+PERIOD_US = 10_000
 _EMPTY_WAIT_S = 5.0
 
 

@@ -88,8 +88,9 @@ class HostSpec:
             raise TopologyError(
                 f"host name {self.name!r}: 1-{_MAX_NAME} of lowercase letters, digits, '-'"
             )
-        if self.cpu is not None and not (0.01 <= self.cpu <= 1024):
-            raise TopologyError(f"host {self.name}: cpu {self.cpu} cores not in [0.01, 1024]")
+        # 0.1 core at least: the kernel's smallest quota is 1 ms, and cgroups.PERIOD_US is 10 ms
+        if self.cpu is not None and not (0.1 <= self.cpu <= 1024):
+            raise TopologyError(f"host {self.name}: cpu {self.cpu} cores not in [0.1, 1024]")
         _check_rate(f"host {self.name} uplink", self.uplink_mbps)
         _check_rate(f"host {self.name} downlink", self.downlink_mbps)
         if self.nat is not None and self.nat not in NAT_KINDS:

@@ -58,6 +58,7 @@ def test_path_rate_is_the_slowest_cap_on_the_way():
         (lambda d: d["hosts"][0].update(name="E1"), "host name"),
         (lambda d: d["hosts"][0].update(name="toolonghost"), "host name"),
         (lambda d: d["hosts"][0].update(cpu=0), "cpu 0 cores"),
+        (lambda d: d["hosts"][0].update(cpu=0.05), r"cpu 0.05 cores not in \[0.1,"),  # < 1 ms
         (lambda d: d["hosts"][0].update(gpu=1), r"unknown keys \['gpu'\]"),
         (lambda d: d["hosts"][1].update(uplink_mbps=-5), "rate -5"),
         (lambda d: d["links"][0].update(loss=1.0), "loss 1.0"),
