@@ -63,7 +63,8 @@ def test_an_error_inside_the_block_still_tears_down():
 def test_a_host_gets_its_address_and_cpu_share():
     with Testbed(parse_topology(TWO)) as bed:
         quota = (bed.cgroup("x") / "cpu.cfs_quota_us").read_text().strip()
-        assert int(quota) == 25_000  # 0.25 of a 100 ms period
+        period = (bed.cgroup("x") / "cpu.cfs_period_us").read_text().strip()
+        assert (int(quota), int(period)) == (2_500, 10_000)  # 0.25 of a 10 ms period
         assert (bed.cgroup("y") / "cpu.cfs_quota_us").read_text().strip() == "-1"
         spin = "import time\nt=time.monotonic()\nwhile time.monotonic()-t<1.0: pass"
         process = bed.popen("x", [sys.executable, "-c", spin])
