@@ -260,7 +260,9 @@ def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float 
 def _host_cpu(cpu: dict, counters: dict, warmup: int, steps: int) -> dict[str, dict]:
     """Per host, between the warm-up's end and the last step: the cores its processes used
     (beside its share), their CPU seconds per step, and the share of the quota's periods
-    where it ran out (a host whose quota runs out every period is bound by its CPU)."""
+    where it ran out (a host whose quota runs out every period is bound by its CPU). A host
+    whose processes' CPU fell meanwhile (the killed run's victim: its node died unreaped)
+    gets None for the first two."""
     if warmup not in cpu or steps - 1 not in cpu:
         return {}
     n = counters[steps - 1]["step"] - counters[warmup]["step"]
@@ -268,9 +270,10 @@ def _host_cpu(cpu: dict, counters: dict, warmup: int, steps: int) -> dict[str, d
     for host, b in cpu[steps - 1].items():
         a = cpu[warmup][host]
         used, periods = b.cpu_s - a.cpu_s, b.periods - a.periods
+        known = used >= 0
         out[host] = {
-            "cores": used / max(b.at - a.at, 1e-9),
-            "cpu_per_step_s": used / n if n > 0 else None,
+            "cores": used / max(b.at - a.at, 1e-9) if known else None,
+            "cpu_per_step_s": used / n if n > 0 and known else None,
             "throttled": (b.throttled - a.throttled) / periods if periods > 0 else 0.0,
         }
     return out

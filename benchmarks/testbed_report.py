@@ -89,7 +89,8 @@ def _cpu_rows(topology: dict) -> list[str]:
             step_cpu = r.get("step_cpu_s", {}).get(host)
             busy_cpu = r.get("busy_cpu_s", {}).get(host)
             ms = [f"{1e3 * v:.0f}" if v is not None else "-" for v in (per, step_cpu, busy_cpu)]
-            rows.append(f"  {r['method']:14} {host:4} {c['cores']:.2f} of {shares.get(host, '?')}"
+            cores = "-" if c["cores"] is None else f"{c['cores']:.2f}"
+            rows.append(f"  {r['method']:14} {host:4} {cores:>4} of {shares.get(host, '?')}"
                         f"  {' / '.join(ms)}  {100 * c['throttled']:.0f}% of periods")  # fmt: skip
     return rows
 

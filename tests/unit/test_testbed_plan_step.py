@@ -52,3 +52,7 @@ def test_host_cpu_is_read_between_the_warm_ups_end_and_the_last_step() -> None:
     assert out["a"] == pytest.approx({"cores": 0.45, "cpu_per_step_s": 0.045, "throttled": 0.75})
     assert out["b"] == pytest.approx({"cores": 0.05, "cpu_per_step_s": 0.005, "throttled": 0.0})
     assert _host_cpu({5: cpu[5]}, counters, 5, 30) == {}  # the run ended before its last mark
+    cpu[29]["b"] = CpuUsage(12.0, 0.2, 120, 0, 0.0)  # b's node was killed: its CPU is gone
+    assert _host_cpu(cpu, counters, 5, 30)["b"] == {
+        "cores": None, "cpu_per_step_s": None, "throttled": 0.0
+    }  # fmt: skip
