@@ -127,7 +127,12 @@ def test_a_joining_node_is_placed_at_a_step_boundary_and_the_loss_continues(tmp_
     dense, so every step's loss equals one process's."""
     # No end (--steps 0): the run lasts until the newcomer has trained 20 steps in its plan,
     # whatever the box's speed (a fixed run of 800 steps once ended before it was placed).
-    run = {**RUN, "steps": 0, "seq-len": 32, "dense": True}
+    # Probes of 1 MiB (stream probes of non-plan links a quarter): the newcomer wins a place
+    # only if its links read as fast as the incumbents' link. At the fast settings' 64 KiB
+    # (16 KiB stream probes) loopback links to it read 1-11 MB/s, every plan through it came
+    # out slower than the incumbent (0.0100 against 0.0093-0.0097 s), and it waited for the
+    # paces to shift: placed after ~230 s or not within the 240 s below.
+    run = {**RUN, "steps": 0, "seq-len": 32, "dense": True, "probe-kib": 1024}
     swarm = LocalSwarm(tmp_path, extra=run)
     try:
         a = swarm.start("a")
