@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from fusionllm.common.logs import get_logger
 from fusionllm.testbed.errors import TestbedError
 
@@ -66,34 +68,28 @@ def procs(path: Path) -> list[int]:
 class CpuUsage:
     """What a host's processes took of its CPU share so far: CPU seconds (every thread of
     every process now in the cgroup since each started, and the children they reaped) and
-    the quota's enforcement periods
-    (those that ran, those where the quota ran out, seconds spent held back)."""
+    the quota's enforcement periods (those that ran, those where the quota ran out)."""
 
     at: float  # time.monotonic() when read
     cpu_s: float
     periods: int
     throttled: int
-    throttled_s: float
 
 
 def usage(path: Path) -> CpuUsage:
     """The cgroup's CpuUsage now; a process that exits meanwhile is left out."""
-    tick = os.sysconf("SC_CLK_TCK")
     cpu_s = 0.0
     for pid in procs(path):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            # utime, stime, and cutime, cstime: a child that exited (a DHT worker restarted)
-            # still counts, in the parent that reaped it
-            cpu_s += sum(int(f) for f in fields[11:15]) / tick
+        with contextlib.suppress(psutil.Error):
+            # the reaped children count: a DHT worker restarted is in its parent's figure
+            user, system, children_user, children_system, *_ = psutil.Process(pid).cpu_times()
+            cpu_s += user + system + children_user + children_system
     stat: dict[str, int] = {}
     with contextlib.suppress(OSError, ValueError):
         stat = {k: int(v) for k, v in (line.split() for line in
                                       (path / "cpu.stat").read_text().splitlines())}  # fmt: skip
-    return CpuUsage(
-        at=time.monotonic(), cpu_s=cpu_s, periods=stat.get("nr_periods", 0),
-        throttled=stat.get("nr_throttled", 0), throttled_s=stat.get("throttled_time", 0) / 1e9,
-    )  # fmt: skip
+    return CpuUsage(at=time.monotonic(), cpu_s=cpu_s, periods=stat.get("nr_periods", 0),
+                    throttled=stat.get("nr_throttled", 0))  # fmt: skip
 
 
 def remove(path: Path) -> None:

@@ -44,15 +44,15 @@ def test_host_cpu_is_read_between_the_warm_ups_end_and_the_last_step() -> None:
     # 20 steps in 2 s: the seated host used 0.9 CPU-s (0.45 cores, 45 ms a step) and ran out
     # of quota in 15 of 20 periods; the idle one 0.1 CPU-s and never ran out
     cpu = {
-        5: {"a": CpuUsage(10.0, 3.0, 100, 40, 1.0), "b": CpuUsage(10.0, 1.0, 100, 0, 0.0)},
-        29: {"a": CpuUsage(12.0, 3.9, 120, 55, 2.1), "b": CpuUsage(12.0, 1.1, 120, 0, 0.0)},
+        5: {"a": CpuUsage(10.0, 3.0, 100, 40), "b": CpuUsage(10.0, 1.0, 100, 0)},
+        29: {"a": CpuUsage(12.0, 3.9, 120, 55), "b": CpuUsage(12.0, 1.1, 120, 0)},
     }
     counters = {5: {"step": 9}, 29: {"step": 29}}
     out = _host_cpu(cpu, counters, 5, 30)
     assert out["a"] == pytest.approx({"cores": 0.45, "cpu_per_step_s": 0.045, "throttled": 0.75})
     assert out["b"] == pytest.approx({"cores": 0.05, "cpu_per_step_s": 0.005, "throttled": 0.0})
     assert _host_cpu({5: cpu[5]}, counters, 5, 30) == {}  # the run ended before its last mark
-    cpu[29]["b"] = CpuUsage(12.0, 0.2, 120, 0, 0.0)  # b's node was killed: its CPU is gone
+    cpu[29]["b"] = CpuUsage(12.0, 0.2, 120, 0)  # b's node was killed: its CPU is gone
     assert _host_cpu(cpu, counters, 5, 30)["b"] == {
         "cores": None, "cpu_per_step_s": None, "throttled": 0.0
     }  # fmt: skip
