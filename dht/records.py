@@ -28,6 +28,7 @@ MAX_SUSPECTS = 16  # suspicions one record carries (node/control/suspicion.py)
 MAX_STRIKES = 64
 MAX_REASON_CHARS = 32
 MAX_PACE = 1e6
+MAX_STRETCH = 64.0  # node/control/stretch.py: a node's own work this many times its model's
 MAX_WITNESSED = 16  # other members' paces one record carries (node/control/pace.py)
 MAX_NAME_CHARS = 128
 MAX_PEER_ID_CHARS = 128
@@ -273,6 +274,10 @@ class NodeInfo:
     # Whether peers can dial it (node/p2p/reachability.py): one of REACH_VERDICTS. Old
     # records and nodes that have not judged yet lack it: "".
     reach: str = ""
+    # How many times longer its own work in a step (compute, frames, the schedule's
+    # bookkeeping, the update, at its CPU share) took than the planner's model of it
+    # (node/control/stretch.py). 0: not measured yet (old records too).
+    stretch: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -304,13 +309,14 @@ class NodeInfo:
             **({"pace": self.pace} if self.pace != 1.0 else {}),
             **({"wit": [x.to_wire() for x in self.witnessed]} if self.witnessed else {}),
             **({"reach": self.reach} if self.reach else {}),
+            **({"str": self.stretch} if self.stretch else {}),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "NodeInfo":
         check.version(wire, "node record", NODE_INFO_VERSION)
         keys = {"v", "id", "swarm", "addrs", "dht", "dev", "up", "down", "links", "sw", "state"}
-        optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit", "reach"})
+        optional = frozenset({"train", "beat", "obs", "sus", "pace", "wit", "reach", "str"})
         w = check.fields(wire, keys | {"cfg", "stage", "plan", "t"}, "node record", optional)
         try:
             state = NodeState(w["state"])
@@ -362,6 +368,7 @@ class NodeInfo:
                 for x in check.items(w.get("wit", []), "witnessed", MAX_WITNESSED)
             ),
             "reach": _reach(w.get("reach", "")),
+            "stretch": check.number(w["str"], "stretch", 1.0, MAX_STRETCH) if "str" in w else 0.0,
         }
         for name, value in values.items():
             object.__setattr__(obj, name, value)

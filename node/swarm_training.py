@@ -91,8 +91,8 @@ class DaemonView:
         records = list(self._daemon.members.values())
         return max((i.training.step for i in records if i.training is not None), default=0)
 
-    def measured(self, digest: str, compute_s: float) -> None:
-        self._daemon.measured(digest, compute_s)
+    def measured(self, digest: str, compute_s: float, own_s: float) -> None:
+        self._daemon.measured(digest, compute_s, own_s)
 
     def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list) -> None:
         self._daemon.witnessed(digest, ranks, timings)

@@ -275,8 +275,9 @@ def _best_of(samples: tuple[LinkSample, ...]) -> LinkSample:
 
 def peer_of(info: NodeInfo) -> Peer:
     """The planner's Peer for a node record (device numbers quantized, see module doc), its
-    compute as slow as the node measured itself (``NodeInfo.pace``, pace.py)."""
-    device, pace = info.device, info.pace
+    compute as slow as the node measured itself (``NodeInfo.pace``, pace.py) and its own work
+    as much longer than modelled as it measured (``NodeInfo.stretch``, stretch.py)."""
+    device, pace = info.device, info.pace * max(info.stretch, 1.0)
     profile = DeviceProfile(
         name=device.name,
         flops=quantize(device.flops / pace),

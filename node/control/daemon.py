@@ -339,6 +339,7 @@ class NodeDaemon:
             suspects=self.suspicions.current(),
             pace=self.pacing.meter.published,
             witnessed=self.pacing.witness.current(),
+            stretch=self.pacing.stretch.published,
             reach=self.reach.published if self.reach is not None else "",
         )
 
@@ -412,11 +413,12 @@ class NodeDaemon:
         if self.suspicions.cleared(peer):
             self._beat_now.set()
 
-    def measured(self, digest: str, compute_s: float) -> None:
-        """One step's compute of our stage (the trainer's report); a new pace goes out at once."""
+    def measured(self, digest: str, compute_s: float, own_s: float) -> None:
+        """One step's compute of our stage and our own work in it (the trainer's report); a new
+        pace or stretch goes out at once."""
         config = self.settings.plan_config()
         if self.pacing.measured(
-            self.adopted, digest, compute_s,
+            self.adopted, digest, compute_s, own_s,
             costs=self.costs, peer_id=self.peer_id, device=self.device, config=config,
         ):  # fmt: skip
             self._beat_now.set()

@@ -48,10 +48,10 @@ from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.directory_view import Directory
 from fusionllm.node.control.link_wait import LinkWait
-from fusionllm.node.control.pace import with_witnessed_paces
 from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
+from fusionllm.node.control.stretch import as_planned
 from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.control.switching import SwitchStreak, after_a_loss, judge_switch
 
@@ -192,7 +192,7 @@ class PlanAgreement:
                          len(everyone) - len(members))  # fmt: skip
         self.quiet.drop_suspects(members)
         members[self.peer_id] = self._own_info()
-        members = with_witnessed_paces(members)  # members' paces as their plans saw them
+        members = as_planned(members)  # paces as their plans saw them, stretches measured
         self.excluded = excluded(members, now=self.clock(), min_peers=self.plan_config.min_peers)
         # Members that finished the run leave: their last records tell a backup it is over.
         if any(

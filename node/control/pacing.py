@@ -3,8 +3,8 @@
 The trainer reports each step of the plan it runs (the plan's digest, our compute, every rank's
 timings); this keeps the steps of the adopted plan only (the trainer runs the old plan to its
 switch step, and a step of a three-stage plan read against a two-stage one is nonsense) and
-feeds ``PaceMeter``/``PaceWitness`` (pace.py). Each method says whether what our record
-carries changed, so the daemon can publish it at once.
+feeds ``PaceMeter``/``PaceWitness`` (pace.py) and ``StretchMeter`` (stretch.py). Each method
+says whether what our record carries changed, so the daemon can publish it at once.
 """
 
 from collections.abc import Mapping
@@ -23,6 +23,7 @@ from fusionllm.node.control.pace import (
     predicted_compute_s,
     ranks_fit,
 )
+from fusionllm.node.control.stretch import StretchMeter, predicted_own_s
 
 logger = get_logger(__name__)
 
@@ -31,27 +32,33 @@ class StepPacing:
     def __init__(self) -> None:
         self.meter = PaceMeter()  # our measured compute against our device's
         self.witness = PaceWitness()  # the other members' paces, from the step summaries
+        self.stretch = StretchMeter()  # our own work in a step against the planner's model
         self._paced_plan: str | None = None  # the plan the meter's steps were measured in
 
     def measured(
-        self, adopted: Candidate | None, digest: str, compute_s: float, *,
+        self, adopted: Candidate | None, digest: str, compute_s: float, own_s: float, *,
         costs: GraphCosts, peer_id: str, device: DeviceInfo, config: PlanConfig,
     ) -> bool:  # fmt: skip
-        """One step's compute of our stage against what our device predicts for it."""
+        """One step's compute of our stage, and all our own work in it (``StepReport.own_s``),
+        against what our device predicts for them."""
         if adopted is None or adopted.digest != digest:  # a step of the plan we switch from
             return False
         if adopted.digest != self._paced_plan:
             self.meter.reset()
+            self.stretch.reset()
             self._paced_plan = adopted.digest
         predicted = predicted_compute_s(costs, adopted.plan, peer_id, device, config)
         if predicted is None:
             return False
-        before = self.meter.published
-        if self.meter.add(compute_s, predicted) == before:
-            return False
-        logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
-                       self.meter.published)  # fmt: skip
-        return True
+        pace, stretch = self.meter.published, self.stretch.published
+        own = predicted_own_s(costs, adopted.plan, peer_id, device, config, pace)
+        if own is not None and self.stretch.add(own_s, own) != stretch:
+            logger.info("our own work in a step runs %.3g x the planner's model of it",
+                        self.stretch.published)  # fmt: skip
+        if self.meter.add(compute_s, predicted) != pace:
+            logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
+                           self.meter.published)  # fmt: skip
+        return (pace, stretch) != (self.meter.published, self.stretch.published)
 
     def witnessed(
         self, adopted: Candidate | None, digest: str, ranks: list[tuple[str, int]],

@@ -43,6 +43,14 @@ class StepReport:
     # the planner's model of compute and frames does not see (issue 25's estimate misses).
     phases: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def own_s(self) -> float:
+        """Wall seconds of the step that were this process's own work: the step less its waits
+        for frames, for the others' summaries and its own sends, and the exchanges (network
+        time the planner models apart). What control/stretch.py reads against the model."""
+        network = ("exchange_s", "summary_wait_s", "sends_s")
+        return max(0.0, self.seconds - self.wait_s - sum(self.phases.get(k, 0.0) for k in network))
+
 
 @dataclass
 class Sends:

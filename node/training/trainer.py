@@ -440,7 +440,7 @@ class SwarmTrainer:
         if session is not None:
             # Named by the plan it ran in: the daemon may have adopted the next one already.
             digest, runner = session.assignment.digest, session.runner
-            self.view.measured(digest, report.busy_s)
+            self.view.measured(digest, report.busy_s, report.own_s)
             if report.timings:
                 ranks = [(runner.peer_of.get(r, self.peer_id), r.stage) for r in runner.roles]
                 self.view.witnessed(digest, ranks, list(report.timings))

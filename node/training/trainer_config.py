@@ -33,9 +33,9 @@ class SwarmView(Protocol):
     def run_finished(self) -> bool: ...  # some member's record says the run reached its end
     def members(self) -> list[str]: ...  # every live member's peer id
     def progress(self) -> int: ...  # the newest step the members' records say was reached
-    # One step of plan ``digest``: our stage's compute; every rank's (peer, stage) and
-    # (compute, activation wait, gradient wait)
-    def measured(self, digest: str, compute_s: float) -> None: ...
+    # One step of plan ``digest``: our stage's compute and all our own work (StepReport.own_s);
+    # every rank's (peer, stage) and (compute, activation wait, gradient wait)
+    def measured(self, digest: str, compute_s: float, own_s: float) -> None: ...
     def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list) -> None: ...
     def suspect(self, peer: str, reason: str) -> None: ...  # keep a member out of plans a while
     def cleared(self, peer: str) -> None: ...  # a member met us at the barrier

@@ -122,7 +122,7 @@ def test_a_step_of_the_plan_we_switch_from_is_not_witnessed_against_the_next():
     assert not pacing.witnessed(adopted, "the-old-plan", ranks, timings, members={},
                                 costs=unread, peer_id="peer0", config=unread,
                                 measured=unread)  # fmt: skip
-    assert not pacing.measured(adopted, "the-old-plan", 0.01, costs=unread, peer_id="peer0",
-                               device=unread, config=unread)  # fmt: skip
+    assert not pacing.measured(adopted, "the-old-plan", 0.01, 0.02, costs=unread,
+                               peer_id="peer0", device=unread, config=unread)  # fmt: skip
     assert pacing.witness.current() == ()
     assert pacing.meter.published == 1.0

@@ -72,7 +72,7 @@ class FakeView:
     def progress(self) -> int:
         return self.reached()
 
-    def measured(self, digest: str, compute_s: float) -> None:
+    def measured(self, digest: str, compute_s: float, own_s: float) -> None:
         self.computed.append(compute_s)
         self.stepped_in.append(digest)
 

@@ -1,0 +1,105 @@
+"""Measured beats modelled: how much longer a node's own work in a step takes than planned.
+
+The planner times a stage by its device's calibrated figures (probe.py: one thread, once, on
+a quiet host) plus its frames. On the testbed's 0.45-core hosts a fast plan stepped in 2.3-2.5x
+its estimate (docs/testbed.md, session 11): the host's CPU per step is the compute the model
+counts, and as much again that it does not (data, the schedule's bookkeeping, the update, lane
+threads, the DHT worker, p2pd), all paid at the host's share; and the calibration itself moved
+by 1.4x between runs. Pace (pace.py) does not see it: it counts compute alone and acts beyond
+2x, in powers of two, to catch a node far slower than it says.
+
+So each node measures its own work in every step: the step's wall time less its waits for
+activations and gradients, for the others' summaries, for its own sends and the exchanges
+(network time the simulator models apart; ``StepReport.own_s``). ``StretchMeter`` keeps the
+median of that over what the planner's model predicts for the same work (its stage's compute
+and dense frames at its advertised device and pace), and the node's record carries it
+(``NodeInfo.stretch``), in quarter powers of two, moved only when the median leaves a band
+around it. Every planner multiplies the node's device times by it (``bandwidth.peer_of``), the
+same on every node.
+
+A node that has not trained yet has no stretch. Planned as 1.0 beside members measured at 2,
+every unseated node would look faster than every seated one and the swarm would move to them
+for nothing; so ``as_planned`` gives it the median of the members that have measured theirs.
+A stretch can only make a node look slower: a liar gains less work, nothing else. Pure: fed
+numbers, no clock (tests/unit/test_stretch.py).
+"""
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dag.cost import stage_frames
+from fusionllm.dag.graph import GraphCosts
+from fusionllm.dag.planner import Plan, PlanConfig
+from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
+from fusionllm.node.control.pace import predicted_compute_s, with_witnessed_paces
+
+STEP = 2.0**0.25  # published values: quarter powers of two (a 19% step)
+# A published stretch holds while the median stays within this factor of it: a node moved to
+# a stage of another size measures another ratio (its fixed costs weigh differently), which
+# must not move its record, and the swarm's plan with it, back and forth.
+_HOLD = 2.0**0.375
+
+
+def predicted_own_s(
+    costs: GraphCosts, plan: Plan, peer: str, device: DeviceInfo, config: PlanConfig, pace: float
+) -> float | None:
+    """What the planner's model gives ``peer``'s own work in one step of ``plan``: its
+    stage's compute and dense frames, every micro-batch's share, at its device and ``pace``
+    (without its stretch, which is what is measured against it); None if it is not seated."""
+    compute = predicted_compute_s(costs, plan, peer, device, config)
+    if compute is None:
+        return None
+    k, stage = next((k, s) for k, s in enumerate(plan.stages) if peer in s.peers)
+    share = stage.shares[stage.peers.index(peer)]
+    frames = stage_frames(k, len(plan.stages)) * 2 * device.frame_overhead  # forward and back
+    return (compute + config.micro_batches * share * frames) * pace
+
+
+class StretchMeter:
+    """The median of a node's last ``window`` measured/modelled ratios of its own work, as a
+    published stretch (0.0 until a window is full: not measured)."""
+
+    def __init__(self, *, window: int = 8) -> None:
+        if not 3 <= window <= 1024:
+            raise ConfigError(f"window must be in [3, 1024], got {window}")
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.published = 0.0
+
+    def add(self, own_s: float, predicted_s: float) -> float:
+        """Note one step; the stretch to publish now."""
+        if own_s > 0 and predicted_s > 0 and math.isfinite(own_s / predicted_s):
+            self._ratios.append(own_s / predicted_s)
+        if len(self._ratios) < self._ratios.maxlen:
+            return self.published  # a few steps are no measurement (warm-up, a plan switch)
+        median = max(1.0, statistics.median(self._ratios))
+        held = self.published
+        if held and held / _HOLD <= median <= held * _HOLD:
+            return held
+        self.published = min(MAX_STRETCH, STEP ** round(math.log(median, STEP)))
+        return self.published
+
+    def reset(self) -> None:
+        """A new plan: another stage, measured afresh (the published stretch stands)."""
+        self._ratios.clear()
+
+
+def unmeasured_stretch(members: Mapping[str, NodeInfo]) -> float:
+    """The stretch a member that has measured none is planned at: the median (low) of those
+    that have, 1.0 if none has."""
+    seen = sorted(i.stretch for i in members.values() if i.stretch and not i.observer)
+    return statistics.median_low(seen) if seen else 1.0
+
+
+def as_planned(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
+    """``members`` as every planner plans them: each pace raised to what its witnesses saw
+    (pace.py), each stretch measured or, if not yet, the measured members' median."""
+    out = with_witnessed_paces(members)
+    typical = unmeasured_stretch(members)
+    for peer, info in out.items():
+        if not info.stretch:
+            out[peer] = dataclasses.replace(info, stretch=typical)
+    return out

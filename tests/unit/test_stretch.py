@@ -1,0 +1,144 @@
+"""A node's own work against the planner's model (stretch.py): the published stretch, what it
+is measured against, the record field and how every planner plans with it."""
+
+import dataclasses
+
+import pytest
+
+from fusionllm.common.errors import ConfigError
+from fusionllm.dht.records import NodeInfo, RecordError, Witnessed
+from fusionllm.node.control.agreement import serving_peers
+from fusionllm.node.control.bandwidth import peer_of
+from fusionllm.node.control.pace import predicted_compute_s
+from fusionllm.node.control.pacing import StepPacing
+from fusionllm.node.control.stretch import (
+    StretchMeter,
+    as_planned,
+    predicted_own_s,
+    unmeasured_stretch,
+)
+from fusionllm.node.pipeline.steps import StepReport
+from tests.unit.test_epochs import GRAPH, SETTINGS, FakeClock, epoch_round, record, swarm_of
+from tests.unit.test_records import node
+
+
+def _meter_after(ratios, meter=None) -> StretchMeter:
+    meter = meter or StretchMeter(window=4)
+    for r in ratios:
+        meter.add(r, 1.0)
+    return meter
+
+
+def test_nothing_is_published_before_a_window_of_steps():
+    assert _meter_after([3.0] * 3).published == 0.0
+    assert _meter_after([3.0] * 4).published == pytest.approx(2**1.5)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "stretch"),
+    [([2.3] * 4, 2**1.25), ([1.05] * 4, 1.0), ([0.4] * 4, 1.0), ([1.4, 9.0, 1.35, 1.45], 2**0.5),
+     ([1e6] * 4, 64.0)],
+)  # fmt: skip
+def test_the_stretch_is_the_medians_nearest_quarter_power_of_two_at_least_one(ratios, stretch):
+    assert _meter_after(ratios).published == pytest.approx(stretch)
+
+
+def test_a_published_stretch_holds_through_a_small_change_and_leaves_on_a_large_one():
+    meter = _meter_after([2.4] * 4)
+    assert meter.published == pytest.approx(2**1.25)
+    assert _meter_after([2.0] * 4, meter).published == pytest.approx(2**1.25)  # 0.84x: held
+    assert _meter_after([3.5] * 4, meter).published == pytest.approx(2**1.75)  # 1.47x: moved
+
+
+def test_bad_measurements_are_ignored_and_a_bad_window_refused():
+    meter = _meter_after([2.0] * 4)
+    for own, predicted in ((0.0, 1.0), (1.0, 0.0), (float("inf"), 1.0), (-1.0, 1.0)):
+        meter.add(own, predicted)
+    assert list(meter._ratios) == [2.0] * 4
+    with pytest.raises(ConfigError):
+        StretchMeter(window=2)
+
+
+def test_own_time_is_the_step_less_its_waits_on_the_network():
+    report = StepReport(step=0, loss=1.0, grad_norm=1.0, seconds=1.0, busy_s=0.4, wait_s=0.2,
+                        phases={"exchange_s": 0.05, "summary_wait_s": 0.1, "update_s": 0.03,
+                                "sends_s": 0.05})  # fmt: skip
+    assert report.own_s == pytest.approx(0.6)  # compute, framing, data and the update
+
+
+def _adopted():
+    _, nodes = swarm_of(2, FakeClock())
+    epoch_round(nodes, 850_000_000)
+    return nodes[0].agreement.adopted, nodes[0].info().device
+
+
+def test_the_model_of_own_work_is_the_stages_compute_and_frames_at_the_pace():
+    adopted, device = _adopted()
+    config, plan = SETTINGS.plan_config(), adopted.plan
+    peer = sorted(serving_peers(plan))[0]
+    framed = dataclasses.replace(device, frame_overhead=1e-3)
+    compute = predicted_compute_s(GRAPH, plan, peer, framed, config)
+    own = predicted_own_s(GRAPH, plan, peer, framed, config, 1.0)
+    k = next(k for k, s in enumerate(plan.stages) if peer in s.peers)
+    frames = (k > 0) + (k < len(plan.stages) - 1)
+    share = plan.stages[k].shares[plan.stages[k].peers.index(peer)]
+    assert own == pytest.approx(compute + config.micro_batches * share * frames * 2 * 1e-3)
+    assert predicted_own_s(GRAPH, plan, peer, framed, config, 2.0) == pytest.approx(2 * own)
+    assert predicted_own_s(GRAPH, plan, "stranger", framed, config, 1.0) is None
+
+
+def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
+    adopted, device = _adopted()
+    config, peer = SETTINGS.plan_config(), sorted(serving_peers(adopted.plan))[0]
+    model = predicted_own_s(GRAPH, adopted.plan, peer, device, config, 1.0)
+    compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
+    pacing, changed = StepPacing(), []
+    for _ in range(8):
+        changed.append(
+            pacing.measured(
+                adopted,
+                adopted.digest,
+                compute,
+                2.4 * model,
+                costs=GRAPH,
+                peer_id=peer,
+                device=device,
+                config=config,
+            )
+        )
+    assert changed == [False] * 7 + [True]  # the record goes out once, when it is measured
+    assert pacing.stretch.published == pytest.approx(2**1.25)
+    assert pacing.meter.published == 1.0  # its compute ran as its device predicts
+
+
+def test_a_stretched_record_is_planned_slower_and_round_trips():
+    info = record("p", stretch=2.0)
+    assert NodeInfo.from_wire(info.to_wire()).stretch == 2.0
+    assert "str" not in record("p").to_wire()  # not measured: older readers see nothing new
+    fast, both = peer_of(record("p")), peer_of(record("p", stretch=2.0, pace=2.0))
+    assert both.device.flops == pytest.approx(fast.device.flops / 4, rel=0.1)
+    assert peer_of(record("p", stretch=0.0)) == fast  # unmeasured: as advertised
+
+
+@pytest.mark.parametrize("value", [0.5, 0.0, float("nan"), 65.0, "2", True])
+def test_a_bad_stretch_is_refused(value):
+    with pytest.raises(RecordError, match="stretch"):
+        NodeInfo.from_wire({**node().to_wire(), "str": value})
+
+
+def test_a_member_that_measured_none_is_planned_at_the_measured_members_median():
+    members = {
+        "a": record("a", stretch=2.0),
+        "b": record("b", stretch=4.0),
+        "c": record("c", stretch=2**1.25),
+        "new": record("new"),
+        "watch": record("watch", observer=True, stretch=32.0),  # trains nothing: not counted
+        "slow": record("slow", witnessed=(Witnessed("new", 4.0),)),
+    }
+    planned = as_planned(members)
+    assert unmeasured_stretch(members) == pytest.approx(2**1.25)
+    assert planned["new"].stretch == pytest.approx(2**1.25)
+    assert planned["slow"].stretch == pytest.approx(2**1.25)
+    assert [planned[p].stretch for p in "ab"] == [2.0, 4.0]  # measured: kept
+    assert planned["new"].pace == 4.0  # what its witness saw still counts
+    assert as_planned({"x": record("x")})["x"].stretch == 1.0  # nobody measured: as modelled
