@@ -218,14 +218,17 @@ def _stage_seconds(nodes, warmup: int) -> dict:
 def _plans(nodes, hosts: dict[str, str]) -> dict:
     """The plans trained (by steps run under each), the longest one's estimate, hosts and
     step time (``plan_step_s``: the estimate's measured counterpart; ``step_s`` mixes every
-    plan the run trained, switches included)."""
-    estimates, stages, first = {}, {}, []
+    plan the run trained, switches included). ``estimate_s`` is the planner's last estimate
+    of that plan, retimed on its view of the swarm then (the nodes' measured stretches in
+    it); ``adopted_estimate_s`` the estimate it was proposed with."""
+    estimates, adopted, stages, first = {}, {}, {}, []
     for node in nodes:
-        for e in node.snapshot():
-            if e["event"] == "epoch":
-                first.append((e["epoch"], e["estimate"]))
-                estimates[e["digest"]] = e["estimate"]
-                stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
+        for e in sorted((e for e in node.snapshot() if e["event"] == "epoch"),
+                        key=lambda e: e["epoch"]):  # fmt: skip
+            first.append((e["epoch"], e["estimate"]))
+            estimates[e["digest"]] = e.get("retimed") or e["estimate"]
+            adopted.setdefault(e["digest"], e["estimate"])
+            stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
     starts = sorted({(e["start_step"], e["digest"]) for n in nodes for e in n.snapshot()
                      if e["event"] == "train_plan"})  # fmt: skip
     merged = _merged_steps(nodes)
@@ -241,6 +244,7 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
         "plans_trained": len(runs),
         "plan": stages.get(longest),
         "estimate_s": estimates.get(longest),
+        "adopted_estimate_s": adopted.get(longest),
         "plan_steps": runs.get(longest, 0),
         "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted

@@ -36,8 +36,8 @@ def _method_rows(topology: dict) -> list[str]:
     target = max((r["last5_loss"] for r in runs if "last5_loss" in r and r["method"] != KILLED),
                  default=None)  # fmt: skip
     head = (f"{'method':14} {'step s':>7} {'tok/s':>7} {'x best':>7} {'est s':>7} "
-            f"{'est/meas':>8} {'plan s':>7} {'est/plan':>8} {'loss@N':>7} {'last5':>7} "
-            f"{'t→target':>8} {'plans':>5}  plan (hosts per stage)")  # fmt: skip
+            f"{'est/meas':>8} {'plan s':>7} {'est/plan':>8} {'adopt s':>7} {'loss@N':>7} "
+            f"{'last5':>7} {'t→target':>8} {'plans':>5}  plan (hosts per stage)")  # fmt: skip
     rows = [f"topology {topology['topology']} (target loss {target})", head]
     for r in runs:
         if "error" in r:
@@ -53,6 +53,7 @@ def _method_rows(topology: dict) -> list[str]:
         rows.append(
             f"{r['method']:14} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} {speedup:>7} "
             f"{est or 0:7.3f} {ratio:>8} {own or 0:7.3f} {own_ratio:>8} "
+            f"{r.get('adopted_estimate_s') or 0:7.3f} "
             f"{r['final_loss']:7.3f} {r['last5_loss']:7.3f} "
             f"{reach if reach is None else round(reach, 1)!s:>8} {r['plans_trained']:5d}  "
             f"{r['plan']}"

@@ -485,7 +485,8 @@ class PlanAgreement:
             epoch=epoch,
             digest=best.digest,
             changed=changed,
-            estimate=best.estimate,
+            estimate=best.estimate,  # as proposed; retimed: in our view of the swarm now
+            retimed=best.retimed_estimate,
             stages=[list(s.peers) for s in best.plan.stages],
             backup=backup,
             members=sorted(members),
