@@ -218,33 +218,44 @@ def _stage_seconds(nodes, warmup: int) -> dict:
 def _plans(nodes, hosts: dict[str, str]) -> dict:
     """The plans trained (by steps run under each), the longest one's estimate, hosts and
     step time (``plan_step_s``: the estimate's measured counterpart; ``step_s`` mixes every
-    plan the run trained, switches included). ``estimate_s`` is the planner's last estimate
-    of that plan, retimed on its view of the swarm then (the nodes' measured stretches in
-    it); ``adopted_estimate_s`` the estimate it was proposed with."""
-    estimates, adopted, stages, first = {}, {}, {}, []
+    plan the run trained, switches included).
+
+    A plan here is a layout: who holds which layers. The swarm re-proposes the plan it
+    trains under a new digest when only its figures move (a node published its measured
+    stretch: control/stretch.py); ``plans_trained`` counts digests, ``layouts_trained``
+    layouts. ``estimate_s`` is the planner's latest estimate of the longest-trained layout,
+    retimed on its view of the swarm then; ``adopted_estimate_s`` the one it was first
+    proposed with, before any of its steps ran."""
+    latest, adopted, stages, first = {}, {}, {}, []
     for node in nodes:
-        for e in sorted((e for e in node.snapshot() if e["event"] == "epoch"),
-                        key=lambda e: e["epoch"]):  # fmt: skip
+        for e in (e for e in node.snapshot() if e["event"] == "epoch"):
             first.append((e["epoch"], e["estimate"]))
-            estimates[e["digest"]] = e.get("retimed") or e["estimate"]
-            adopted.setdefault(e["digest"], e["estimate"])
+            now = (e["epoch"], e.get("retimed") or e["estimate"])
+            latest[e["digest"]] = max(latest.get(e["digest"], now), now)
+            adopted[e["digest"]] = min(adopted.get(e["digest"], (e["epoch"], e["estimate"])),
+                                       (e["epoch"], e["estimate"]))  # fmt: skip
             stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
-    starts = sorted({(e["start_step"], e["digest"]) for n in nodes for e in n.snapshot()
+    starts = sorted({(e["start_step"], e["digest"], json.dumps([e["stages"], e["ranges"]]))
+                     for n in nodes for e in n.snapshot()
                      if e["event"] == "train_plan"})  # fmt: skip
     merged = _merged_steps(nodes)
     runs: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
-    for (start, digest), nxt in zip(starts, [*starts[1:], (None, None)], strict=True):
+    digests: dict[str, set[str]] = {}
+    for (start, digest, layout), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
         end = nxt[0] if nxt[0] is not None else max(start, len(merged))
-        runs[digest] = runs.get(digest, 0) + max(0, end - start)
-        spans.setdefault(digest, []).append((start, end))
+        runs[layout] = runs.get(layout, 0) + max(0, end - start)
+        spans.setdefault(layout, []).append((start, end))
+        digests.setdefault(layout, set()).add(digest)
     longest = max(runs, key=runs.get, default=None)
+    its = sorted(digests.get(longest, ()), key=lambda d: latest.get(d, (-1, 0.0)))
     times = {step: s["t"] for step, s in merged.items()}
     return {
-        "plans_trained": len(runs),
-        "plan": stages.get(longest),
-        "estimate_s": estimates.get(longest),
-        "adopted_estimate_s": adopted.get(longest),
+        "plans_trained": len({d for ds in digests.values() for d in ds}),
+        "layouts_trained": len(runs),
+        "plan": stages.get(its[-1]) if its else None,
+        "estimate_s": latest[its[-1]][1] if its and its[-1] in latest else None,
+        "adopted_estimate_s": min((adopted[d] for d in its if d in adopted), default=(0, None))[1],
         "plan_steps": runs.get(longest, 0),
         "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted

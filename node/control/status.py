@@ -217,7 +217,7 @@ def describe(swarm, members: dict[str, NodeInfo], plan, votes, *, now, skipped) 
                 "software": m.software,
                 "observer": m.observer,
                 "pace": m.pace,  # measured compute / what its device predicts (pace.py)
-                "stretch": m.stretch,  # its own work in a step / the model's (stretch.py)
+                "stretch": m.stretch,  # planned at: the swarm's own work / model (stretch.py)
                 "reach": m.reach or "unknown",  # may peers dial it? (p2p/reachability.py)
                 "record_age_s": round(max(0.0, now - m.time), 1),
                 "addrs": list(m.addrs),
@@ -342,13 +342,14 @@ def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
             f"{p['gflops']:>8.1f} {p['memory_gib']:>8.1f} {p['uplink_mb_s']:>8.1f} "
             f"{p['downlink_mb_s']:>9.1f} {p['record_age_s']:>6.1f} {p.get('reach', 'unknown'):<9}"
         )
+    stretch = max((p.get("stretch", 0.0) for p in peers), default=0.0)
+    if stretch > 1.0:
+        lines.append(f"  steps take {stretch:.3g}x the cost model's time for the members' own "
+                     "work (measured): planned so")  # fmt: skip
     for p in peers:
         if p.get("pace", 1.0) != 1.0:
             lines.append(f"  {_short(p['peer_id'])} computes {p['pace']:g}x slower than its "
                          "device: planned so")  # fmt: skip
-        if p.get("stretch", 0.0) > 1.0:
-            lines.append(f"  {_short(p['peer_id'])}'s steps take {p['stretch']:.3g}x the model's "
-                         "time for its work: planned so")  # fmt: skip
     for p in peers:
         if p.get("reach") == "private":
             relays = ", ".join(_short(r) for r in p.get("relays", []))

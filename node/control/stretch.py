@@ -14,13 +14,20 @@ activations and gradients, for the others' summaries, for its own sends and the 
 median of that over what the planner's model predicts for the same work (its stage's compute
 and dense frames at its advertised device and pace), and the node's record carries it
 (``NodeInfo.stretch``), in quarter powers of two, moved only when the median leaves a band
-around it. Every planner multiplies the node's device times by it (``bandwidth.peer_of``), the
-same on every node.
+around it. ``bandwidth.peer_of`` multiplies a member's device times by the stretch it is
+planned at, the same on every node.
 
-A node that has not trained yet has no stretch. Planned as 1.0 beside members measured at 2,
-every unseated node would look faster than every seated one and the swarm would move to them
-for nothing; so ``as_planned`` gives it the median of the members that have measured theirs.
-A stretch can only make a node look slower: a liar gains less work, nothing else. Pure: fed
+Every planner plans every member at the median (low) of the stretches the members measured
+(``as_planned``), not each at its own. What a node measures is partly its host (its share,
+what else runs on it) and partly the cost model's error for the stage it holds: on topology B
+two equal hosts measured 1.2-1.7 on the first stage and 1.7-2.4 on the last, and planned each
+at its own, the swarm swapped their stages for it (a state transfer for nothing; on a WAN, one
+of minutes) and would swap them back. A node that has not trained has no measurement of its
+own either: planned at 1.0 beside members at 2, every unseated node would look faster than
+every seated one. The median moves every member's compute alike: the estimate's level and the
+trade of compute against links follow what was measured, the ranking of members does not
+(a member far slower than its device says is pace's to catch, pace.py). A stretch can only
+make the swarm look slower: a liar among many moves the median by one place. Pure: fed
 numbers, no clock (tests/unit/test_stretch.py).
 """
 
@@ -41,7 +48,7 @@ STEP = 2.0**0.25  # published values: quarter powers of two (a 19% step)
 # A published stretch holds while the median stays within this factor of it: a node moved to
 # a stage of another size measures another ratio (its fixed costs weigh differently), which
 # must not move its record, and the swarm's plan with it, back and forth.
-_HOLD = 2.0**0.375
+_HOLD = 2.0**0.5
 
 
 def predicted_own_s(
@@ -63,7 +70,7 @@ class StretchMeter:
     """The median of a node's last ``window`` measured/modelled ratios of its own work, as a
     published stretch (0.0 until a window is full: not measured)."""
 
-    def __init__(self, *, window: int = 8) -> None:
+    def __init__(self, *, window: int = 12) -> None:
         if not 3 <= window <= 1024:
             raise ConfigError(f"window must be in [3, 1024], got {window}")
         self._ratios: deque[float] = deque(maxlen=window)
@@ -87,19 +94,19 @@ class StretchMeter:
         self._ratios.clear()
 
 
-def unmeasured_stretch(members: Mapping[str, NodeInfo]) -> float:
-    """The stretch a member that has measured none is planned at: the median (low) of those
-    that have, 1.0 if none has."""
+def swarm_stretch(members: Mapping[str, NodeInfo]) -> float:
+    """The stretch every member is planned at: the median (low) of those the members that
+    train measured, 1.0 if none has."""
     seen = sorted(i.stretch for i in members.values() if i.stretch and not i.observer)
     return statistics.median_low(seen) if seen else 1.0
 
 
 def as_planned(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
     """``members`` as every planner plans them: each pace raised to what its witnesses saw
-    (pace.py), each stretch measured or, if not yet, the measured members' median."""
+    (pace.py), each stretch the swarm's (``swarm_stretch``)."""
     out = with_witnessed_paces(members)
-    typical = unmeasured_stretch(members)
-    for peer, info in out.items():
-        if not info.stretch:
-            out[peer] = dataclasses.replace(info, stretch=typical)
-    return out
+    typical = swarm_stretch(members)
+    return {
+        peer: info if info.stretch == typical else dataclasses.replace(info, stretch=typical)
+        for peer, info in out.items()
+    }
