@@ -17,7 +17,7 @@ and dense frames at its advertised device and pace), and the node's record carri
 around it. ``bandwidth.peer_of`` multiplies a member's device times by the stretch it is
 planned at, the same on every node.
 
-Every planner plans every member at the median (low) of the stretches the members measured
+Every planner plans every member at the median (high) of the stretches the members measured
 (``as_planned``), not each at its own. What a node measures is partly its host (its share,
 what else runs on it) and partly the cost model's error for the stage it holds: on topology B
 two equal hosts measured 1.2-1.7 on the first stage and 1.7-2.4 on the last, and planned each
@@ -27,7 +27,9 @@ own either: planned at 1.0 beside members at 2, every unseated node would look f
 every seated one. The median moves every member's compute alike: the estimate's level and the
 trade of compute against links follow what was measured, the ranking of members does not
 (a member far slower than its device says is pace's to catch, pace.py). A stretch can only
-make the swarm look slower: a liar among many moves the median by one place. Pure: fed
+make the swarm look slower: a liar among many moves the median by one place. The high median,
+as a step runs at its slowest stage's pace: on B's two-stage plan the stage-0 host measured 1.0
+and waited 54 ms a step for the stage-1 host, which measured 1.68. Pure: fed
 numbers, no clock (tests/unit/test_stretch.py).
 """
 
@@ -95,10 +97,10 @@ class StretchMeter:
 
 
 def swarm_stretch(members: Mapping[str, NodeInfo]) -> float:
-    """The stretch every member is planned at: the median (low) of those the members that
+    """The stretch every member is planned at: the median (high) of those the members that
     train measured, 1.0 if none has."""
     seen = sorted(i.stretch for i in members.values() if i.stretch and not i.observer)
-    return statistics.median_low(seen) if seen else 1.0
+    return statistics.median_high(seen) if seen else 1.0
 
 
 def as_planned(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:

@@ -141,3 +141,10 @@ def test_every_member_is_planned_at_the_median_of_the_measured_stretches():
     assert planned_at == pytest.approx(dict.fromkeys(members, 2**1.25))
     assert planned["new"].pace == 4.0  # what its witness saw still counts
     assert as_planned({"x": record("x")})["x"].stretch == 1.0  # nobody measured: as modelled
+
+
+def test_of_two_measured_stretches_the_swarm_is_planned_at_the_larger():
+    """A step runs at its slowest stage: B's stage-0 host measured 1.0 while it waited for the
+    stage-1 host, which measured 1.68."""
+    members = {"w1": record("w1", stretch=1.0), "w2": record("w2", stretch=2**0.75)}
+    assert swarm_stretch(members) == pytest.approx(2**0.75)
