@@ -6,12 +6,15 @@
 For each topology (fusionllm.testbed) and each method — naive (even layer split in peer-id
 order, dense), balanced (cuts by measured compute, links ignored, dense), OP-Fence dense
 (``--dense``) and OP-Fence + AdaTopK — one run of real ``fusionllm node`` daemons, one per
-host, with the same model, data and seed, ``--steps`` steps to the end. Each host advertises
+host, with the same model, data and seed, ``--steps`` steps to the end (80: a fast plan's
+first steps measure the nodes' stretch, control/stretch.py, and an epoch or two after that
+the planner's estimate has it; 40 steps of a 0.1 s plan ended first). Each host advertises
 the device this machine measured for one torch thread, scaled by the host's CPU quota, so the
 planner sees the compute the cgroups really give. Measured per run: step time (median after
 a warm-up) and tokens/s, the loss after the fixed steps, bytes on each emulated link per step
 (the emulator's counters: everything the hosts sent, control traffic included), the plan
-trained longest with its estimated step time, how many plans ran, and the links the nodes
+trained longest with its estimated step time (the latest, and as first proposed), how many
+plans ran, and the links the nodes
 measured (``fusionllm status --watch``, read at the halfway step) beside the configured caps.
 ``--quick``: topology ``mini`` (3 hosts), naive and OP-Fence + AdaTopK, 30 steps (the
 `testbed` test runs it).
@@ -215,47 +218,47 @@ def _stage_seconds(nodes, warmup: int) -> dict:
     return out
 
 
+def _layout(event: dict) -> str:
+    """Who holds which layers, from an epoch or train_plan event."""
+    return json.dumps([event["stages"], event.get("ranges")])
+
+
 def _plans(nodes, hosts: dict[str, str]) -> dict:
     """The plans trained (by steps run under each), the longest one's estimate, hosts and
     step time (``plan_step_s``: the estimate's measured counterpart; ``step_s`` mixes every
     plan the run trained, switches included).
 
     A plan here is a layout: who holds which layers. The swarm re-proposes the plan it
-    trains under a new digest when only its figures move (a node published its measured
-    stretch: control/stretch.py); ``plans_trained`` counts digests, ``layouts_trained``
-    layouts. ``estimate_s`` is the planner's latest estimate of the longest-trained layout,
-    retimed on its view of the swarm then; ``adopted_estimate_s`` the one it was first
-    proposed with, before any of its steps ran."""
+    trains under a new digest when only its figures move (the members published their
+    measured stretch: control/stretch.py); ``plans_trained`` counts digests,
+    ``layouts_trained`` layouts. ``estimate_s`` is the planner's latest estimate of the
+    longest-trained layout, retimed on its view of the swarm then; ``adopted_estimate_s``
+    the one it was first proposed with."""
     latest, adopted, stages, first = {}, {}, {}, []
     for node in nodes:
         for e in (e for e in node.snapshot() if e["event"] == "epoch"):
             first.append((e["epoch"], e["estimate"]))
-            now = (e["epoch"], e.get("retimed") or e["estimate"])
-            latest[e["digest"]] = max(latest.get(e["digest"], now), now)
-            adopted[e["digest"]] = min(adopted.get(e["digest"], (e["epoch"], e["estimate"])),
-                                       (e["epoch"], e["estimate"]))  # fmt: skip
-            stages[e["digest"]] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
-    starts = sorted({(e["start_step"], e["digest"], json.dumps([e["stages"], e["ranges"]]))
-                     for n in nodes for e in n.snapshot()
-                     if e["event"] == "train_plan"})  # fmt: skip
+            layout, now = _layout(e), (e["epoch"], e.get("retimed") or e["estimate"])
+            latest[layout] = max(latest.get(layout, now), now)
+            adopted[layout] = min(adopted.get(layout, now), (e["epoch"], e["estimate"]))
+            stages[layout] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
+    starts = sorted({(e["start_step"], e["digest"], _layout(e)) for n in nodes
+                     for e in n.snapshot() if e["event"] == "train_plan"})  # fmt: skip
     merged = _merged_steps(nodes)
     runs: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
-    digests: dict[str, set[str]] = {}
-    for (start, digest, layout), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
+    for (start, _, layout), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
         end = nxt[0] if nxt[0] is not None else max(start, len(merged))
         runs[layout] = runs.get(layout, 0) + max(0, end - start)
         spans.setdefault(layout, []).append((start, end))
-        digests.setdefault(layout, set()).add(digest)
     longest = max(runs, key=runs.get, default=None)
-    its = sorted(digests.get(longest, ()), key=lambda d: latest.get(d, (-1, 0.0)))
     times = {step: s["t"] for step, s in merged.items()}
     return {
-        "plans_trained": len({d for ds in digests.values() for d in ds}),
+        "plans_trained": len({digest for _, digest, _ in starts}),
         "layouts_trained": len(runs),
-        "plan": stages.get(its[-1]) if its else None,
-        "estimate_s": latest[its[-1]][1] if its and its[-1] in latest else None,
-        "adopted_estimate_s": min((adopted[d] for d in its if d in adopted), default=(0, None))[1],
+        "plan": stages.get(longest),
+        "estimate_s": latest[longest][1] if longest in latest else None,
+        "adopted_estimate_s": adopted[longest][1] if longest in adopted else None,
         "plan_steps": runs.get(longest, 0),
         "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted
@@ -332,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", action="append", help="A, B, C, mini or a file (B and C)")
     parser.add_argument("--method", action="append", choices=sorted([*METHODS, KILLED]),
                         help="(all four, then opfence-kill)")  # fmt: skip
-    parser.add_argument("--steps", type=int, help="steps per run (40; --quick: 30)")
+    parser.add_argument("--steps", type=int, help="steps per run (80; --quick: 30)")
     parser.add_argument("--quick", action="store_true", help="mini, naive and opfence, 30 steps")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     topologies = args.topology or (QUICK["topologies"] if args.quick else ["B", "C"])
     methods = args.method or (QUICK["methods"] if args.quick else [*METHODS, KILLED])
-    steps = args.steps or (QUICK["steps"] if args.quick else 40)
+    steps = args.steps or (QUICK["steps"] if args.quick else 80)
     if steps < 10:
         parser.error("--steps must be at least 10 (a warm-up, then medians)")
     started = time.time()

@@ -30,9 +30,7 @@ from fusionllm.dht.records import (
 )
 from fusionllm.node.control.agreement import (
     Candidate,
-    CheckedPlans,
     EpochView,
-    NotAMemberError,
     backup_pool,
     check_proposal,
     choose,
@@ -47,6 +45,7 @@ from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.directory_view import Directory
+from fusionllm.node.control.judging import judge
 from fusionllm.node.control.link_wait import LinkWait
 from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.quiet import QuietNode
@@ -389,7 +388,8 @@ class PlanAgreement:
     ) -> tuple[list[Candidate], list[str]]:
         """adopt's judgement of ``proposals`` on ``members``: (believed, refusal reasons)."""
         view = self._view(epoch, members, self._swarm(members))
-        believed, _, refused = self._judge(view, proposals, followed=self._followed(epoch, members))
+        followed = self._followed(epoch, members)
+        believed, _, refused = judge(view, proposals, followed=followed, limits=self.limits)
         return believed, refused
 
     def _followed(self, epoch: int, members: Mapping[str, NodeInfo]) -> set[str]:
@@ -398,44 +398,6 @@ class PlanAgreement:
         followed = {self.adopted.digest} if self.adopted is not None else set()
         most = most_followed(list(members.values()), since_epoch=epoch - 2)
         return followed | ({most} if most else set())
-
-    def _judge(
-        self,
-        view: EpochView,
-        proposals: list[PlanProposal],
-        *,
-        followed: set[str],
-    ) -> tuple[list[Candidate], dict[str, Candidate], list[str]]:
-        """(the proposals we believe, every digest we could follow if the majority did, why
-        each refused one was: "not_members", "overclaimed" or "" for any other fault).
-
-        A plan the swarm already follows (``followed``) is held to the figures no bandwidth
-        view changes; any other plan to every figure (see audit.py)."""
-        believed: list[Candidate] = []
-        acceptable: dict[str, Candidate] = {}
-        refused: list[str] = []
-        checked: CheckedPlans = {}
-        for proposal in proposals:
-            try:
-                candidate = check_proposal(proposal, view, checked=checked)
-            except RecordError as exc:
-                refused.append("not_members" if isinstance(exc, NotAMemberError) else "")
-                logger.info("epoch %d: refused a proposal: %s", view.epoch, exc)
-                continue
-            consistent = candidate.consistent(self.limits)
-            if consistent:
-                acceptable.setdefault(candidate.digest, candidate)
-            if candidate.digest in followed:
-                ok = consistent
-            else:
-                ok = consistent and candidate.believable(self.limits)
-            if not ok:
-                refused.append("overclaimed")
-                logger.info("epoch %d: refused a proposal from %s...: %s",
-                            view.epoch, proposal.proposer[:16], candidate.audit)  # fmt: skip
-                continue
-            believed.append(candidate)
-        return believed, acceptable, refused
 
     def _count_refused(self, refused: list[str]) -> None:
         self.counters["invalid_proposals"] += len(refused)
@@ -454,7 +416,7 @@ class PlanAgreement:
         # missed it), or a member in it may have gone since.
         view = self._view(last, members, swarm)
         proposals = self.directory.proposals(last)
-        _, acceptable, _ = self._judge(view, proposals, followed=set())
+        _, acceptable, _ = judge(view, proposals, followed=set(), limits=self.limits)
         target = converge(adopted.digest, votes, acceptable.keys())
         if target is None:
             logger.info("epoch %d: most members follow plan %s, which we cannot accept",
@@ -488,6 +450,7 @@ class PlanAgreement:
             estimate=best.estimate,  # as proposed; retimed: in our view of the swarm now
             retimed=best.retimed_estimate,
             stages=[list(s.peers) for s in best.plan.stages],
+            ranges=[[s.start, s.stop] for s in best.plan.stages],  # with stages: its layout
             backup=backup,
             members=sorted(members),
             excluded=sorted(self.excluded),

@@ -3,7 +3,7 @@ estimate is scored against (a run's ``step_s`` mixes every plan it trained)."""
 
 import pytest
 
-from benchmarks.testbed import plan_step_s
+from benchmarks.testbed import _plans, plan_step_s
 
 
 def _times(gaps: list[float]) -> dict[int, float]:
@@ -56,3 +56,39 @@ def test_host_cpu_is_read_between_the_warm_ups_end_and_the_last_step() -> None:
     assert _host_cpu(cpu, counters, 5, 30)["b"] == {
         "cores": None, "cpu_per_step_s": None, "throttled": 0.0
     }  # fmt: skip
+
+
+class _Node:
+    def __init__(self, events: list[dict]) -> None:
+        self.events = events
+
+    def snapshot(self) -> list[dict]:
+        return self.events
+
+
+def _epoch(epoch: int, digest: str, estimate: float, retimed: float, stages, ranges) -> dict:
+    return {"event": "epoch", "epoch": epoch, "digest": digest, "estimate": estimate,
+            "retimed": retimed, "stages": stages, "ranges": ranges}  # fmt: skip
+
+
+def test_a_plan_re_proposed_under_new_figures_is_one_layout_with_its_latest_estimate() -> None:
+    """The swarm re-proposes the plan it trains under a new digest once the members published
+    their stretches: the same layout, estimated afresh. Its steps and its latest estimate go
+    together; another layout (the same hosts the other way round) is another plan."""
+    ab, ba, cuts = [["a"], ["b"]], [["b"], ["a"]], [[0, 5], [5, 9]]
+    events = [
+        _epoch(1, "d1", 0.06, 0.06, ab, cuts),
+        {"event": "train_plan", "digest": "d1", "start_step": 0, "stages": ab, "ranges": cuts},
+        _epoch(2, "d1", 0.06, 0.09, ab, cuts),  # retimed once the stretches were in
+        _epoch(3, "d2", 0.10, 0.10, ab, cuts),  # re-proposed: same layout, new figures
+        {"event": "train_plan", "digest": "d2", "start_step": 20, "stages": ab, "ranges": cuts},
+        _epoch(4, "d3", 0.11, 0.11, ba, cuts),
+        {"event": "train_plan", "digest": "d3", "start_step": 30, "stages": ba, "ranges": cuts},
+    ]
+    steps = [{"event": "step", "step": s, "t": 0.1 * s, "loss": 1.0} for s in range(40)]
+    got = _plans([_Node(events + steps)], {"a": "A", "b": "B"})
+    assert (got["plans_trained"], got["layouts_trained"]) == (3, 2)
+    assert got["plan"] == [["A"], ["B"]]
+    assert got["plan_steps"] == 30
+    assert (got["estimate_s"], got["adopted_estimate_s"]) == (0.10, 0.06)
+    assert got["plan_step_s"] == pytest.approx(0.1)
