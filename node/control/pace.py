@@ -70,34 +70,46 @@ def predicted_compute_s(
     return None
 
 
+class RatioWindow:
+    """The last ``window`` measured/predicted ratios of a node's steps; their median once the
+    window is full (a few steps are no measurement: warm-up, a plan switch). A ratio that is
+    not finite and positive is no measurement either."""
+
+    def __init__(self, window: int) -> None:
+        if not 3 <= window <= 1024:
+            raise ConfigError(f"window must be in [3, 1024], got {window}")
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    def add(self, measured_s: float, predicted_s: float) -> float | None:
+        if measured_s > 0 and predicted_s > 0 and math.isfinite(measured_s / predicted_s):
+            self.ratios.append(measured_s / predicted_s)
+        return statistics.median(self.ratios) if len(self.ratios) == self.ratios.maxlen else None
+
+    def clear(self) -> None:
+        self.ratios.clear()
+
+
 class PaceMeter:
     """The median of a node's last ``window`` measured/predicted ratios, as a published pace."""
 
     def __init__(self, *, window: int = 16, threshold: float = THRESHOLD) -> None:
-        if not 3 <= window <= 1024:
-            raise ConfigError(f"window must be in [3, 1024], got {window}")
         if not 1.0 < threshold <= 1e3:
             raise ConfigError(f"threshold must be in (1, 1000], got {threshold}")
         self.threshold = threshold
-        self._ratios: deque[float] = deque(maxlen=window)
+        self.window = RatioWindow(window)
         self.published = 1.0
 
     def add(self, measured_s: float, predicted_s: float) -> float:
         """Note one step; the pace to publish now (1.0: as advertised)."""
-        if measured_s > 0 and predicted_s > 0 and math.isfinite(measured_s / predicted_s):
-            self._ratios.append(measured_s / predicted_s)
-        if len(self._ratios) < self._ratios.maxlen:
-            return self.published  # a few steps are no measurement (warm-up, a plan switch)
-        median = statistics.median(self._ratios)
-        held = self.published
-        if held > 1.0 and held * _LEAVE_BELOW <= median <= held * _LEAVE_ABOVE:
+        median, held = self.window.add(measured_s, predicted_s), self.published
+        if median is None or (held > 1.0 and held * _LEAVE_BELOW <= median <= held * _LEAVE_ABOVE):
             return held
         self.published = 2.0 ** math.floor(math.log2(median)) if median > self.threshold else 1.0
         return self.published
 
     def reset(self) -> None:
         """A new plan: its stage is another amount of work, measured afresh."""
-        self._ratios.clear()
+        self.window.clear()
 
 
 Timing = tuple[float, float, float]  # (compute s, activation wait s, gradient wait s)

@@ -36,15 +36,13 @@ numbers, no clock (tests/unit/test_stretch.py).
 import dataclasses
 import math
 import statistics
-from collections import deque
 from collections.abc import Mapping
 
-from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import stage_frames
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
-from fusionllm.node.control.pace import predicted_compute_s, with_witnessed_paces
+from fusionllm.node.control.pace import RatioWindow, predicted_compute_s, with_witnessed_paces
 
 STEP = 2.0**0.25  # published values: quarter powers of two (a 19% step)
 # A published stretch holds while the median stays within this factor of it: a node moved to
@@ -73,27 +71,20 @@ class StretchMeter:
     published stretch (0.0 until a window is full: not measured)."""
 
     def __init__(self, *, window: int = 12) -> None:
-        if not 3 <= window <= 1024:
-            raise ConfigError(f"window must be in [3, 1024], got {window}")
-        self._ratios: deque[float] = deque(maxlen=window)
+        self.window = RatioWindow(window)
         self.published = 0.0
 
     def add(self, own_s: float, predicted_s: float) -> float:
         """Note one step; the stretch to publish now."""
-        if own_s > 0 and predicted_s > 0 and math.isfinite(own_s / predicted_s):
-            self._ratios.append(own_s / predicted_s)
-        if len(self._ratios) < self._ratios.maxlen:
-            return self.published  # a few steps are no measurement (warm-up, a plan switch)
-        median = max(1.0, statistics.median(self._ratios))
-        held = self.published
-        if held and held / _HOLD <= median <= held * _HOLD:
+        median, held = self.window.add(own_s, predicted_s), self.published
+        if median is None or (held and held / _HOLD <= max(1.0, median) <= held * _HOLD):
             return held
-        self.published = min(MAX_STRETCH, STEP ** round(math.log(median, STEP)))
+        self.published = min(MAX_STRETCH, STEP ** round(math.log(max(1.0, median), STEP)))
         return self.published
 
     def reset(self) -> None:
         """A new plan: another stage, measured afresh (the published stretch stands)."""
-        self._ratios.clear()
+        self.window.clear()
 
 
 def swarm_stretch(members: Mapping[str, NodeInfo]) -> float:

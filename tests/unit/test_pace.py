@@ -51,7 +51,7 @@ def test_bad_measurements_are_ignored():
     meter = _meter_after([8.0] * 4)
     for measured, predicted in ((0.0, 1.0), (1.0, 0.0), (float("inf"), 1.0), (-1.0, 1.0)):
         meter.add(measured, predicted)
-    assert list(meter._ratios) == [8.0] * 4
+    assert list(meter.window.ratios) == [8.0] * 4
 
 
 @pytest.mark.parametrize(("window", "threshold"), [(2, 2.0), (16, 1.0), (16, float("nan"))])

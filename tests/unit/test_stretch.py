@@ -54,7 +54,7 @@ def test_bad_measurements_are_ignored_and_a_bad_window_refused():
     meter = _meter_after([2.0] * 4)
     for own, predicted in ((0.0, 1.0), (1.0, 0.0), (float("inf"), 1.0), (-1.0, 1.0)):
         meter.add(own, predicted)
-    assert list(meter._ratios) == [2.0] * 4
+    assert list(meter.window.ratios) == [2.0] * 4
     with pytest.raises(ConfigError):
         StretchMeter(window=2)
 
