@@ -19,14 +19,12 @@ from fusionllm.node.control.stretch import (
 )
 from fusionllm.node.pipeline.steps import StepReport
 from tests.unit.test_epochs import GRAPH, SETTINGS, FakeClock, epoch_round, record, swarm_of
+from tests.unit.test_pace import _meter_after as pace_meter_after
 from tests.unit.test_records import node
 
 
 def _meter_after(ratios, meter=None) -> StretchMeter:
-    meter = meter or StretchMeter(window=4)
-    for r in ratios:
-        meter.add(r, 1.0)
-    return meter
+    return pace_meter_after(ratios, meter or StretchMeter(window=4))
 
 
 def test_nothing_is_published_before_a_window_of_steps():
