@@ -13,9 +13,13 @@ activations and gradients, for the others' summaries, for its own sends and the 
 (network time the simulator models apart; ``StepReport.own_s``). ``StretchMeter`` keeps the
 median of that over what the planner's model predicts for the same work (its stage's compute
 and dense frames at its advertised device and pace), and the node's record carries it
-(``NodeInfo.stretch``), in quarter powers of two, moved only when the median leaves a band
-around it. ``bandwidth.peer_of`` multiplies a member's device times by the stretch it is
-planned at, the same on every node.
+(``NodeInfo.stretch``), in half powers of two, moved only when the median leaves a band of
+1.68x around it: a new figure re-plans every node of the swarm, and planning costs a 0.4-core
+home of topology C a second of its CPU, which stalled the steps of the next epoch and moved
+the stretch again (with quarter powers and a 1.41x band, C's OP-Fence run re-planned on a
+new stretch four epochs running, its estimate 0.13 -> 0.30 s for steps of ~0.19).
+``bandwidth.peer_of`` multiplies a member's device times by the stretch it is planned at, the
+same on every node.
 
 Every planner plans every member at the median (high) of the stretches the members measured
 (``as_planned``), not each at its own. What a node measures is partly its host (its share,
@@ -44,11 +48,11 @@ from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
 from fusionllm.node.control.pace import RatioWindow, predicted_compute_s, with_witnessed_paces
 
-STEP = 2.0**0.25  # published values: quarter powers of two (a 19% step)
+STEP = 2.0**0.5  # published values: half powers of two (a 41% step)
 # A published stretch holds while the median stays within this factor of it: a node moved to
 # a stage of another size measures another ratio (its fixed costs weigh differently), which
 # must not move its record, and the swarm's plan with it, back and forth.
-_HOLD = 2.0**0.5
+_HOLD = 2.0**0.75
 
 
 def predicted_own_s(
@@ -70,7 +74,7 @@ class StretchMeter:
     """The median of a node's last ``window`` measured/modelled ratios of its own work, as a
     published stretch (0.0 until a window is full: not measured)."""
 
-    def __init__(self, *, window: int = 12) -> None:
+    def __init__(self, *, window: int = 16) -> None:
         self.window = RatioWindow(window)
         self.published = 0.0
 

@@ -34,18 +34,19 @@ def test_nothing_is_published_before_a_window_of_steps():
 
 @pytest.mark.parametrize(
     ("ratios", "stretch"),
-    [([2.3] * 4, 2**1.25), ([1.05] * 4, 1.0), ([0.4] * 4, 1.0), ([1.4, 9.0, 1.35, 1.45], 2**0.5),
-     ([1e6] * 4, 64.0)],
+    [([2.3] * 4, 2.0), ([2.5] * 4, 2**1.5), ([1.05] * 4, 1.0), ([0.4] * 4, 1.0),
+     ([1.4, 9.0, 1.35, 1.45], 2**0.5), ([1e6] * 4, 64.0)],
 )  # fmt: skip
-def test_the_stretch_is_the_medians_nearest_quarter_power_of_two_at_least_one(ratios, stretch):
+def test_the_stretch_is_the_medians_nearest_half_power_of_two_at_least_one(ratios, stretch):
     assert _meter_after(ratios).published == pytest.approx(stretch)
 
 
 def test_a_published_stretch_holds_through_a_small_change_and_leaves_on_a_large_one():
     meter = _meter_after([2.4] * 4)
-    assert meter.published == pytest.approx(2**1.25)
-    assert _meter_after([1.8] * 4, meter).published == pytest.approx(2**1.25)  # 0.76x: held
-    assert _meter_after([3.6] * 4, meter).published == pytest.approx(2**1.75)  # 1.51x: moved
+    assert meter.published == pytest.approx(2**1.5)
+    assert _meter_after([1.8] * 4, meter).published == pytest.approx(2**1.5)  # 0.64x: held
+    assert _meter_after([4.5] * 4, meter).published == pytest.approx(2**1.5)  # 1.59x: held
+    assert _meter_after([5.0] * 4, meter).published == pytest.approx(2**2.5)  # 1.77x: moved
 
 
 def test_bad_measurements_are_ignored_and_a_bad_window_refused():
@@ -91,7 +92,7 @@ def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
     model = predicted_own_s(GRAPH, adopted.plan, peer, device, config, 1.0)
     compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
     pacing, changed = StepPacing(), []
-    for _ in range(12):
+    for _ in range(16):
         changed.append(
             pacing.measured(
                 adopted,
@@ -104,8 +105,8 @@ def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
                 config=config,
             )
         )
-    assert changed == [False] * 11 + [True]  # the record goes out once, when it is measured
-    assert pacing.stretch.published == pytest.approx(2**1.25)
+    assert changed == [False] * 15 + [True]  # the record goes out once, when it is measured
+    assert pacing.stretch.published == pytest.approx(2**1.5)
     assert pacing.meter.published == 1.0  # its compute ran as its device predicts
 
 
