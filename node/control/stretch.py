@@ -42,6 +42,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
+from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import stage_frames
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.planner import Plan, PlanConfig
@@ -72,14 +73,22 @@ def predicted_own_s(
 
 class StretchMeter:
     """The median of a node's last ``window`` measured/modelled ratios of its own work, as a
-    published stretch (0.0 until a window is full: not measured)."""
+    published stretch (0.0 until a window is full: not measured). The first ``skip`` steps
+    of each plan are left out: a fresh swarm's first steps run beside its first probes and
+    plans (on C a 0.4-core home's own work took 3-5x its later steps in steps 4-10)."""
 
-    def __init__(self, *, window: int = 16) -> None:
-        self.window = RatioWindow(window)
+    def __init__(self, *, window: int = 16, skip: int = 8) -> None:
+        if not 0 <= skip <= 1024:
+            raise ConfigError(f"skip must be in [0, 1024], got {skip}")
+        self.window, self.skip = RatioWindow(window), skip
+        self._skipped = 0
         self.published = 0.0
 
     def add(self, own_s: float, predicted_s: float) -> float:
         """Note one step; the stretch to publish now."""
+        if self._skipped < self.skip:
+            self._skipped += 1
+            return self.published
         median, held = self.window.add(own_s, predicted_s), self.published
         if median is None or (held and held / _HOLD <= max(1.0, median) <= held * _HOLD):
             return held
@@ -89,6 +98,7 @@ class StretchMeter:
     def reset(self) -> None:
         """A new plan: another stage, measured afresh (the published stretch stands)."""
         self.window.clear()
+        self._skipped = 0
 
 
 def swarm_stretch(members: Mapping[str, NodeInfo]) -> float:

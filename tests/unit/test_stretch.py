@@ -24,7 +24,7 @@ from tests.unit.test_records import node
 
 
 def _meter_after(ratios, meter=None) -> StretchMeter:
-    return pace_meter_after(ratios, meter or StretchMeter(window=4))
+    return pace_meter_after(ratios, meter or StretchMeter(window=4, skip=0))
 
 
 def test_nothing_is_published_before_a_window_of_steps():
@@ -56,6 +56,17 @@ def test_bad_measurements_are_ignored_and_a_bad_window_refused():
     assert list(meter.window.ratios) == [2.0] * 4
     with pytest.raises(ConfigError):
         StretchMeter(window=2)
+    with pytest.raises(ConfigError):
+        StretchMeter(skip=-1)
+
+
+def test_a_plans_first_steps_are_left_out():
+    meter = StretchMeter(window=4, skip=2)
+    _meter_after([100.0, 100.0] + [2.0] * 4, meter)
+    assert meter.published == pytest.approx(2.0)
+    meter.reset()
+    _meter_after([100.0, 100.0] + [2.0] * 3, meter)  # a new plan: its first two again
+    assert list(meter.window.ratios) == [2.0] * 3
 
 
 def test_own_time_is_the_step_less_its_waits_on_the_network():
@@ -92,7 +103,7 @@ def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
     model = predicted_own_s(GRAPH, adopted.plan, peer, device, config, 1.0)
     compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
     pacing, changed = StepPacing(), []
-    for _ in range(16):
+    for _ in range(24):
         changed.append(
             pacing.measured(
                 adopted,
@@ -105,7 +116,7 @@ def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
                 config=config,
             )
         )
-    assert changed == [False] * 15 + [True]  # the record goes out once, when it is measured
+    assert changed == [False] * 23 + [True]  # once, when measured past the warm-up
     assert pacing.stretch.published == pytest.approx(2**1.5)
     assert pacing.meter.published == 1.0  # its compute ran as its device predicts
 
