@@ -99,10 +99,10 @@ class NodeProcess:
     def alive(self) -> bool:
         return self._child.alive()
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
+    def kill(self, sig: int = signal.SIGKILL, *, timeout: float = 20.0) -> None:
         """Stop the node with ``sig`` and reap it with its DHT worker (a SIGKILLed node cannot
-        take the worker down itself)."""
-        self._child.kill(sig, timeout=20)
+        take the worker down itself); SIGKILL if it has not exited ``timeout`` s after."""
+        self._child.kill(sig, timeout=timeout)
 
 
 class LocalSwarm:

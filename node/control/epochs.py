@@ -455,6 +455,7 @@ class PlanAgreement:
             members=sorted(members),
             excluded=sorted(self.excluded),
             paced={p: i.pace for p, i in members.items() if i.pace != 1.0},
+            stretch=max((i.stretch for i in members.values()), default=1.0),  # the swarm's
             state=str(self.state),
             stride=self.quiet.cadence.stride,
             **fields,
