@@ -51,7 +51,7 @@ class StepPacing:
         if predicted is None:
             return False
         pace, stretch = self.meter.published, self.stretch.published
-        own = predicted_own_s(costs, adopted.plan, peer_id, device, config, pace)
+        own = predicted_own_s(adopted.plan, peer_id, device, config, compute_s=predicted, pace=pace)
         if own is not None and self.stretch.add(own_s, own) != stretch:
             logger.info("our own work in a step runs %.3g x the planner's model of it",
                         self.stretch.published)  # fmt: skip

@@ -44,10 +44,9 @@ from collections.abc import Mapping
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import stage_frames
-from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
-from fusionllm.node.control.pace import RatioWindow, predicted_compute_s, with_witnessed_paces
+from fusionllm.node.control.pace import RatioWindow, with_witnessed_paces
 
 STEP = 2.0**0.5  # published values: half powers of two (a 41% step)
 # A published stretch holds while the median stays within this factor of it: a node moved to
@@ -57,18 +56,20 @@ _HOLD = 2.0**0.75
 
 
 def predicted_own_s(
-    costs: GraphCosts, plan: Plan, peer: str, device: DeviceInfo, config: PlanConfig, pace: float
-) -> float | None:
+    plan: Plan, peer: str, device: DeviceInfo, config: PlanConfig, *, compute_s: float,
+    pace: float,
+) -> float | None:  # fmt: skip
     """What the planner's model gives ``peer``'s own work in one step of ``plan``: its
-    stage's compute and dense frames, every micro-batch's share, at its device and ``pace``
-    (without its stretch, which is what is measured against it); None if it is not seated."""
-    compute = predicted_compute_s(costs, plan, peer, device, config)
-    if compute is None:
+    stage's compute (``compute_s``, pace.predicted_compute_s) and dense frames, every
+    micro-batch's share, at its device and ``pace`` (without its stretch, which is what is
+    measured against it); None if it is not seated."""
+    seat = next(((k, s) for k, s in enumerate(plan.stages) if peer in s.peers), None)
+    if seat is None:
         return None
-    k, stage = next((k, s) for k, s in enumerate(plan.stages) if peer in s.peers)
+    k, stage = seat
     share = stage.shares[stage.peers.index(peer)]
     frames = stage_frames(k, len(plan.stages)) * 2 * device.frame_overhead  # forward and back
-    return (compute + config.micro_batches * share * frames) * pace
+    return (compute_s + config.micro_batches * share * frames) * pace
 
 
 class StretchMeter:

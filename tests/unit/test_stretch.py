@@ -88,20 +88,21 @@ def test_the_model_of_own_work_is_the_stages_compute_and_frames_at_the_pace():
     peer = sorted(serving_peers(plan))[0]
     framed = dataclasses.replace(device, frame_overhead=1e-3)
     compute = predicted_compute_s(GRAPH, plan, peer, framed, config)
-    own = predicted_own_s(GRAPH, plan, peer, framed, config, 1.0)
+    own = predicted_own_s(plan, peer, framed, config, compute_s=compute, pace=1.0)
     k = next(k for k, s in enumerate(plan.stages) if peer in s.peers)
     frames = (k > 0) + (k < len(plan.stages) - 1)
     share = plan.stages[k].shares[plan.stages[k].peers.index(peer)]
     assert own == pytest.approx(compute + config.micro_batches * share * frames * 2 * 1e-3)
-    assert predicted_own_s(GRAPH, plan, peer, framed, config, 2.0) == pytest.approx(2 * own)
-    assert predicted_own_s(GRAPH, plan, "stranger", framed, config, 1.0) is None
+    again = predicted_own_s(plan, peer, framed, config, compute_s=compute, pace=2.0)
+    assert again == pytest.approx(2 * own)
+    assert predicted_own_s(plan, "stranger", framed, config, compute_s=compute, pace=1.0) is None
 
 
 def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
     adopted, device = _adopted()
     config, peer = SETTINGS.plan_config(), sorted(serving_peers(adopted.plan))[0]
-    model = predicted_own_s(GRAPH, adopted.plan, peer, device, config, 1.0)
     compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
+    model = predicted_own_s(adopted.plan, peer, device, config, compute_s=compute, pace=1.0)
     pacing, changed = StepPacing(), []
     for _ in range(24):
         changed.append(
