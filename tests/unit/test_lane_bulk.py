@@ -44,17 +44,20 @@ def reading(acked: int, rate: float, *, at: float = 100.0, **fields) -> tuple[Tc
     return replace(BUSY, bytes_acked=acked, delivery_rate=rate, **fields), at
 
 
-def test_the_figure_is_the_median_of_busy_samples_each_after_min_bytes_more_acked():
+def test_the_figure_is_the_best_but_one_busy_sample_each_after_min_bytes_more_acked():
     start = replace(BUSY, bytes_acked=1000)
     readings = [
         reading(1000 + 100, 5e6),  # under min_bytes since the start: not a new sample
-        reading(1000 + 300, 100e6, at=1.0),
+        reading(1000 + 300, 40e6, at=1.0),  # slow start on a new lane
         reading(1000 + 350, 1e6),  # the kernel's rate not renewed enough: skipped
         reading(1000 + 600, 118e6, min_rtt_s=4e-4, at=2.0),
         reading(1000 + 900, 121e6, app_limited=True),  # the queue ran dry: says nothing
-        reading(1000 + 1200, 122e6, at=3.0),
+        reading(1000 + 1200, 60e6, at=3.0),  # a loss's recovery
+        reading(1000 + 1500, 135e6, at=4.0),  # ACKs bunched: one sample cannot set it
     ]
-    assert bulk_figure(start, readings, min_bytes=256) == WireSample(118e6, 4e-4, 3.0)
+    # The median of the four counted samples (40, 118, 60, 135) would read 89 MB/s.
+    assert bulk_figure(start, readings, min_bytes=256) == WireSample(118e6, 4e-4, 4.0)
+    assert bulk_figure(start, readings[:2], min_bytes=256) == WireSample(40e6, 5e-4, 1.0)
 
 
 def test_no_trusted_sample_gives_no_figure():
