@@ -13,13 +13,15 @@ the same; it re-proposes that plan instead, and plans afresh only
   follows), up to ``max_gap`` epochs (measurements drift slowly; a plan they make better is
   found at most ``max_gap`` epochs late).
 
+Whatever the reason, only the epoch's few planners plan afresh (planners.py: the members with
+the most CPU); the rest re-propose the plan they follow.
+
 ``ReplanBackoff.due`` and ``ReplanBackoff.planned`` are pure bookkeeping over epoch numbers:
 no clock, no threads, deterministic (tests/unit/test_backoff.py). ``ProbeBackoff`` does the
 same for the probe rounds (links.py).
 """
 
-import hashlib
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
@@ -28,11 +30,11 @@ from fusionllm.common.errors import ConfigError
 @dataclass(frozen=True, kw_only=True)
 class BackoffConfig:
     max_gap: int = 8  # epochs between fresh plans at most, once the swarm is stable
-    # Members that plan afresh in an epoch when only the gap says so (see routine_planners).
-    routine_planners: int = 3
+    # How many members plan afresh in an epoch (planners.py): the few with the most CPU.
+    planners: int = 3
 
     def __post_init__(self) -> None:
-        for name, top in (("max_gap", 1024), ("routine_planners", 1 << 16)):
+        for name, top in (("max_gap", 1024), ("planners", 1 << 16)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be an int, got {value!r}")
@@ -112,14 +114,3 @@ def max_factor_for(probe_interval_s: float, max_age_s: float, *, limit: int = 4)
     """The largest probe backoff that still refreshes a link twice within the BandwidthBook's
     ``max_age_s`` (rounds jitter up to 1.2x), at most ``limit``."""
     return max(1, min(limit, int(max_age_s / (2 * 1.2 * probe_interval_s))))
-
-
-def routine_planners(epoch: int, members: Iterable[str], count: int) -> frozenset[str]:
-    """The ``count`` members that plan afresh in ``epoch`` when only the gap is due: those with
-    the lowest hash of (epoch, peer id), a different few each epoch, the same on every node
-    that sees the same members. The rest re-propose the plan they follow. Planning is the
-    costliest part of an epoch and every node's plan of one snapshot is the same, so a stable
-    swarm of N nodes spent N times the CPU to learn one answer; when all epochs start
-    together, those N plans also stalled training on a shared machine."""
-    ranked = sorted(members, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
-    return frozenset(ranked[:count])

@@ -41,13 +41,14 @@ from fusionllm.node.control.agreement import (
     serving_peers,
 )
 from fusionllm.node.control.audit import AuditLimits
-from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff, routine_planners
+from fusionllm.node.control.backoff import BackoffConfig, ReplanBackoff
 from fusionllm.node.control.bandwidth import BandwidthBook
 from fusionllm.node.control.convergence import Outvoted, converge, most_followed, tally
 from fusionllm.node.control.directory_view import Directory
 from fusionllm.node.control.judging import judge
 from fusionllm.node.control.link_wait import LinkWait
 from fusionllm.node.control.plan_memo import PlanMemo
+from fusionllm.node.control.planners import planners
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.stretch import as_planned
@@ -100,6 +101,8 @@ class PlanAgreement:
         self.outvoted = Outvoted()
         self._plan = PlanMemo(costs, self.plan_config)  # the planner, memoized
         self._last_plan_failure = ""
+        # Our last adopt found no plan we believe: plan ourselves, planner or not (planners.py).
+        self._unanswered = False
         self.counters = {
             "invalid_proposals": 0,
             "proposals_not_members": 0,  # of which: from keys that are not fresh members
@@ -256,9 +259,12 @@ class PlanAgreement:
         self._turn += 1
         why = self._replan_reason(epoch, ids, members, incumbent_ok=incumbent is not None)
         if why is None:
-            # A stable swarm: the plan we follow, again, without planning (backoff.py). In a
-            # quiet one only the epoch's routine planners store it: adopt needs one copy.
-            if self.quiet.cadence.stride == 1 or self._routine_planner(epoch, members):
+            # A stable swarm, or planning left to the epoch's planners: the plan we follow,
+            # again, without planning (backoff.py). In a quiet one only the planners store it:
+            # adopt needs one copy.
+            if incumbent is not None and (
+                self.quiet.cadence.stride == 1 or self._planner(epoch, members)
+            ):
                 self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
             return
         logger.debug("epoch %d: planning afresh: %s", epoch, why)
@@ -312,17 +318,20 @@ class PlanAgreement:
         *,
         incumbent_ok: bool,
     ) -> str | None:
-        """Why to plan afresh in ``epoch`` (backoff.py); None: re-propose the plan we follow.
-        A routine re-check (only the gap is due) falls to this epoch's few routine planners."""
+        """Why to plan afresh in ``epoch`` (backoff.py); None: re-propose the plan we follow,
+        if any. Planning falls to the epoch's few planners (planners.py), unless our last
+        epoch brought us no plan we believe and more than a routine re-check is due."""
         turn = self._turn
         why = self.backoff.due(turn, ids, incumbent_ok=incumbent_ok)
-        if why is None or not self.backoff.only_the_gap(turn, ids, incumbent_ok=incumbent_ok):
+        if why is None or self._planner(epoch, members):
             return why
-        return why if self._routine_planner(epoch, members) else None
+        if self._unanswered and not self.backoff.only_the_gap(turn, ids, incumbent_ok=incumbent_ok):
+            return why
+        logger.debug("epoch %d: %s; planning is left to the epoch's planners", epoch, why)
+        return None
 
-    def _routine_planner(self, epoch: int, members: Mapping[str, NodeInfo]) -> bool:
-        count = self.backoff.config.routine_planners
-        return self.peer_id in routine_planners(epoch, members, count)
+    def _planner(self, epoch: int, members: Mapping[str, NodeInfo]) -> bool:
+        return self.peer_id in planners(epoch, members, self.backoff.config.planners)
 
     def _publish(self, epoch: int, plan_bytes: bytes, estimate: float) -> None:
         proposal = PlanProposal(
@@ -379,6 +388,7 @@ class PlanAgreement:
         # A plan the majority out-voted here stays out a while, unless nothing else is left.
         fresh = [c for c in believed if not self.outvoted.holds(c.digest, epoch)]
         best = choose(fresh) or choose(believed)
+        self._unanswered = best is None
         if best is not None:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
         self.quiet.observe(members, self.adopted.digest if self.adopted is not None else None)

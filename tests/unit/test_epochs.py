@@ -20,9 +20,10 @@ from fusionllm.dht.records import (
     TrainingProgress,
 )
 from fusionllm.node.control.agreement import epoch_at, next_step
-from fusionllm.node.control.backoff import routine_planners
+from fusionllm.node.control.backoff import BackoffConfig
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.epochs import PlanAgreement
+from fusionllm.node.control.planners import planners
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.swarm_settings import SwarmSettings
 
@@ -120,6 +121,7 @@ class Node:
             emit=lambda event, **fields: self.events.append({"event": event, **fields}),
             clock=clock,
             switch_policy=kw.pop("switch_policy", None),
+            backoff=kw.pop("backoff", None),
             link_wait_s=kw.pop("link_wait_s", 0.0),
         )
 
@@ -230,7 +232,7 @@ def test_snapshot_keeps_fresh_members_on_our_settings_and_ourselves():
 
 def test_the_incumbent_stays_within_the_switch_margin_and_goes_beyond_it():
     clock = FakeClock(T0 + 0.1)
-    directory, nodes = swarm_of(2, clock)
+    directory, nodes = swarm_of(2, clock, backoff=BackoffConfig(planners=8))  # peer0 plans
     e = epoch_at(T0, 2.0)
     epoch_round(nodes, e)
     first = nodes[0].agreement.adopted
@@ -574,9 +576,10 @@ def test_a_stable_swarm_re_proposes_its_plan_and_plans_afresh_less_often():
 
 
 def test_a_stable_swarms_routine_re_checks_fall_to_a_few_members_per_epoch():
-    """Every node's plan of one snapshot is the same: once the swarm is stable, the routine
-    re-check (only the gap is due) is made by 3 members per epoch, not by every member, and
-    everyone still follows the same plan each epoch."""
+    """Every node's plan of one snapshot is the same: the first plan and, once the swarm is
+    stable, the routine re-check (only the gap is due) are made by 3 members per epoch
+    (planners.py; equal CPUs take turns), not by every member, and everyone still follows
+    the same plan each epoch."""
     clock = FakeClock(T0 + 0.1)
     _, nodes = swarm_of(8, clock)
     calls = {node.peer: count_plans(node) for node in nodes}
@@ -588,7 +591,7 @@ def test_a_stable_swarms_routine_re_checks_fall_to_a_few_members_per_epoch():
         epoch_round(nodes, e + k)
         per_epoch.append(sum(len(c) for c in calls.values()) - before)
         assert len({n.agreement.adopted.digest for n in nodes}) == 1
-    assert per_epoch[0] == 8  # the first plan: everyone
+    assert per_epoch[0] == 3  # the first plan: the epoch's planners
     assert max(per_epoch[1:]) <= 3
     assert sum(per_epoch[1:]) >= 8  # routine checks still happen, by turns
     assert all(calls[n.peer] for n in nodes)
@@ -688,7 +691,7 @@ def test_a_suspected_quiet_member_is_out_until_it_writes_again():
     assert gone.peer in watcher.snapshot()
 
 
-def test_in_a_quiet_swarm_only_the_routine_planners_store_the_plan_again():
+def test_in_a_quiet_swarm_only_the_planners_store_the_plan_again():
     clock = FakeClock(T0 + 0.1)
     directory, nodes = swarm_of(5, clock)
     e = epoch_at(T0, 2.0)
@@ -700,7 +703,7 @@ def test_in_a_quiet_swarm_only_the_routine_planners_store_the_plan_again():
     quiet_epoch = e + 8
     epoch_round(nodes, quiet_epoch)
     stored = directory.plans[quiet_epoch]
-    assert set(stored) == set(routine_planners(quiet_epoch, list(directory.records), 3))
+    assert set(stored) == set(planners(quiet_epoch, directory.records, 3))
     assert {n.agreement.adopted.digest for n in nodes} == {plan}
     assert {n.agreement.adopted_epoch for n in nodes} == {quiet_epoch}
     # What they store lives until they store it again (the stride, doubled at most), so a
