@@ -259,13 +259,7 @@ class PlanAgreement:
         self._turn += 1
         why = self._replan_reason(epoch, ids, members, incumbent_ok=incumbent is not None)
         if why is None:
-            # A stable swarm, or planning left to the epoch's planners: the plan we follow,
-            # again, without planning (backoff.py). In a quiet one only the planners store it:
-            # adopt needs one copy.
-            if incumbent is not None and (
-                self.quiet.cadence.stride == 1 or self._planner(epoch, members)
-            ):
-                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+            self._repropose(epoch, incumbent, members)
             return
         logger.debug("epoch %d: planning afresh: %s", epoch, why)
         try:
@@ -329,6 +323,17 @@ class PlanAgreement:
             return why
         logger.debug("epoch %d: %s; planning is left to the epoch's planners", epoch, why)
         return None
+
+    def _repropose(
+        self, epoch: int, incumbent: Candidate | None, members: Mapping[str, NodeInfo]
+    ) -> None:
+        """A stable swarm, or planning left to the epoch's planners: the plan we follow,
+        again, without planning (backoff.py). In a quiet swarm only the planners store it:
+        adopt needs one copy."""
+        if incumbent is not None and (
+            self.quiet.cadence.stride == 1 or self._planner(epoch, members)
+        ):
+            self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
 
     def _planner(self, epoch: int, members: Mapping[str, NodeInfo]) -> bool:
         return self.peer_id in planners(epoch, members, self.backoff.config.planners)
