@@ -169,6 +169,13 @@ def _make_unit(model: _Model, members: np.ndarray, fence: int) -> _Unit:
 # ----------------------------------------------------------------------------- the cut DP
 
 
+# A chain's stage costs for every (a, b) pair at once, where the model has few enough nodes:
+# the bisection then looks them up. Each ``stage_full`` call costs ~0.1 ms of numpy calls on
+# small arrays, and a tiny model's plan made ~2000 of them (0.25 of its 0.5 s of CPU, which a
+# 0.2-core home pays at five times the wall time: docs/testbed.md, session 13).
+_TABLE_MAX_PAIRS = 1 << 16
+
+
 class _Chain:
     """Costs of a fixed chain of units; evaluates stage k on many (a, b) pairs at once."""
 
@@ -182,6 +189,8 @@ class _Chain:
         self.link_occupancy = [
             m * model.wire / min(bw[k, k + 1], bw[k + 1, k]) for k in range(s - 1)
         ]
+        self._tabulate = (model.n + 1) ** 2 <= _TABLE_MAX_PAIRS
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def stage(self, k: int, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(per-step occupancy, feasible) of unit k running nodes[a:b] (arrays, b > a)."""
@@ -192,6 +201,28 @@ class _Chain:
         self, k: int, a: np.ndarray, b: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(per-step occupancy, feasible, per-micro-batch compute) of unit k on nodes[a:b]."""
+        if not self._tabulate:
+            return self._stage_costs(k, a, b)
+        if k not in self._tables:
+            self._tables[k] = self._table(k)
+        occupancy, ok, per_mb = self._tables[k]
+        return occupancy[a, b], ok[a, b], per_mb[a, b]
+
+    def _table(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_stage_costs`` of unit k for every a < b, as (N + 1, N + 1) matrices. Each pair's
+        figures are computed elementwise, so a lookup equals the direct computation."""
+        size = self.model.n + 1
+        a, b = np.triu_indices(size, 1)
+        occupancy, ok, per_mb = self._stage_costs(k, a, b)
+        tables = (np.full((size, size), np.inf), np.zeros((size, size), dtype=bool),
+                  np.full((size, size), np.inf))  # fmt: skip
+        for table, values in zip(tables, (occupancy, ok, per_mb), strict=True):
+            table[a, b] = values
+        return tables
+
+    def _stage_costs(
+        self, k: int, a: np.ndarray, b: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         model, unit, cfg = self.model, self.units[k], self.model.config
         inflight = min(self.s - k, cfg.micro_batches)
         t = np.maximum(unit.total[:, b] - unit.total[:, a], 1e-300)  # (P, L)

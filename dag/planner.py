@@ -164,6 +164,10 @@ class _Search:
         self.best: Plan | None = None
         self.tried = 0
         self.pruned = 0
+        # Cuts (or None) and their floor by the chain's members: different fence sets often
+        # give the same chain (62 tries, 42 chains, for topology C's five peers).
+        self._solved: dict[tuple, tuple[list[int] | None, float]] = {}
+        self._built: dict[tuple, float] = {}  # step times of plans built, by chain and fences
 
     @property
     def best_time(self) -> float:
@@ -229,19 +233,32 @@ class _Search:
             options.append(fastest)
         return options
 
+    def _solve(self, units: list[_Unit]) -> tuple[list[int] | None, float]:
+        """The chain's cuts (None: memory cannot be met) and the floor under its step time:
+        every stage is busy at least its occupancy per step, and links carry at least their
+        most compressed bytes."""
+        key = tuple(tuple(u.members.tolist()) for u in units)
+        if key not in self._solved:
+            links = group_links(self.swarm, [u.members for u in units])
+            chain = _Chain(self.model, units, links)
+            cuts = _solve_chain(chain)
+            floor = math.inf if cuts is None else _PRUNE_SAFETY * chain.bottleneck(cuts)
+            self._solved[key] = (cuts, floor)
+        return self._solved[key]
+
     def _try_units(self, units: list[_Unit], chain_fences: list[np.ndarray]) -> float | None:
-        links = group_links(self.swarm, [u.members for u in units])
-        chain = _Chain(self.model, units, links)
-        cuts = _solve_chain(chain)
+        cuts, floor = self._solve(units)
         self.tried += 1
         if cuts is None:
             return None
-        # Every stage is busy at least its occupancy per step, and links carry at least their
-        # most compressed bytes: a chain whose bottleneck already loses is not worth a plan.
-        floor = _PRUNE_SAFETY * chain.bottleneck(cuts)
+        # A chain whose bottleneck already loses is not worth a plan.
         if floor > self.best_time:
             self.pruned += 1
             return floor
+        built = (tuple(tuple(u.members.tolist()) for u in units),
+                 tuple(tuple(f.tolist()) for f in chain_fences))  # fmt: skip
+        if built in self._built:  # the same plan again: it can change nothing
+            return self._built[built]
         ids = self.swarm.peer_ids
         candidate = build_plan(
             self.graph,
@@ -252,7 +269,7 @@ class _Search:
             fences=[[ids[i] for i in f] for f in chain_fences],
             _model=self.model,
         )
-        step = candidate.estimated_step_time
+        step = self._built[built] = candidate.estimated_step_time
         if step < self.best_time or (
             step == self.best_time and self.best is not None
             and candidate.digest() < self.best.digest()
