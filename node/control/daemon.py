@@ -5,8 +5,8 @@ One ``NodeDaemon`` per node, four activities:
 - epochs (main loop): the plan epochs, run by ``epochs.PlanAgreement`` with agreement.py's
   rules: propose at an epoch's start, adopt the best valid proposal ``settle_fraction`` into
   it, follow the majority where views split.
-- heartbeat (thread): refresh our NodeInfo on the DHT every ``heartbeat_s`` (it expires
-  ``ttl_s`` after the last refresh).
+- heartbeat (thread, heartbeat.py): refresh our NodeInfo on the DHT every ``heartbeat_s`` (it
+  expires ``ttl_s`` after the last refresh).
 - probes (thread): every ``probe_interval_s``, connect to peers we know from the DHT and
   measure throughput/RTT to a bounded sample of them, then gossip what we measured.
 - gossip (thread): take peers' bandwidth reports into our BandwidthBook.
@@ -32,8 +32,8 @@ from fusionllm.dht.directory import SwarmDirectory
 from fusionllm.dht.records import MAX_LINKS, NodeInfo, NodeState, RecordError, TrainingProgress
 from fusionllm.node.control.agreement import Candidate
 from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
-from fusionllm.node.control.beat_clock import next_wake
 from fusionllm.node.control.epochs import PlanAgreement
+from fusionllm.node.control.heartbeat import Heartbeat
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
 from fusionllm.node.control.local_facts import learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
@@ -81,9 +81,16 @@ class NodeDaemon:
         self.links: LinkMonitor | None = None
         self.reach: ReachCheck | None = None  # may peers dial us? (reach_check.py)
         self.host: PeerHost | None = None  # the node's one py-libp2p host, from start()
-        self._beat, self._beat_written = 1, 0.0  # our last record's beat (quiet.py), and when
         self.suspicions = SuspicionBook()  # members our trainer waited for in vain
-        self._beat_now = threading.Event()  # refresh our record before the next heartbeat
+        self.heartbeat = Heartbeat(
+            period_s=self.settings.heartbeat_s,
+            ttl_s=self.settings.ttl_s,
+            stop=self._stop,
+            record=self._info,
+            announce=lambda info, ttl_s: self.directory.announce(info, ttl_s=ttl_s),
+            cadence=lambda: self.agreement.quiet.cadence.beat,
+            timed=self._timed,
+        )
         self.pacing = StepPacing()  # our pace and the others' we witnessed (pacing.py)
         self.timings = Timings()  # our DHT rounds' durations (the node's metrics read them)
 
@@ -148,7 +155,7 @@ class NodeDaemon:
         self.reach = self._reach_check()  # first: our record names the addresses it holds
         self.agreement = self._plan_agreement(costs, node_ids)
         self.links = self._link_monitor()
-        self._heartbeat()
+        self.heartbeat.beat()
         self._start_loops()
         self._emit(
             "ready",
@@ -176,7 +183,7 @@ class NodeDaemon:
     def _start_loops(self) -> None:
         """The heartbeat, the link probes and the bandwidth gossip, each on a daemon thread."""
         loops = (
-            ("heartbeat", self._heartbeat_loop),
+            ("heartbeat", self.heartbeat.loop),
             ("probes", self.links.probe_loop),
             ("gossip", self.links.gossip_loop),
             ("reachability", lambda: self.reach.loop(self._stop)),
@@ -277,7 +284,7 @@ class NodeDaemon:
 
     def stop(self) -> None:
         self._stop.set()
-        self._beat_now.set()  # the heartbeat thread waits on it
+        self.heartbeat.wake()  # the heartbeat thread waits on it
 
     def leave(self) -> None:
         """Tell the swarm we go (so the next epoch re-plans without waiting for our TTL)."""
@@ -358,38 +365,6 @@ class NodeDaemon:
         measured = self.book.towards(self.peer_id, now, sources=self._members_now())
         return max(measured, default=_DEFAULT_LINK_BYTES_PER_S)
 
-    def _heartbeat_loop(self) -> None:
-        # Its own thread: a slow epoch (DHT gets waiting on a dead peer) must not let our
-        # record expire, or every other node would drop us and re-plan.
-        woke = time.monotonic()
-        while not self._stop.is_set():
-            wake_at = next_wake(woke, time.monotonic(), self.settings.heartbeat_s)
-            asked = self._beat_now.wait(max(0.0, wake_at - time.monotonic()))
-            self._beat_now.clear()
-            woke = time.monotonic()  # the period counts from here, the store's time inside it
-            if self._stop.is_set():
-                return
-            # A quiet node's record promised fewer refreshes (quiet.py); one that woke
-            # refreshes at once, so that its record shows what it follows now.
-            due = self._beat_written + self.settings.heartbeat_s * (self._beat - 0.5)
-            quiet = self.agreement.quiet.cadence.beat >= self._beat
-            if not asked and time.monotonic() < due and quiet:
-                continue
-            try:
-                self._timed("heartbeat", self._heartbeat)
-            except (DhtError, RecordError) as exc:
-                logger.warning("heartbeat failed (will retry): %s", exc)
-            except Exception:  # a record that stops refreshing takes us out of every plan
-                logger.exception("heartbeat failed unexpectedly (will retry)")
-
-    def _heartbeat(self) -> None:
-        beat = self.agreement.quiet.cadence.beat
-        self._beat, self._beat_written = beat, time.monotonic()
-        if not self.directory.announce(self._info(beat), ttl_s=self.settings.ttl_s * beat):
-            # hivemind reports the last replica's answer: one peer holding a newer (forged)
-            # entry under our subkey says no even when the honest replicas stored ours.
-            logger.info("a DHT replica did not store our record (or none is reachable)")
-
     def _tell_swarm(self) -> None:
         """Gossip that we woke from quiet for a change (or leave): quiet members look at once
         rather than at their next stride (quiet.py)."""
@@ -405,13 +380,13 @@ class NodeDaemon:
         before = self.suspicions.current()
         self.suspicions.suspect(peer, reason)
         if self.suspicions.current() != before:
-            self._beat_now.set()
+            self.heartbeat.wake()
 
     def cleared(self, peer: str) -> None:
         """``peer`` met our trainer at a barrier: a suspicion of it in force ends, and our
         record says so at once (seating.py reads every member's record alike)."""
         if self.suspicions.cleared(peer):
-            self._beat_now.set()
+            self.heartbeat.wake()
 
     def measured(self, digest: str, compute_s: float, own_s: float) -> None:
         """One step's compute of our stage and our own work in it (the trainer's report); a new
@@ -421,7 +396,7 @@ class NodeDaemon:
             self.adopted, digest, compute_s, own_s,
             costs=self.costs, peer_id=self.peer_id, device=self.device, config=config,
         ):  # fmt: skip
-            self._beat_now.set()
+            self.heartbeat.wake()
 
     def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
         """One step's summaries of the plan we follow: every rank's (peer, stage) and timings;
@@ -431,7 +406,7 @@ class NodeDaemon:
             costs=self.costs, peer_id=self.peer_id, config=self.settings.plan_config(),
             measured=self._link_now,
         ):  # fmt: skip
-            self._beat_now.set()
+            self.heartbeat.wake()
 
     def _link_now(self, src: str, dst: str) -> tuple[float, float, bool] | None:
         sample = self.book.newest(src, dst, now=time.time())
@@ -478,7 +453,7 @@ class NodeDaemon:
             # get that picks us wait out a dial to our LAN address (docs/nat.md); dialable
             # again, we serve again.
             self.dht.set_client_mode(client)
-        self._beat_now.set()  # a new verdict goes into our record now, not next heartbeat
+        self.heartbeat.wake()  # a new verdict goes into our record now, not next heartbeat
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._on_event({"event": event, "peer_id": self.peer_id, "t": time.time(), **fields})
