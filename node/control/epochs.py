@@ -103,6 +103,7 @@ class PlanAgreement:
         self._last_plan_failure = ""
         # Our last adopt found no plan we believe: plan ourselves, planner or not (planners.py).
         self._unanswered = False
+        self._deferred: int | None = None  # the turn we first left a change to the planners
         self.counters = {
             "invalid_proposals": 0,
             "proposals_not_members": 0,  # of which: from keys that are not fresh members
@@ -313,13 +314,20 @@ class PlanAgreement:
         incumbent_ok: bool,
     ) -> str | None:
         """Why to plan afresh in ``epoch`` (backoff.py); None: re-propose the plan we follow,
-        if any. Planning falls to the epoch's few planners (planners.py), unless our last
-        epoch brought us no plan we believe and more than a routine re-check is due."""
+        if any. Planning falls to the epoch's few planners (planners.py). A change (more than
+        a routine re-check) we plan for ourselves when our last epoch brought us no plan we
+        believe, or once it has waited ``max_gap`` turns: planners that re-propose an old
+        plan and never plan (members lying about their CPU) hold a change back that long."""
         turn = self._turn
         why = self.backoff.due(turn, ids, incumbent_ok=incumbent_ok)
         if why is None or self._planner(epoch, members):
+            self._deferred = None
             return why
-        if self._unanswered and not self.backoff.only_the_gap(turn, ids, incumbent_ok=incumbent_ok):
+        if self.backoff.only_the_gap(turn, ids, incumbent_ok=incumbent_ok):
+            return None
+        self._deferred = turn if self._deferred is None else self._deferred
+        if self._unanswered or turn - self._deferred >= self.backoff.config.max_gap:
+            self._deferred = None
             return why
         logger.debug("epoch %d: %s; planning is left to the epoch's planners", epoch, why)
         return None

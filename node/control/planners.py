@@ -8,9 +8,10 @@ held that home's link readings to 0.4-0.8 of the caps while the 0.8-core home pl
 snapshot in a fraction of that. So the members that plan afresh are the ``count`` fastest by
 the one CPU figure every record carries (the seconds its Python spends per operator, at the
 pace it measured), equals in turn by a hash of (epoch, peer). The rest re-propose the plan they
-follow and adopt what the planners propose; a member whose last epoch brought it no plan it
-could believe plans itself (epochs.py), so a planner that lies about its CPU and never proposes
-delays a swarm by an epoch, no more.
+follow and adopt what the planners propose. A member plans for a change itself when its last
+epoch brought it no plan it could believe, or once the change has waited ``max_gap`` turns
+(epochs.py): members that claim the fastest CPU and never plan delay a broken plan's
+replacement by an epoch and a better plan by ``max_gap`` epochs, no more.
 
 Pure functions of the records: tests/unit/test_planners.py.
 """
