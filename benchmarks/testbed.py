@@ -105,6 +105,7 @@ class _Watch:
         self.counters: dict[int, dict] = {}
         self.cpu: dict[int, dict[str, cgroups.CpuUsage]] = {}  # at the same marks, per host
         self.status: dict = {}
+        self.status_start: dict = {}
         # the bootstrap node: never killed
         self._status = StatusWatch(bed, bed.hosts[0], nodes[0].dht_addr)
 
@@ -123,6 +124,8 @@ class _Watch:
     def join(self) -> None:
         self._status.close()
         self.status = self._status.reading(self.steps // 2)
+        # As training began: links measured before any frame shared an uplink with them.
+        self.status_start = self._status.reading(0)
 
 
 def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
@@ -166,6 +169,8 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         "wire": _wire(watch.counters, warmup, steps),
         "host_cpu": _host_cpu(watch.cpu, watch.counters, warmup, steps),
         "links": _links(watch.status, hosts, bed.topology),
+        "links_start": _links(watch.status_start, hosts, bed.topology),
+        "links_start_step": watch.status_start.get("step"),
         "status_s": {"call": watch.status.get("call_s"), **watch.status.get("timing", {}),
                      "readings": watch.status.get("readings"), "step": watch.status.get("step")},
         "status_error": watch.status.get("error"),

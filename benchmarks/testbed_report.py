@@ -97,17 +97,34 @@ def _cpu_rows(topology: dict) -> list[str]:
 
 
 def _link_rows(topology: dict) -> list[str]:
-    rows = [f"links measured by the nodes ({topology['topology']}, mid-run, under training load):",
-            f"  {'method':14} {'link':10} {'cap MB/s':>8} {'measured':>8} {'rtt ms':>7} "
-            f"{'measured':>8}"]  # fmt: skip
+    rows = [f"links measured by the nodes ({topology['topology']}, mid-run, under training load; "
+            "'start': as training began):",
+            f"  {'method':14} {'link':10} {'cap MB/s':>8} {'measured':>8} {'start':>6} "
+            f"{'rtt ms':>7} {'measured':>8}"]  # fmt: skip
     for r in topology["runs"]:
+        start = {(x["src"], x["dst"]): x["measured_mb_s"] for x in r.get("links_start", [])}
         for link in r.get("links", []):
             cap = f"{link['cap_mb_s']:.2f}" if link["cap_mb_s"] else "-"
+            first = start.get((link["src"], link["dst"]))
             rows.append(
                 f"  {r['method']:14} {link['src'] + '>' + link['dst']:10} {cap:>8} "
-                f"{link['measured_mb_s']:8.2f} {link['rtt_ms']:7.1f} {link['measured_rtt_ms']:8.1f}"
+                f"{link['measured_mb_s']:8.2f} {'-' if first is None else f'{first:.2f}':>6} "
+                f"{link['rtt_ms']:7.1f} {link['measured_rtt_ms']:8.1f}"
             )
+    rows.append("  within 20% of the cap (misses whose sender trained):")
+    for r in topology["runs"]:
+        trained = {h for h, n in r.get("node_steps", {}).items() if n > 0}
+        parts = [f"{when} {_within(r.get(key, []), trained)}"
+                 for when, key in (("start", "links_start"), ("mid-run", "links"))]  # fmt: skip
+        rows.append(f"  {r['method']:14} {', '.join(parts)}")
     return rows
+
+
+def _within(links: list[dict], trained: set[str]) -> str:
+    capped = [x for x in links if x.get("cap_mb_s")]
+    misses = [x for x in capped if abs(x["measured_mb_s"] / x["cap_mb_s"] - 1) > 0.2]
+    by_trainers = sum(x["src"] in trained for x in misses)
+    return f"{len(capped) - len(misses)}/{len(capped)} ({by_trainers} of {len(misses)})"
 
 
 def _node_rows(topology: dict) -> list[str]:
