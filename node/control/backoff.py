@@ -30,7 +30,7 @@ from fusionllm.common.errors import ConfigError
 @dataclass(frozen=True, kw_only=True)
 class BackoffConfig:
     max_gap: int = 8  # epochs between fresh plans at most, once the swarm is stable
-    # How many members plan afresh in an epoch (planners.py): the few with the most CPU.
+    # How many members plan afresh in an epoch (planners.py): those with the most spare CPU.
     planners: int = 3
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 import math
 from dataclasses import replace
 
+from fusionllm.dht.records import NodeState
 from fusionllm.node.control.agreement import epoch_at
 from fusionllm.node.control.backoff import BackoffConfig
 from fusionllm.node.control.planners import cpu_class, planners
@@ -26,16 +27,23 @@ def test_equal_members_take_turns_the_same_on_every_node_and_vary_by_epoch():
     assert planners(7, two, 3) == frozenset(two)
 
 
-def test_the_members_with_the_most_cpu_plan_and_the_small_homes_never_do():
+def test_the_members_with_the_most_spare_cpu_plan_and_the_small_homes_never_do():
     # Topology C's shares: 0.8, 0.4, 0.4, 0.2, 0.2 of a core (seconds per operator go as 1/share).
     shares = {"h1": 0.8, "h2": 0.4, "h3": 0.4, "h4": 0.2, "h5": 0.2}
     members = {p: host(p, 2.7e-5 / share) for p, share in shares.items()}
     for epoch in range(100):
         assert planners(epoch, members, 3) == {"h1", "h2", "h3"}
-        assert "h1" in planners(epoch, members, 1)
+        assert planners(epoch, members, 1) == {"h1"}
     # Equals within the class take turns: h2 and h3 share the second seat.
-    seconds = {next(iter(planners(e, members, 2) - {"h1"})) for e in range(100)}
-    assert seconds == {"h2", "h3"}
+    assert {next(iter(planners(e, members, 2) - {"h1"})) for e in range(100)} == {"h2", "h3"}
+    # OP-Fence seats h2 and h1: a seated member counts one class slower, so the idle h3
+    # joins h1 (0.8 core, seated: as slow a class as h3) and h2 plans no more than h4 or h5.
+    seated = {p: replace(i, state=NodeState.SERVING, stage=0) if p in ("h1", "h2") else i
+              for p, i in members.items()}  # fmt: skip
+    for epoch in range(100):
+        assert planners(epoch, seated, 2) == {"h1", "h3"}
+    thirds = {next(iter(planners(e, seated, 3) - {"h1", "h3"})) for e in range(100)}
+    assert thirds == {"h2", "h4", "h5"}
 
 
 def test_a_measured_pace_counts_and_a_record_without_a_figure_plans_last():
