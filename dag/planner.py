@@ -233,11 +233,10 @@ class _Search:
             options.append(fastest)
         return options
 
-    def _solve(self, units: list[_Unit]) -> tuple[list[int] | None, float]:
+    def _solve(self, units: list[_Unit], key: tuple) -> tuple[list[int] | None, float]:
         """The chain's cuts (None: memory cannot be met) and the floor under its step time:
         every stage is busy at least its occupancy per step, and links carry at least their
-        most compressed bytes."""
-        key = tuple(tuple(u.members.tolist()) for u in units)
+        most compressed bytes. ``key``: the chain's members, unit by unit."""
         if key not in self._solved:
             links = group_links(self.swarm, [u.members for u in units])
             chain = _Chain(self.model, units, links)
@@ -247,7 +246,8 @@ class _Search:
         return self._solved[key]
 
     def _try_units(self, units: list[_Unit], chain_fences: list[np.ndarray]) -> float | None:
-        cuts, floor = self._solve(units)
+        chain_key = tuple(tuple(u.members.tolist()) for u in units)
+        cuts, floor = self._solve(units, chain_key)
         self.tried += 1
         if cuts is None:
             return None
@@ -255,8 +255,7 @@ class _Search:
         if floor > self.best_time:
             self.pruned += 1
             return floor
-        built = (tuple(tuple(u.members.tolist()) for u in units),
-                 tuple(tuple(f.tolist()) for f in chain_fences))  # fmt: skip
+        built = (chain_key, tuple(tuple(f.tolist()) for f in chain_fences))
         if built in self._built:  # the same plan again: it can change nothing
             return self._built[built]
         ids = self.swarm.peer_ids
