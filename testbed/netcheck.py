@@ -27,6 +27,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo, read_tcp_info
+
 _CHUNK = 1 << 16
 _SAMPLE_S = 0.05
 _ECHO_BYTES = 64
@@ -114,7 +116,23 @@ def source(args: argparse.Namespace) -> None:
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
             sent += sock.send(data)
-    _say({"event": "source", "bytes": sent})
+        # Wait for the sink to close: then every byte is acked and the kernel's counts are whole.
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(args.timeout)
+        sock.recv(1)
+        info = read_tcp_info(sock)
+    _say({"event": "source", "bytes": sent, **_sender_view(info)})
+
+
+def _sender_view(info: TcpInfo) -> dict:
+    """What the sending kernel saw: how long it had data in flight and what held it back
+    (a starved endpoint shows as time not busy, or limited by a window, not as a slow link)."""
+    return {
+        "bytes_acked": info.bytes_acked, "retransmits": info.total_retrans,
+        "busy_s": info.busy_s, "rwnd_limited_s": info.rwnd_limited_s,
+        "sndbuf_limited_s": info.sndbuf_limited_s, "min_rtt_ms": info.min_rtt_s * 1000,
+        "rtt_ms": info.rtt_s * 1000,
+    }  # fmt: skip
 
 
 def whoami(args: argparse.Namespace) -> None:

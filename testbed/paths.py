@@ -62,11 +62,13 @@ def round_trips(bed: Testbed, src: str, dst: str, *, count: int = 20) -> list[fl
 
 def stream(bed: Testbed, src: str, dst: str, *, seconds: float, warmup: float = 1.0) -> dict:
     """One TCP stream from ``src`` to ``dst`` for ``seconds``: the sink's result
-    (``bytes``, ``seconds``, ``mbps`` overall, ``steady_mbps`` after ``warmup``)."""
+    (``bytes``, ``seconds``, ``mbps`` overall, ``steady_mbps`` after ``warmup``) and, under
+    ``sender``, the sending kernel's view (netcheck's ``source``: busy and limited times)."""
     sink, port = _server(bed, dst, "sink", ["--warmup", str(warmup)])
     try:
-        _client(bed, src, dst, port, ["source", "--seconds", str(seconds)], _START_S + seconds * 3)
-        return _json_line(sink, _START_S + seconds * 2)
+        tool = ["source", "--seconds", str(seconds)]
+        sender = json.loads(_client(bed, src, dst, port, tool, _START_S + seconds * 3))
+        return {**_json_line(sink, _START_S + seconds * 2), "sender": sender}
     finally:
         sink.kill()
         sink.wait()

@@ -46,6 +46,7 @@ class TcpInfo:
     rwnd_limited_s: float  # time the receiver's window held the sender back
     sndbuf_limited_s: float  # time our send buffer held it back
     bytes_received: int = 0  # every byte the kernel took off the wire, read by us or not
+    total_retrans: int = 0  # segments sent again, over the connection's life
 
 
 def parse_tcp_info(data: bytes) -> TcpInfo:
@@ -71,6 +72,7 @@ def parse_tcp_info(data: bytes) -> TcpInfo:
         rwnd_limited_s=u64b[2] / 1e6,
         sndbuf_limited_s=u64b[3] / 1e6,
         bytes_received=u64a[3],
+        total_retrans=u32[23],
     )
 
 
