@@ -74,6 +74,17 @@ def stream(bed: Testbed, src: str, dst: str, *, seconds: float, warmup: float = 
         sink.wait()
 
 
+def link_bound_mbps(result: dict) -> float:
+    """A ``stream`` result's rate while the sending kernel had data to send and neither window
+    held it back: the link's share. An endpoint starved of CPU (a loaded test runner) shows as
+    time outside it; a slow or late link does not. Mbit/s."""
+    sender = result["sender"]
+    seconds = sender["busy_s"] - sender["rwnd_limited_s"] - sender["sndbuf_limited_s"]
+    if seconds <= 0:
+        raise TestbedError(f"the sender was never link-bound: {sender}")
+    return sender["bytes_acked"] * 8e-6 / seconds
+
+
 def mappings(bed: Testbed, src: str, dsts: list[str], *, local_port: int = 0) -> dict:
     """Dial every host of ``dsts`` (at its public address) from one local port of ``src``:
     ``{"local_port": L, "seen": [{"to", "addr", "port"}, ...]}``, what each one saw."""

@@ -81,7 +81,7 @@ def test_a_homes_traffic_leaves_through_its_routers_shaped_uplink(bed):
     result = paths.stream(bed, "cone", "pub1", seconds=3.0, warmup=1.0)
     print(f"cone -> pub1 (20 Mbit/s uplink): {result}")
     assert result["mbps"] <= 20 * 1.02
-    assert result["steady_mbps"] >= 20 * 0.8
+    assert paths.link_bound_mbps(result) >= 20 * 0.8  # the sink's rate would read the CPU too
 
 
 PUNCH_TIMEOUT_S = 8.0
