@@ -23,11 +23,11 @@ from fusionllm.node.p2p.framing import (
     encode_head,
 )
 from fusionllm.node.p2p.inbound import Inbound
-from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, frame_sizes, run_bulk
+from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, run_bulk
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
-from fusionllm.node.p2p.lane.tcp_info import TcpInfo
+from fusionllm.node.p2p.lane.tcp_info import INFINITE_SSTHRESH, TcpInfo
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.limits import ByteBudget
 from fusionllm.node.p2p.transport_types import PeerCounters, TransportConfig
@@ -69,18 +69,15 @@ def test_no_trusted_sample_gives_no_figure():
         bulk_figure(start, [], min_bytes=0)
 
 
-def test_frames_cut_the_bytes_and_the_config_is_checked():
-    assert frame_sizes(3 << 20, 1 << 20) == [1 << 20] * 3
-    assert frame_sizes((1 << 20) + 5, 1 << 20) == [1 << 20, 5]
-    assert frame_sizes(7, 1 << 20) == [7]
-    with pytest.raises(ValueError, match="must be >= 1"):
-        frame_sizes(0, 1 << 20)
+def test_the_config_is_checked():
     with pytest.raises(ConfigError, match="over"):
         BulkConfig(frame_bytes=MAX_FILLER_BYTES + 1)
     with pytest.raises(ConfigError, match="samples must be an int >= 1"):
         BulkConfig(samples=0)
     with pytest.raises(ConfigError, match=r"lock_wait_s must be in \[0, 10\]"):
         BulkConfig(lock_wait_s=-1.0)
+    with pytest.raises(ConfigError, match="extend must be an int >= 1"):
+        BulkConfig(extend=0)
 
 
 class LaneInboxFake:
@@ -215,19 +212,26 @@ def _info(peer: str) -> SimpleNamespace:
 
 class FakeLane:
     """A lane's writer side as run_bulk uses it: frames 'drain' at once, the kernel's
-    readings come from a counter; ``fail_at`` makes that frame's write break the lane."""
+    readings come from a counter; ``fail_at`` makes that frame's write break the lane; the
+    first ``ramp_frames`` frames are written in slow start, their samples climbing to 60 MB/s
+    (None: it never ends)."""
 
-    def __init__(self, *, fail_at: int | None = None) -> None:
+    def __init__(self, *, fail_at: int | None = None, ramp_frames: int | None = 0) -> None:
         self.lock = threading.Lock()
         self.punched = False
         self.acked = 0
         self.frames = 0
         self.info_reads = 0
         self.fail_at = fail_at
+        self.ramp_frames = ramp_frames
         self.last_reading: tuple[TcpInfo, float] | None = None
 
     def kernel_info(self) -> TcpInfo:
         self.info_reads += 1
+        if self.ramp_frames is None or self.frames <= self.ramp_frames:
+            ramp = 60e6 * min(1.0, (self.frames + 1) / 16)
+            return replace(BUSY, bytes_acked=self.acked, delivery_rate=ramp,
+                           snd_ssthresh=INFINITE_SSTHRESH)  # fmt: skip
         return replace(BUSY, bytes_acked=self.acked)
 
     def write_locked(self, parts, deadline: float) -> int:
@@ -247,17 +251,40 @@ def _senders(lane: FakeLane) -> tuple[LaneSenders, PeerCounters]:
     return senders, counters
 
 
-def test_a_bulk_probe_counts_the_frames_it_wrote_reading_tcp_info_once_a_frame():
+HEAD = len(encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), 1))
+
+
+def test_a_bulk_probe_writes_frames_of_an_eighth_and_reads_the_kernel_after_each():
     lane = FakeLane()
     senders, counters = _senders(lane)
-    sample = senders.bulk_probe("b", 3 << 20)  # three 1 MiB filler frames
+    sample = senders.bulk_probe("b", 3 << 20)  # eight 384 KiB filler frames
     assert sample is not None
     assert sample.bandwidth == BUSY.delivery_rate
-    assert lane.frames == 3
+    assert lane.frames == 8
     # One reading at the start, one per frame (the write's own), one as the rest drained.
-    assert lane.info_reads == 1 + 3 + 1
-    head = len(encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), 1))
-    assert counters.snapshot()["b"].bytes_out == 3 * ((1 << 20) + head)
+    assert lane.info_reads == 1 + 8 + 1
+    assert counters.snapshot()["b"].bytes_out == 8 * ((384 << 10) + HEAD)
+    assert sample.probe_bytes == counters.snapshot()["b"].bytes_out
+
+
+def test_a_probe_still_in_slow_start_goes_on_until_two_samples_past_it():
+    lane = FakeLane(ramp_frames=10)  # a far link: 1 MiB (8 frames) ends inside slow start
+    senders, _ = _senders(lane)
+    sample = senders.bulk_probe("b", 1 << 20)
+    assert sample is not None
+    # Frames 9 and 10 still ramp; 11 and 12 give the two samples past slow start.
+    assert lane.frames == 12
+    assert sample.bandwidth == BUSY.delivery_rate  # 120 MB/s, where the ramp read 41 at most
+    assert sample.probe_bytes == 12 * ((128 << 10) + HEAD)
+
+
+def test_a_probe_that_never_leaves_slow_start_stops_at_extend_times_its_bytes():
+    lane = FakeLane(ramp_frames=None)
+    senders, _ = _senders(lane)
+    sample = senders.bulk_probe("b", 1 << 20)
+    assert lane.frames == 4 * 8  # BulkConfig.extend: 4 MiB in frames of 128 KiB
+    assert sample is not None
+    assert sample.bandwidth == 60e6  # the ramp's best but one
 
 
 def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
@@ -276,7 +303,6 @@ def test_a_bulk_probe_cut_short_counts_only_whole_frames_and_drops_the_lane():
     lane = FakeLane(fail_at=1)  # the second frame's write breaks
     senders, counters = _senders(lane)
     assert senders.bulk_probe("b", 3 << 20) is None
-    assert counters.snapshot()["b"].bytes_out < 2 << 20  # the first frame only
-    assert counters.snapshot()["b"].bytes_out > 1 << 20
+    assert counters.snapshot()["b"].bytes_out == (384 << 10) + HEAD  # the first frame only
     assert senders.bulk_probe("b", 1 << 20) is None  # dropped: no lane to probe on
     assert lane.frames == 1

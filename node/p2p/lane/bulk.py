@@ -19,6 +19,14 @@ samples down. The median of a 1 MiB probe read 0.58-0.82 of a 2.5-12.5 MB/s cap 
 first probe of far or small links where the probe's best samples read 0.90-0.96 of it; one
 bunched sample cannot set the figure.
 
+Why frames of an eighth of the probe, and why a probe may go on (session 14, topology C):
+with 1 MiB frames the kernel was read only after the write, which returns once most of the
+frame is acknowledged, so a probe counted 2-7 samples, and with two the best but one is the
+slower (h4 -> h5 read 0.48 of 1.25 MB/s from samples of 0.48 and 1.21). And a far link's
+probe ended in slow start (h1 -> h5, 5 MB/s at 80 ms: 1.1 -> 3.9 MB/s), so while the kernel
+still doubles its window the probe writes on, up to ``extend`` times its bytes, until it
+has counted ``settled`` samples after slow start.
+
 The lane is taken only if free within ``lock_wait_s`` (a training frame has the lane first);
 the receiver reads filler frames within the same budgets as tensors and drops them
 (lane/serve.py). Not a frame of ours, so a stream refuses it (inbound.py).
@@ -45,9 +53,14 @@ class BulkConfig:
     lock_wait_s: float = 0.05  # a lane busy with training frames longer than this: skipped
     poll_s: float = 0.001  # how often TCP_INFO is read while the frames drain
     samples: int = 8  # a rate sample counts after nbytes // samples more bytes were acked
+    # A probe whose kernel still doubles its window after nbytes goes on, up to this many
+    # times nbytes, until it has counted ``settled`` samples past slow start.
+    extend: int = 4
+    settled: int = 2
+    min_frame_bytes: int = 16 << 10
 
     def __post_init__(self) -> None:
-        for name in ("frame_bytes", "samples"):
+        for name in ("frame_bytes", "samples", "extend", "settled", "min_frame_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -59,35 +72,47 @@ class BulkConfig:
                 raise ConfigError(f"{name} must be in [0, 10] s, got {value!r}")
 
 
-def frame_sizes(nbytes: int, frame_bytes: int) -> list[int]:
-    """``nbytes`` cut into filler frames of at most ``frame_bytes`` (the last one shorter)."""
-    if nbytes < 1 or frame_bytes < 1:
-        raise ValueError(f"nbytes and frame_bytes must be >= 1, got {nbytes}, {frame_bytes}")
-    full, rest = divmod(nbytes, frame_bytes)
-    return [frame_bytes] * full + ([rest] if rest else [])
+def counted_samples(
+    start: TcpInfo, readings: Iterable[tuple[TcpInfo, float]], *, min_bytes: int
+) -> list[tuple[TcpInfo, float]]:
+    """The readings that count as rate samples: trusted, each once ``min_bytes`` more were
+    acknowledged than at the last one counted (a rate the kernel did not renew must not count
+    twice)."""
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
+    acked, counted = start.bytes_acked, []
+    for info, at in readings:
+        if trusted(info) and info.bytes_acked - acked >= min_bytes:
+            acked = info.bytes_acked
+            counted.append((info, at))
+    return counted
 
 
 def bulk_figure(
     start: TcpInfo, readings: Iterable[tuple[TcpInfo, float]], *, min_bytes: int
 ) -> WireSample | None:
     """The link's figure from the kernel's readings (with the wall clock they were read at)
-    during a bulk probe that began at ``start``: the best but one of the trusted rate samples
-    (the only one, where one was), each taken once ``min_bytes`` more were acknowledged than
-    at the last one counted (a rate the kernel did not renew must not count twice); None
-    where none was trusted."""
-    if min_bytes < 1:
-        raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
-    acked, rates, rtts, last_at = start.bytes_acked, [], [], 0.0
-    for info, at in readings:
-        if not trusted(info) or info.bytes_acked - acked < min_bytes:
-            continue
-        acked, last_at = info.bytes_acked, at
-        rates.append(info.delivery_rate)
-        rtts.append(info.min_rtt_s)
-    if not rates:
+    during a bulk probe that began at ``start``: the best but one of the counted samples
+    (``counted_samples``; the only one, where one was), with the least minimum RTT; None
+    where none counted."""
+    counted = counted_samples(start, readings, min_bytes=min_bytes)
+    if not counted:
         return None
-    best_but_one = sorted(rates)[-2] if len(rates) > 1 else rates[0]
-    return WireSample(best_but_one, min(rtts), last_at)
+    rates = sorted(info.delivery_rate for info, _ in counted)
+    best_but_one = rates[-2] if len(rates) > 1 else rates[0]
+    return WireSample(best_but_one, min(i.min_rtt_s for i, _ in counted), counted[-1][1])
+
+
+def past_slow_start(
+    start: TcpInfo, readings: list[tuple[TcpInfo, float]], *, min_bytes: int, settled: int
+) -> bool:
+    """Whether the probe has counted ``settled`` samples since its kernel last doubled its
+    window: on a far link a 1 MiB probe ends inside slow start (h1 -> h5 on topology C, 5 MB/s
+    at 80 ms: samples 1.1 -> 3.9 MB/s, still climbing when it ended)."""
+    ramping = [i for i, (info, _) in enumerate(readings) if info.slow_start]
+    after = readings[ramping[-1] + 1 :] if ramping else readings
+    base = readings[ramping[-1]][0] if ramping else start
+    return len(counted_samples(base, after, min_bytes=min_bytes)) >= settled
 
 
 def run_bulk(
@@ -98,33 +123,61 @@ def run_bulk(
     *,
     on_frame: Callable[[int], None] = lambda nbytes: None,
 ) -> WireSample | None:
-    """Probe the link under ``lane`` with ``nbytes`` of filler, all within ``timeout`` s: its
-    figure, or None (the lane busy, or no trusted sample). ``on_frame`` gets each filler
-    frame's bytes (head and body) once it is written whole: what the peer was sent, which is
-    less than ``nbytes`` when the lane was busy or a write failed. Raises what a write raises
-    (DeadlineError, TransportError: the lane is then broken)."""
+    """Probe the link under ``lane`` with at least ``nbytes`` of filler (more while the kernel
+    is in slow start: ``BulkConfig.extend``), all within ``timeout`` s: its figure, or None
+    (the lane busy, or no trusted sample). ``on_frame`` gets each filler frame's bytes (head
+    and body) once it is written whole: what the peer was sent, which is less than ``nbytes``
+    when the lane was busy or a write failed. Raises what a write raises (DeadlineError,
+    TransportError: the lane is then broken)."""
     config = config or BulkConfig()
     deadline = time.monotonic() + timeout
     if not lane.lock.acquire(timeout=config.lock_wait_s):
         return None
-    readings: list[tuple[TcpInfo, float]] = []
+    min_bytes = max(1, nbytes // config.samples)
     try:
         start = lane.kernel_info()
-        sent = 0
-        for size in frame_sizes(nbytes, config.frame_bytes):
-            frame = _filler(size)
-            sent += lane.write_locked(frame, deadline)
-            on_frame(len(frame[0]) + size)
-            # The write read TCP_INFO for the lane's meter already: one system call a frame.
-            if lane.last_reading is None:
-                raise TcpInfoError("TCP_INFO was not readable after a filler frame")
-            readings.append(lane.last_reading)
+        readings, sent = _write_filler(lane, start, nbytes, min_bytes, deadline, config, on_frame)
     except TcpInfoError:
         return None  # not Linux, or the lane closed under us: the stream probe measures
     finally:
         lane.lock.release()
     readings.extend(_draining(lane, start.bytes_acked + sent, deadline, config.poll_s))
-    return bulk_figure(start, readings, min_bytes=max(1, nbytes // config.samples))
+    return bulk_figure(start, readings, min_bytes=min_bytes)
+
+
+def _write_filler(
+    lane: LaneWriter,
+    start: TcpInfo,
+    nbytes: int,
+    min_bytes: int,
+    deadline: float,
+    config: BulkConfig,
+    on_frame: Callable[[int], None],
+) -> tuple[list[tuple[TcpInfo, float]], int]:
+    """Filler frames, each small enough that the kernel is read while the probe runs (a 1 MiB
+    write returns once most of it is acked: two samples, where one slow one set the figure),
+    until ``nbytes`` are out and the kernel has left slow start; the readings and the sealed
+    bytes sent."""
+    frame_bytes = min(config.frame_bytes, max(config.min_frame_bytes, min_bytes))
+    readings: list[tuple[TcpInfo, float]] = []
+    sent = written = 0
+    # Half the time for going on: the rest drains the queue and times its last samples.
+    extend_until = time.monotonic() + (deadline - time.monotonic()) / 2
+    while written < nbytes or (
+        written < nbytes * config.extend
+        and time.monotonic() < extend_until
+        and not past_slow_start(start, readings, min_bytes=min_bytes, settled=config.settled)
+    ):
+        size = min(frame_bytes, nbytes - written) if written < nbytes else frame_bytes
+        frame = _filler(size)
+        sent += lane.write_locked(frame, deadline)
+        written += size
+        on_frame(len(frame[0]) + size)
+        # The write read TCP_INFO for the lane's meter already: one system call a frame.
+        if lane.last_reading is None:
+            raise TcpInfoError("TCP_INFO was not readable after a filler frame")
+        readings.append(lane.last_reading)
+    return readings, sent
 
 
 def _draining(
