@@ -23,7 +23,7 @@ from fusionllm.node.p2p.framing import (
     encode_head,
 )
 from fusionllm.node.p2p.inbound import Inbound
-from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, run_bulk
+from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, goodput, run_bulk
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
@@ -58,6 +58,26 @@ def test_the_figure_is_the_best_but_one_busy_sample_each_after_min_bytes_more_ac
     # The median of the four counted samples (40, 118, 60, 135) would read 89 MB/s.
     assert bulk_figure(start, readings, min_bytes=256) == WireSample(118e6, 4e-4, 4.0)
     assert bulk_figure(start, readings[:2], min_bytes=256) == WireSample(40e6, 5e-4, 1.0)
+
+
+def test_no_figure_exceeds_what_the_probe_kept_up_over_a_few_round_trips():
+    # 6.25 MB/s acknowledged, read every 20 ms over 0.4 s at 40 ms; the kernel's samples
+    # read 8.7-9.0 (bunched ACKs in slow start, topology C's h1 -> h4 in session 14).
+    start = replace(BUSY, bytes_acked=0, min_rtt_s=0.04)
+    readings = [
+        reading(int(6.25e6 * 0.02 * k), 9e6 if k > 10 else 3e6, at=0.02 * k, min_rtt_s=0.04)
+        for k in range(1, 21)
+    ]
+    figure = bulk_figure(start, readings, min_bytes=1)
+    assert figure is not None
+    assert figure.bandwidth == pytest.approx(1.1 * 6.25e6, rel=1e-3)
+    # One idle reading in every 160 ms (4 round trips): no run is long enough to judge by.
+    gappy = [(replace(r, app_limited=True), at) if k % 8 == 7 else (r, at)
+             for k, (r, at) in enumerate(readings)]  # fmt: skip
+    assert goodput(gappy, min_span_s=0.16) is None
+    assert bulk_figure(start, gappy, min_bytes=1).bandwidth == 9e6
+    # Readings closer together than the span (a short probe): nothing to bound the figure.
+    assert goodput(readings[:5], min_span_s=0.16) is None
 
 
 def test_no_trusted_sample_gives_no_figure():
@@ -240,7 +260,7 @@ class FakeLane:
         self.frames += 1
         sealed = sum(len(p) for p in parts) + 32
         self.acked += sealed
-        self.last_reading = (self.kernel_info(), 100.0)  # what LaneWriter._measure files
+        self.last_reading = (self.kernel_info(), time.time())  # what LaneWriter._measure files
         return sealed
 
 
