@@ -35,13 +35,14 @@ class SendTimer:
 
     def mark(self) -> None:
         """Read the kernel's view now (the first one is the start)."""
+        at = self._wall()  # before the call, as every reading's (bulk.goodput)
         info = self._view() if self._view is not None else None
         if info is None:
             return
         if self._start is None:
             self._start = info
         elif len(self._readings) < _MAX_READINGS:
-            self._readings.append((info, self._wall()))
+            self._readings.append((info, at))
 
     def figure(self, nbytes: int) -> WireSample | None:
         if self._start is None:

@@ -46,7 +46,9 @@ from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
 BULK_TIMEOUT_S = 5.0
 # A kernel sample may read over the path where ACKs come bunched: h1 -> h4 on topology C read
 # 8.7-9.0 MB/s of 6.25 in slow start (session 14). The bytes acknowledged over a few round
-# trips cannot, so no figure exceeds that average by more than the slack.
+# trips cannot, so no figure exceeds that average by more than the slack; and a sample lags
+# a round trip behind a window still growing, so none is taken under it either (h1 -> h5:
+# samples 0.8-3.3 MB/s of 5, the average over 320 ms 4.1).
 GOODPUT_RTTS = 4
 GOODPUT_MIN_SPAN_S = 0.05
 GOODPUT_SLACK = 1.1
@@ -99,9 +101,9 @@ def bulk_figure(
 ) -> WireSample | None:
     """The link's figure from the kernel's readings (with the wall clock they were read at)
     during a bulk probe that began at ``start``: the best but one of the counted samples
-    (``counted_samples``; the only one, where one was), never over ``GOODPUT_SLACK`` times
-    the best ``goodput`` the probe kept up, with the least minimum RTT; None where none
-    counted."""
+    (``counted_samples``; the only one, where one was), never under the best ``goodput`` the
+    probe kept up nor over ``GOODPUT_SLACK`` times it, with the least minimum RTT; None
+    where none counted."""
     readings = list(readings)
     counted = counted_samples(start, readings, min_bytes=min_bytes)
     if not counted:
@@ -111,26 +113,28 @@ def bulk_figure(
     min_rtt = min(i.min_rtt_s for i, _ in counted)
     kept_up = goodput(readings, min_span_s=max(GOODPUT_RTTS * min_rtt, GOODPUT_MIN_SPAN_S))
     if kept_up is not None:
-        figure = min(figure, GOODPUT_SLACK * kept_up)
+        figure = min(max(figure, kept_up), GOODPUT_SLACK * kept_up)
     return WireSample(figure, min_rtt, counted[-1][1])
 
 
 def goodput(readings: list[tuple[TcpInfo, float]], *, min_span_s: float) -> float | None:
     """The most bytes/s acknowledged over any run of busy readings at least ``min_span_s``
-    apart by the wall clock: what the path carried, averaged where bunched ACKs even out;
-    None where the probe kept no run that long."""
+    long by the wall clock: what the path carried, averaged where bunched ACKs even out;
+    None where the probe kept no run that long. Each reading's time was taken before its
+    system call, so a run is timed from its first reading's time to the time of the reading
+    after its last: never shorter than it was, however late a throttled prober ran."""
     idle = [0]  # idle[k]: untrusted readings among the first k
     for info, _ in readings:
         idle.append(idle[-1] + (not trusted(info)))
     best, j = None, 0
     for i, (first, at) in enumerate(readings):
-        j = max(j, i)
+        j = max(j, i + 1)
         while j < len(readings) and readings[j][1] - at < min_span_s:
             j += 1
         if j == len(readings):
             break
-        if idle[j + 1] == idle[i]:  # busy from reading i to reading j
-            rate = (readings[j][0].bytes_acked - first.bytes_acked) / (readings[j][1] - at)
+        if idle[j] == idle[i]:  # busy from reading i to reading j - 1
+            rate = (readings[j - 1][0].bytes_acked - first.bytes_acked) / (readings[j][1] - at)
             best = rate if best is None else max(best, rate)
     return best
 
@@ -217,11 +221,12 @@ def _draining(
 ) -> Iterator[tuple[TcpInfo, float]]:
     """Readings until the kernel acknowledged ``acked_by`` bytes, or the deadline."""
     while time.monotonic() < deadline:
+        at = time.time()  # before the call, as every reading's (goodput)
         try:
             info = lane.kernel_info()
         except TcpInfoError:
             return
-        yield info, time.time()
+        yield info, at
         if info.bytes_acked >= acked_by:
             return
         time.sleep(poll_s)
