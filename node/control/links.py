@@ -293,8 +293,7 @@ class LinkMonitor:
             logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",
                          peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, lane_bytes)  # fmt: skip
             sample = LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
-            # A probe of a far link goes on past slow start (lane/bulk.py): up to 4x the bytes.
-            return sample, max(wire.probe_bytes, lane_bytes)
+            return sample, lane_bytes
         try:
             result = self.control.probe(peer, nbytes=nbytes)
         except (TransportError, FusionError) as exc:

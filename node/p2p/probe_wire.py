@@ -5,11 +5,10 @@ busy loop takes, 20 Mbit/s links read 0.58-0.88 of their cap by the whole probe 
 server's tail (docs/results.md, session 8), because a throttled reader holds yamux's window
 and the sender waits. The kernel times every ACK itself: a delivery-rate sample taken while
 the prober had data queued (not app-limited) is what the path carried, whoever had the CPU,
-as the lanes' bulk probe reads it (lane/bulk.py: the same figure, the best but one of the
-trusted samples each after an eighth of the probe more was acknowledged, capped by the
-probe's goodput). The prober reads ``TCP_INFO`` after each 256 KiB write and once the ack is
-in; where no sample is trusted (a prober too slow to keep the socket busy: a CPU-bound LAN)
-there is no figure, never a guess.
+as the lanes' bulk probe reads it (lane/bulk.py: the same figure, the median of trusted
+samples each after an eighth of the probe more was acknowledged). The prober reads
+``TCP_INFO`` after each 256 KiB write and once the ack is in; where no sample is trusted (a prober
+too slow to keep the socket busy: a CPU-bound LAN) there is no figure, never a guess.
 """
 
 import time
@@ -36,14 +35,13 @@ class SendTimer:
 
     def mark(self) -> None:
         """Read the kernel's view now (the first one is the start)."""
-        at = self._wall()  # before the call, as every reading's (bulk.goodput)
         info = self._view() if self._view is not None else None
         if info is None:
             return
         if self._start is None:
             self._start = info
         elif len(self._readings) < _MAX_READINGS:
-            self._readings.append((info, at))
+            self._readings.append((info, self._wall()))
 
     def figure(self, nbytes: int) -> WireSample | None:
         if self._start is None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
+from functools import partial
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -61,23 +62,14 @@ class LaneSenders:
         lane = self._by_peer.get(peer)
         if lane is None:
             return None
-        written = 0
-
-        def on_frame(size: int) -> None:
-            nonlocal written
-            written += size
-            self._counters.sent(peer, size)
-
         try:
             # Counted frame by frame: a busy lane sends nothing, a broken one part of it.
-            sample = run_bulk(lane, nbytes, timeout, on_frame=on_frame)
+            sample = run_bulk(lane, nbytes, timeout, on_frame=partial(self._counters.sent, peer))
         except FusionError:
             logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
             self.drop(peer, lane)
             return None
-        if sample is None:
-            return None
-        return replace(sample, punched=lane.punched or sample.punched, probe_bytes=written)
+        return replace(sample, punched=True) if sample is not None and lane.punched else sample
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float

@@ -191,8 +191,7 @@ class LaneWriter:
         # Not Linux, or the socket just closed: the link keeps its probes' figure.
         self.last_reading = None
         with contextlib.suppress(TcpInfoError):
-            at = time.time()  # before the call: a reading's time never runs ahead (bulk.goodput)
-            self.last_reading = (read_tcp_info(self._blocking), at)
+            self.last_reading = (read_tcp_info(self._blocking), time.time())
             self.meter.observe(*self.last_reading)
 
     def _fail(self, exc: BaseException) -> NoReturn:
