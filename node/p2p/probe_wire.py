@@ -5,8 +5,9 @@ busy loop takes, 20 Mbit/s links read 0.58-0.88 of their cap by the whole probe 
 server's tail (docs/results.md, session 8), because a throttled reader holds yamux's window
 and the sender waits. The kernel times every ACK itself: a delivery-rate sample taken while
 the prober had data queued (not app-limited) is what the path carried, whoever had the CPU,
-as the lanes' bulk probe reads it (lane/bulk.py: the same figure, the median of trusted
-samples each after an eighth of the probe more was acknowledged). The prober reads
+as the lanes' bulk probe reads it (lane/bulk_figure.py: the same figure, the best but one of
+the trusted samples each after an eighth of the probe more was acknowledged, those past slow
+start where there are enough). The prober reads
 ``TCP_INFO`` after each 256 KiB write and once the ack is in; where no sample is trusted (a prober
 too slow to keep the socket busy: a CPU-bound LAN) there is no figure, never a guess.
 """
@@ -14,7 +15,7 @@ too slow to keep the socket busy: a CPU-bound LAN) there is no figure, never a g
 import time
 from collections.abc import Callable
 
-from fusionllm.node.p2p.lane.bulk import bulk_figure
+from fusionllm.node.p2p.lane.bulk_figure import bulk_figure
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 

@@ -23,11 +23,13 @@ from fusionllm.node.p2p.framing import (
     encode_head,
 )
 from fusionllm.node.p2p.inbound import Inbound
-from fusionllm.node.p2p.lane.bulk import BulkConfig, bulk_figure, frame_sizes, run_bulk
+from fusionllm.node.p2p.lane.bulk import BulkConfig, run_bulk
+from fusionllm.node.p2p.lane.bulk_figure import bulk_figure
+from fusionllm.node.p2p.lane.hold import LaneHold
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
-from fusionllm.node.p2p.lane.tcp_info import TcpInfo
+from fusionllm.node.p2p.lane.tcp_info import INFINITE_SSTHRESH, TcpInfo
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.limits import ByteBudget
 from fusionllm.node.p2p.transport_types import PeerCounters, TransportConfig
@@ -69,18 +71,30 @@ def test_no_trusted_sample_gives_no_figure():
         bulk_figure(start, [], min_bytes=0)
 
 
-def test_frames_cut_the_bytes_and_the_config_is_checked():
-    assert frame_sizes(3 << 20, 1 << 20) == [1 << 20] * 3
-    assert frame_sizes((1 << 20) + 5, 1 << 20) == [1 << 20, 5]
-    assert frame_sizes(7, 1 << 20) == [7]
-    with pytest.raises(ValueError, match="must be >= 1"):
-        frame_sizes(0, 1 << 20)
+def test_samples_past_slow_start_set_the_figure_where_there_are_two():
+    start = replace(BUSY, bytes_acked=0)
+    ramp = {"snd_ssthresh": INFINITE_SSTHRESH}  # the window still doubling
+    readings = [
+        reading(100, 30e6, **ramp),
+        reading(200, 170e6, **ramp),  # bunched ACKs in slow start: over the path
+        reading(300, 160e6, **ramp),
+        reading(400, 118e6, at=2.0),
+        reading(500, 121e6, at=3.0),
+    ]
+    assert bulk_figure(start, readings, min_bytes=100).bandwidth == 118e6
+    # One sample past slow start is not enough to go by: every counted sample sets it.
+    assert bulk_figure(start, readings[:4], min_bytes=100).bandwidth == 160e6
+
+
+def test_the_config_is_checked():
     with pytest.raises(ConfigError, match="over"):
         BulkConfig(frame_bytes=MAX_FILLER_BYTES + 1)
     with pytest.raises(ConfigError, match="samples must be an int >= 1"):
         BulkConfig(samples=0)
     with pytest.raises(ConfigError, match=r"lock_wait_s must be in \[0, 10\]"):
         BulkConfig(lock_wait_s=-1.0)
+    with pytest.raises(ConfigError, match="extend must be an int >= 1"):
+        BulkConfig(extend=0)
 
 
 class LaneInboxFake:
@@ -215,49 +229,124 @@ def _info(peer: str) -> SimpleNamespace:
 
 class FakeLane:
     """A lane's writer side as run_bulk uses it: frames 'drain' at once, the kernel's
-    readings come from a counter; ``fail_at`` makes that frame's write break the lane."""
+    readings come from a counter; ``fail_at`` makes that frame's write break the lane; the
+    readings after the first ``ramp_frames`` frames are in slow start, their samples climbing
+    to 60 MB/s (None: it never ends); ``others`` are lanes whose locks each write notes."""
 
-    def __init__(self, *, fail_at: int | None = None) -> None:
+    def __init__(self, *, fail_at: int | None = None, ramp_frames: int | None = 0) -> None:
         self.lock = threading.Lock()
         self.punched = False
         self.acked = 0
         self.frames = 0
-        self.info_reads = 0
+        self.sizes: list[int] = []
         self.fail_at = fail_at
+        self.ramp_frames = ramp_frames
         self.last_reading: tuple[TcpInfo, float] | None = None
+        self.others: list[FakeLane] = []
+        self.others_held: list[bool] = []
 
     def kernel_info(self) -> TcpInfo:
-        self.info_reads += 1
+        if self.ramp_frames is None or self.frames <= self.ramp_frames:
+            ramp = 60e6 * min(1.0, (self.frames + 1) / 16)
+            return replace(BUSY, bytes_acked=self.acked, delivery_rate=ramp,
+                           snd_ssthresh=INFINITE_SSTHRESH)  # fmt: skip
         return replace(BUSY, bytes_acked=self.acked)
 
     def write_locked(self, parts, deadline: float) -> int:
         if self.frames == self.fail_at:
             raise TransportError("writing to the lane failed: reset by peer")
-        self.frames += 1
+        self.others_held.extend(other.lock.locked() for other in self.others)
         sealed = sum(len(p) for p in parts) + 32
+        self.sizes.append(len(parts[1]))
         self.acked += sealed
+        self.frames += 1
         self.last_reading = (self.kernel_info(), 100.0)  # what LaneWriter._measure files
         return sealed
 
 
-def _senders(lane: FakeLane) -> tuple[LaneSenders, PeerCounters]:
+def _senders(lane: FakeLane, **others: FakeLane) -> tuple[LaneSenders, PeerCounters]:
     counters = PeerCounters()
     senders = LaneSenders(counters)
     senders.add("b", lane)
+    for peer, other in others.items():
+        senders.add(peer, other)
     return senders, counters
 
 
-def test_a_bulk_probe_counts_the_frames_it_wrote_reading_tcp_info_once_a_frame():
+HEAD = len(encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), 1))
+
+
+def test_a_bulk_probe_writes_whole_mib_frames_and_counts_them():
     lane = FakeLane()
     senders, counters = _senders(lane)
     sample = senders.bulk_probe("b", 3 << 20)  # three 1 MiB filler frames
     assert sample is not None
     assert sample.bandwidth == BUSY.delivery_rate
-    assert lane.frames == 3
-    # One reading at the start, one per frame (the write's own), one as the rest drained.
-    assert lane.info_reads == 1 + 3 + 1
-    head = len(encode_head(FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0), 1))
-    assert counters.snapshot()["b"].bytes_out == 3 * ((1 << 20) + head)
+    assert lane.sizes == [1 << 20] * 3
+    assert counters.snapshot()["b"].bytes_out == 3 * ((1 << 20) + HEAD)
+    assert sample.probe_bytes == counters.snapshot()["b"].bytes_out
+
+
+def test_the_kernel_is_read_between_writes_by_the_poller():
+    class SlowLane(FakeLane):
+        def write_locked(self, parts, deadline: float) -> int:
+            time.sleep(0.1)  # the socket drains for a while: the poller reads meanwhile
+            return super().write_locked(parts, deadline)
+
+    lane, reads = SlowLane(), []
+    original = lane.kernel_info
+    lane.kernel_info = lambda: reads.append(lane.frames) or original()
+    senders, _ = _senders(lane)
+    assert senders.bulk_probe("b", 2 << 20) is not None
+    # Read while the first frame drained (before it was counted), not only after writes.
+    assert reads.count(0) > 3
+
+
+def test_a_probe_still_in_slow_start_goes_on_until_two_samples_past_it():
+    lane = FakeLane(ramp_frames=10)  # a far link: 1 MiB ends inside slow start
+    senders, _ = _senders(lane)
+    sample = senders.bulk_probe("b", 1 << 20)
+    assert sample is not None
+    # Frames 2-10 (a quarter MiB each) still ramp; 11 and 12 give two samples past slow start.
+    assert lane.sizes == [1 << 20] + [256 << 10] * 11
+    assert sample.bandwidth == BUSY.delivery_rate  # 120 MB/s, where the ramp read 41 at most
+    assert sample.probe_bytes == (1 << 20) + 11 * (256 << 10) + 12 * HEAD
+
+
+def test_a_probe_that_never_leaves_slow_start_stops_at_extend_times_its_bytes():
+    lane = FakeLane(ramp_frames=None)
+    senders, _ = _senders(lane)
+    sample = senders.bulk_probe("b", 1 << 20)
+    assert sum(lane.sizes) == 4 << 20  # BulkConfig.extend
+    assert sample is not None
+    assert sample.bandwidth == 60e6 * 13 / 16  # the ramp's best but one (after frame 12 of 13)
+
+
+def test_our_other_lanes_wait_out_a_probe_and_are_free_after_it():
+    lane, other, busy = FakeLane(), FakeLane(), FakeLane()
+    lane.others = [other, busy]
+    busy.lock.acquire()  # a frame on it: the hold waits a moment, then leaves it be
+    try:
+        senders, _ = _senders(lane, c=other, d=busy)
+        assert senders.bulk_probe("b", 2 << 20) is not None
+    finally:
+        busy.lock.release()
+    assert lane.others_held == [True, True, True, True]  # busy's held by its frame
+    assert not other.lock.locked()
+    assert not lane.lock.locked()
+
+
+def test_a_hold_lets_go_by_itself_after_its_longest():
+    lanes = [FakeLane(), FakeLane()]
+    hold = LaneHold(lanes, max_s=0.05)
+    assert hold.held == 2
+    assert all(lane.lock.locked() for lane in lanes)
+    deadline = time.monotonic() + 5
+    while any(lane.lock.locked() for lane in lanes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(lane.lock.locked() for lane in lanes)
+    hold.release()  # a second release, after the timer's: harmless
+    assert hold.held == 0
 
 
 def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
@@ -273,10 +362,11 @@ def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
 
 
 def test_a_bulk_probe_cut_short_counts_only_whole_frames_and_drops_the_lane():
+    other = FakeLane()
     lane = FakeLane(fail_at=1)  # the second frame's write breaks
-    senders, counters = _senders(lane)
+    senders, counters = _senders(lane, c=other)
     assert senders.bulk_probe("b", 3 << 20) is None
-    assert counters.snapshot()["b"].bytes_out < 2 << 20  # the first frame only
-    assert counters.snapshot()["b"].bytes_out > 1 << 20
+    assert counters.snapshot()["b"].bytes_out == (1 << 20) + HEAD  # the first frame only
+    assert not other.lock.locked()  # the hold ended with the probe
     assert senders.bulk_probe("b", 1 << 20) is None  # dropped: no lane to probe on
     assert lane.frames == 1

@@ -120,8 +120,29 @@ def test_links_our_lanes_measure_are_not_probed():
     }
     link_monitor, members = _monitor(["b", "c", "d", "e"], probed, wire, None)
     link_monitor._probe_round(members)
+    # b's frames never filled its link: one bulk probe, then its frames go by for a while.
+    assert sorted(probed) == ["b", "c", "e"]
+    assert link_monitor.book.last_measured("a", time.time()).keys() >= {"b", "c", "e"}
+    probed.clear()
+    link_monitor._probe_round(members)
     assert sorted(probed) == ["c", "e"]
-    assert link_monitor.book.last_measured("a", time.time()).keys() >= {"c", "e"}
+    # Half the book's max age (30 s) after its last bulk probe, b gets another.
+    link_monitor._bulk_at["b"] -= 31.0
+    probed.clear()
+    link_monitor._probe_round(members)
+    assert sorted(probed) == ["b", "c", "e"]
+
+
+def test_lane_figures_are_filed_once_a_probe_interval_per_link():
+    probed, wire = [], {}
+    link_monitor, members = _monitor(["b"], probed, wire, None)
+    now = time.time()
+    wire["b"] = WireSample(2e6, 0.02, now - 0.5)
+    assert link_monitor.file_wire(members) == 1
+    wire["b"] = WireSample(3e6, 0.02, now - 0.2)  # newer, but within the 2 s interval
+    assert link_monitor.file_wire(members) == 0
+    link_monitor._filed_at["b"] -= 2.0
+    assert link_monitor.file_wire(members) == 1
 
 
 def test_without_lane_figures_every_link_is_probed():

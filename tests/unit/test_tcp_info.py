@@ -20,11 +20,11 @@ from fusionllm.node.p2p.lane.wire_meter import WireMeter, WireMeterConfig
 
 def fake_tcp_info(
     *, rtt_us=900, min_rtt_us=500, acked=0, rate=125_000_000, app_limited=False, state=1,
-    busy_us=0, rwnd_us=0, sndbuf_us=0, received=4, retrans=123, extra=b"",
+    busy_us=0, rwnd_us=0, sndbuf_us=0, received=4, retrans=123, ssthresh=117, extra=b"",
 ) -> bytes:  # fmt: skip
     u8 = [state, 0, 0, 0, 0, 0, 0x77, 0x04 | (1 if app_limited else 0)]
     u32 = list(range(100, 124))  # every field distinct, so a wrong offset shows
-    u32[2], u32[15], u32[18], u32[23] = 1448, rtt_us, 10, retrans
+    u32[2], u32[15], u32[17], u32[18], u32[23] = 1448, rtt_us, ssthresh, 10, retrans
     u64a = [1, 2, acked, received]
     u32b = [5, 6, 7, min_rtt_us, 8, 9]
     u64b = [rate, busy_us, rwnd_us, sndbuf_us]
@@ -41,6 +41,7 @@ def test_fields_are_read_at_linux_tcp_h_offsets():
             sndbuf_us=125_000,
             received=5 << 30,
             retrans=7,
+            ssthresh=64,
             extra=bytes(40),
         )
     )
@@ -48,8 +49,11 @@ def test_fields_are_read_at_linux_tcp_h_offsets():
         state=1, rtt_s=900e-6, min_rtt_s=500e-6, snd_cwnd=10, snd_mss=1448,
         bytes_acked=3 << 30, delivery_rate=987_654_321.0, app_limited=False, busy_s=2.0,
         rwnd_limited_s=0.25, sndbuf_limited_s=0.125, bytes_received=5 << 30, total_retrans=7,
+        snd_ssthresh=64,
     )  # fmt: skip
     assert parse_tcp_info(fake_tcp_info(app_limited=True)).app_limited
+    assert info.slow_start  # a window of 10 segments under a threshold of 64
+    assert not parse_tcp_info(fake_tcp_info(ssthresh=7)).slow_start
 
 
 @pytest.mark.parametrize("data", [b"", bytes(TCP_INFO_BYTES - 1), bytes(104)])

@@ -5,34 +5,41 @@ and yamux in the node's trio thread) reads a 1 Gbit/s link at 3-35 MB/s of 125 (
 and a lane's training frames (128 KiB of tiny's activations, 20 ms apart) never fill the pipe
 long enough for the kernel to time it. A bulk probe writes ``nbytes`` of filler frames on the
 lane (kernel-paced ``sendall``: the socket takes them as fast as the link drains) and reads
-``TCP_INFO`` after each frame and while the rest drains; the figure is the best but one of
-the kernel's rate samples taken while data was queued (wire_meter.trusted), each after
-``nbytes // samples`` more bytes were acknowledged, with the kernel's minimum RTT. Measured
+``TCP_INFO`` while they go and drain; the figure is the best but one of the kernel's rate
+samples taken while data was queued (wire_meter.trusted), each after ``nbytes // samples``
+more bytes were acknowledged, with the kernel's minimum RTT (bulk_figure.py). Measured
 on the testbed (docs/testbed.md): 1 MiB frames back to back read 91-124 MB/s of 125 with
 0-4 busy loops in the sender's 0.45-core share.
 
-Why the best but one, not the median (session 13, topology C): a kernel rate sample spans at
-least a round trip of sends and of ACKs, so it reads the path low, never high, unless ACKs
-arrive bunched; slow start on a new lane, a loss's recovery in the middle of the probe (a
-home uplink's deep queue overflowing) and a peer whose own uplink delays our ACKs all pull
-samples down. The median of a 1 MiB probe read 0.58-0.82 of a 2.5-12.5 MB/s cap on the
-first probe of far or small links where the probe's best samples read 0.90-0.96 of it; one
-bunched sample cannot set the figure.
+Why the kernel is read from a thread of its own (session 14): read only after each 1 MiB
+write, which returns once most of the frame is acknowledged, a probe counted 2-7 samples, and
+with two the best but one is the slower (h4 -> h5 on topology C read 0.48 of 1.25 MB/s from
+samples of 0.48 and 1.21). Frames of an eighth gave more readings but, in a prober starved of
+CPU (four busy loops in a 0.45-core share), left the socket dry between writes: a 1 Gbit/s
+LAN read 1.8-40 MB/s of 125. So the frames stay 1 MiB and a poller reads ``TCP_INFO`` every
+``poll_s`` while they drain (``getsockopt`` beside a blocked ``sendall``).
+
+Why a probe may go on: a far link's probe ended in slow start (h1 -> h5, 5 MB/s at 80 ms:
+1.1 -> 3.9 MB/s), so while the kernel still doubles its window the probe writes on, up to
+``extend`` times its bytes and half its time, until ``settled`` samples past slow start are
+counted (bulk_figure.py).
 
 The lane is taken only if free within ``lock_wait_s`` (a training frame has the lane first);
 the receiver reads filler frames within the same budgets as tensors and drops them
 (lane/serve.py). Not a frame of ours, so a stream refuses it (inbound.py).
 """
 
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.p2p.framing import MAX_FILLER_BYTES, FrameHeader, FrameKind, encode_head
+from fusionllm.node.p2p.lane.bulk_figure import Reading, bulk_figure, past_slow_start
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo, TcpInfoError
-from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
+from fusionllm.node.p2p.lane.wire_meter import WireSample
 
 # A stream probe's deadline too (ControlConfig.probe_timeout_s): 1 MiB at 8 Mbit/s is ~1 s.
 BULK_TIMEOUT_S = 5.0
@@ -45,9 +52,14 @@ class BulkConfig:
     lock_wait_s: float = 0.05  # a lane busy with training frames longer than this: skipped
     poll_s: float = 0.001  # how often TCP_INFO is read while the frames drain
     samples: int = 8  # a rate sample counts after nbytes // samples more bytes were acked
+    # A probe whose kernel still doubles its window after nbytes goes on, in frames of
+    # nbytes // extend, up to extend times nbytes, until it counted ``settled`` samples past
+    # slow start.
+    extend: int = 4
+    settled: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("frame_bytes", "samples"):
+        for name in ("frame_bytes", "samples", "extend", "settled"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -59,37 +71,6 @@ class BulkConfig:
                 raise ConfigError(f"{name} must be in [0, 10] s, got {value!r}")
 
 
-def frame_sizes(nbytes: int, frame_bytes: int) -> list[int]:
-    """``nbytes`` cut into filler frames of at most ``frame_bytes`` (the last one shorter)."""
-    if nbytes < 1 or frame_bytes < 1:
-        raise ValueError(f"nbytes and frame_bytes must be >= 1, got {nbytes}, {frame_bytes}")
-    full, rest = divmod(nbytes, frame_bytes)
-    return [frame_bytes] * full + ([rest] if rest else [])
-
-
-def bulk_figure(
-    start: TcpInfo, readings: Iterable[tuple[TcpInfo, float]], *, min_bytes: int
-) -> WireSample | None:
-    """The link's figure from the kernel's readings (with the wall clock they were read at)
-    during a bulk probe that began at ``start``: the best but one of the trusted rate samples
-    (the only one, where one was), each taken once ``min_bytes`` more were acknowledged than
-    at the last one counted (a rate the kernel did not renew must not count twice); None
-    where none was trusted."""
-    if min_bytes < 1:
-        raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
-    acked, rates, rtts, last_at = start.bytes_acked, [], [], 0.0
-    for info, at in readings:
-        if not trusted(info) or info.bytes_acked - acked < min_bytes:
-            continue
-        acked, last_at = info.bytes_acked, at
-        rates.append(info.delivery_rate)
-        rtts.append(info.min_rtt_s)
-    if not rates:
-        return None
-    best_but_one = sorted(rates)[-2] if len(rates) > 1 else rates[0]
-    return WireSample(best_but_one, min(rtts), last_at)
-
-
 def run_bulk(
     lane: LaneWriter,
     nbytes: int,
@@ -98,48 +79,112 @@ def run_bulk(
     *,
     on_frame: Callable[[int], None] = lambda nbytes: None,
 ) -> WireSample | None:
-    """Probe the link under ``lane`` with ``nbytes`` of filler, all within ``timeout`` s: its
-    figure, or None (the lane busy, or no trusted sample). ``on_frame`` gets each filler
-    frame's bytes (head and body) once it is written whole: what the peer was sent, which is
-    less than ``nbytes`` when the lane was busy or a write failed. Raises what a write raises
-    (DeadlineError, TransportError: the lane is then broken)."""
+    """Probe the link under ``lane`` with at least ``nbytes`` of filler (more while the kernel
+    is in slow start: ``BulkConfig.extend``), all within ``timeout`` s: its figure, or None
+    (the lane busy, or no trusted sample). ``on_frame`` gets each filler frame's bytes (head
+    and body) once it is written whole: what the peer was sent, which is less than ``nbytes``
+    when the lane was busy or a write failed. Raises what a write raises (DeadlineError,
+    TransportError: the lane is then broken)."""
     config = config or BulkConfig()
     deadline = time.monotonic() + timeout
     if not lane.lock.acquire(timeout=config.lock_wait_s):
         return None
-    readings: list[tuple[TcpInfo, float]] = []
+    min_bytes = max(1, nbytes // config.samples)
+    poller: _Poller | None = None
     try:
         start = lane.kernel_info()
-        sent = 0
-        for size in frame_sizes(nbytes, config.frame_bytes):
-            frame = _filler(size)
-            sent += lane.write_locked(frame, deadline)
-            on_frame(len(frame[0]) + size)
-            # The write read TCP_INFO for the lane's meter already: one system call a frame.
-            if lane.last_reading is None:
-                raise TcpInfoError("TCP_INFO was not readable after a filler frame")
-            readings.append(lane.last_reading)
+        poller = _Poller(lane, config.poll_s)
+        sent = _write_filler(lane, start, nbytes, min_bytes, deadline, config, on_frame, poller)
     except TcpInfoError:
         return None  # not Linux, or the lane closed under us: the stream probe measures
     finally:
         lane.lock.release()
-    readings.extend(_draining(lane, start.bytes_acked + sent, deadline, config.poll_s))
-    return bulk_figure(start, readings, min_bytes=max(1, nbytes // config.samples))
+        if poller is not None and not poller.waiting:
+            poller.stop()
+    readings = poller.drained(start.bytes_acked + sent, deadline)
+    return bulk_figure(start, readings, min_bytes=min_bytes, settled=config.settled)
 
 
-def _draining(
-    lane: LaneWriter, acked_by: int, deadline: float, poll_s: float
-) -> Iterator[tuple[TcpInfo, float]]:
-    """Readings until the kernel acknowledged ``acked_by`` bytes, or the deadline."""
-    while time.monotonic() < deadline:
-        try:
-            info = lane.kernel_info()
-        except TcpInfoError:
-            return
-        yield info, time.time()
-        if info.bytes_acked >= acked_by:
-            return
-        time.sleep(poll_s)
+def _write_filler(
+    lane: LaneWriter,
+    start: TcpInfo,
+    nbytes: int,
+    min_bytes: int,
+    deadline: float,
+    config: BulkConfig,
+    on_frame: Callable[[int], None],
+    poller: "_Poller",
+) -> int:
+    """Filler frames until ``nbytes`` are out and the kernel has left slow start (or the
+    extension's bounds are reached); the sealed bytes sent."""
+    sent = written = 0
+    more = max(1, min(config.frame_bytes, nbytes // config.extend))
+    # Half the time for going on: the rest drains the queue and times its last samples.
+    extend_until = time.monotonic() + (deadline - time.monotonic()) / 2
+    while written < nbytes or (
+        written < nbytes * config.extend
+        and time.monotonic() < extend_until
+        and not past_slow_start(
+            start, poller.readings(), min_bytes=min_bytes, settled=config.settled
+        )
+    ):
+        size = min(config.frame_bytes, nbytes - written) if written < nbytes else more
+        frame = _filler(size)
+        sent += lane.write_locked(frame, deadline)
+        written += size
+        on_frame(len(frame[0]) + size)
+        # The write read TCP_INFO for the lane's meter already: the poller keeps it too.
+        if lane.last_reading is None:
+            raise TcpInfoError("TCP_INFO was not readable after a filler frame")
+        poller.add(lane.last_reading)
+    poller.waiting = True
+    return sent
+
+
+class _Poller:
+    """Reads the lane's ``TCP_INFO`` every ``poll_s`` from a thread of its own, from creation
+    until stopped (or the lane cannot be read), each reading timed before its call."""
+
+    MAX_READINGS = 20_000  # 20 s at 1 ms: past any probe's deadline
+
+    def __init__(self, lane: LaneWriter, poll_s: float) -> None:
+        self._lane, self._poll_s = lane, poll_s
+        self._readings: list[Reading] = []
+        self._stop = threading.Event()
+        self.waiting = False  # the writes are done: drained() stops it
+        self._thread = threading.Thread(target=self._run, name="bulk-poll", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self._readings) < self.MAX_READINGS:
+            at = time.time()
+            try:
+                info = self._lane.kernel_info()
+            except TcpInfoError:
+                return
+            self._readings.append((info, at))
+            self._stop.wait(self._poll_s)
+
+    def add(self, reading: Reading) -> None:
+        self._readings.append(reading)
+
+    def readings(self) -> list[Reading]:
+        return list(self._readings)  # one operation: a copy safe beside the appending thread
+
+    def stop(self) -> list[Reading]:
+        self._stop.set()
+        self._thread.join()
+        return self.readings()
+
+    def drained(self, acked_by: int, deadline: float) -> list[Reading]:
+        """The readings once the kernel acknowledged ``acked_by`` bytes, or at the deadline
+        (or once the lane cannot be read), the poller stopped."""
+        while time.monotonic() < deadline and self._thread.is_alive():
+            last = self._readings[-1][0] if self._readings else None
+            if last is not None and last.bytes_acked >= acked_by:
+                break
+            time.sleep(max(self._poll_s, 0.001))
+        return self.stop()
 
 
 # Filler's body: its content is never read (sealed, then dropped), so one buffer serves all

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from functools import partial
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.p2p.lane.bulk import BULK_TIMEOUT_S, run_bulk
+from fusionllm.node.p2p.lane.hold import LaneHold
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
@@ -62,14 +62,27 @@ class LaneSenders:
         lane = self._by_peer.get(peer)
         if lane is None:
             return None
+        written = 0
+
+        def on_frame(size: int) -> None:
+            nonlocal written
+            written += size
+            self._counters.sent(peer, size)
+
+        # Our frames to others wait out the probe (hold.py) rather than share the uplink.
+        hold = LaneHold(other for other in list(self._by_peer.values()) if other is not lane)
         try:
             # Counted frame by frame: a busy lane sends nothing, a broken one part of it.
-            sample = run_bulk(lane, nbytes, timeout, on_frame=partial(self._counters.sent, peer))
+            sample = run_bulk(lane, nbytes, timeout, on_frame=on_frame)
         except FusionError:
             logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
             self.drop(peer, lane)
             return None
-        return replace(sample, punched=True) if sample is not None and lane.punched else sample
+        finally:
+            hold.release()
+        if sample is None:
+            return None
+        return replace(sample, punched=lane.punched or sample.punched, probe_bytes=written)
 
     def try_write(
         self, peer: str, parts: tuple[bytes, bytes], timeout: float

@@ -24,6 +24,7 @@ TCP_INFO_BYTES = _LAYOUT.size
 _ASK_BYTES = 256
 _APP_LIMITED_BIT = 0x01  # byte 7: tcpi_delivery_rate_app_limited:1, fastopen_client_fail:2
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
+INFINITE_SSTHRESH = 0x7FFFFFFF  # TCP_INFINITE_SSTHRESH: no loss or HyStart exit yet
 
 
 class TcpInfoError(FusionError):
@@ -47,6 +48,14 @@ class TcpInfo:
     sndbuf_limited_s: float  # time our send buffer held it back
     bytes_received: int = 0  # every byte the kernel took off the wire, read by us or not
     total_retrans: int = 0  # segments sent again, over the connection's life
+    # Slow start's threshold, segments (INFINITE_SSTHRESH until a loss or HyStart ends it):
+    # while snd_cwnd is under it the window still doubles each round trip.
+    snd_ssthresh: int = 0
+
+    @property
+    def slow_start(self) -> bool:
+        """The window still doubling: a rate sample now reads TCP's ramp, not the path."""
+        return self.snd_cwnd < self.snd_ssthresh
 
 
 def parse_tcp_info(data: bytes) -> TcpInfo:
@@ -73,6 +82,7 @@ def parse_tcp_info(data: bytes) -> TcpInfo:
         sndbuf_limited_s=u64b[3] / 1e6,
         bytes_received=u64a[3],
         total_retrans=u32[23],
+        snd_ssthresh=u32[17],
     )
 
 

@@ -45,6 +45,7 @@ class WireSample:
     rtt: float  # s
     measured_at: float  # wall clock
     punched: bool = False  # the lane's socket was punched through NATs (punch.py)
+    probe_bytes: int = 0  # what a bulk probe wrote to take it (0: a frame's figure)
 
 
 @dataclass(frozen=True, kw_only=True)

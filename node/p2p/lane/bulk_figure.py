@@ -1,0 +1,77 @@
+"""A bulk probe's figure from the kernel's readings (pure: tests feed it made-up readings).
+
+Why the best but one, not the median (session 13, topology C): a kernel rate sample spans at
+least a round trip of sends and of ACKs, so it reads the path low, never high, unless ACKs
+arrive bunched; slow start on a new lane, a loss's recovery in the middle of the probe (a
+home uplink's deep queue overflowing) and a peer whose own uplink delays our ACKs all pull
+samples down. The median of a 1 MiB probe read 0.58-0.82 of a 2.5-12.5 MB/s cap on the
+first probe of far or small links where the probe's best samples read 0.90-0.96 of it; one
+bunched sample cannot set the figure.
+
+Why samples past slow start are preferred (session 14, topology C): while the window still
+doubles the sender bursts, and ACKs of the emulator's whole GSO segments come bunched: h1 ->
+h4 read 8.7-9.0 MB/s of 6.25 in slow start. A far link's probe is written on until it has
+samples past it (bulk.py), and where it has ``settled`` of them only those count.
+"""
+
+from collections.abc import Iterable
+
+from fusionllm.node.p2p.lane.tcp_info import TcpInfo
+from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
+
+Reading = tuple[TcpInfo, float]  # the kernel's view and the wall clock it was read at
+
+
+def counted_samples(
+    start: TcpInfo, readings: Iterable[Reading], *, min_bytes: int
+) -> list[Reading]:
+    """The readings that count as rate samples: trusted, each once ``min_bytes`` more were
+    acknowledged than at the last one counted (a rate the kernel did not renew must not count
+    twice)."""
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
+    acked, counted = start.bytes_acked, []
+    for info, at in readings:
+        if trusted(info) and info.bytes_acked - acked >= min_bytes:
+            acked = info.bytes_acked
+            counted.append((info, at))
+    return counted
+
+
+def after_slow_start(start: TcpInfo, readings: list[Reading]) -> tuple[TcpInfo, list[Reading]]:
+    """The reading the kernel last doubled its window at (``start`` if it never did) and the
+    readings since."""
+    ramping = [i for i, (info, _) in enumerate(readings) if info.slow_start]
+    if not ramping:
+        return start, readings
+    return readings[ramping[-1]][0], readings[ramping[-1] + 1 :]
+
+
+def past_slow_start(
+    start: TcpInfo, readings: list[Reading], *, min_bytes: int, settled: int
+) -> bool:
+    """Whether ``settled`` samples were counted since the kernel last doubled its window: on a
+    far link a 1 MiB probe ends inside slow start (h1 -> h5 on topology C, 5 MB/s at 80 ms:
+    samples 1.1 -> 3.9 MB/s, still climbing when it ended)."""
+    base, after = after_slow_start(start, readings)
+    return len(counted_samples(base, after, min_bytes=min_bytes)) >= settled
+
+
+def bulk_figure(
+    start: TcpInfo, readings: Iterable[Reading], *, min_bytes: int, settled: int = 2
+) -> WireSample | None:
+    """The link's figure from the kernel's readings during a bulk probe that began at
+    ``start``: the best but one of the counted samples (``counted_samples``; the only one,
+    where one was), those past slow start only where there were ``settled`` of them, with
+    the least minimum RTT of all; None where none counted."""
+    readings = list(readings)
+    counted = counted_samples(start, readings, min_bytes=min_bytes)
+    if not counted:
+        return None
+    base, after = after_slow_start(start, readings)
+    settled_samples = counted_samples(base, after, min_bytes=min_bytes)
+    chosen = settled_samples if len(settled_samples) >= settled else counted
+    rates = sorted(info.delivery_rate for info, _ in chosen)
+    figure = rates[-2] if len(rates) > 1 else rates[0]
+    min_rtt = min(info.min_rtt_s for info, _ in counted)
+    return WireSample(figure, min_rtt, counted[-1][1])
