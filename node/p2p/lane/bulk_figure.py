@@ -11,9 +11,7 @@ bunched sample cannot set the figure.
 Why samples past slow start are preferred (session 14, topology C): while the window still
 doubles the sender bursts, and ACKs of the emulator's whole GSO segments come bunched: h1 ->
 h4 read 8.7-9.0 MB/s of 6.25 in slow start. A far link's probe is written on until it has
-samples past it (bulk.py), and where it has ``settled`` of them only those count. "Past" is
-past the kernel's slow start or past the moment a queue builds at the bottleneck, whichever
-comes first (``reads_path``).
+samples past it (bulk.py), and where it has ``settled`` of them only those count.
 """
 
 from collections.abc import Iterable
@@ -22,8 +20,6 @@ from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
 
 Reading = tuple[TcpInfo, float]  # the kernel's view and the wall clock it was read at
-QUEUE_RTT_SHARE = 0.25
-QUEUE_MIN_S = 0.002
 
 
 def counted_samples(
@@ -42,31 +38,21 @@ def counted_samples(
     return counted
 
 
-def reads_path(info: TcpInfo) -> bool:
-    """Whether the kernel's rate now reads the path, not TCP's ramp: past slow start, or a
-    queue building at the path's bottleneck (the smoothed RTT a quarter over the least, and
-    2 ms at least: a LAN's jitter). Without a loss the kernel never leaves slow start
-    (h1 -> h3 on topology C: 12.06 of 12.5 MB/s after 4 MiB, all in slow start), but once
-    the window outgrows the path the queue says so."""
-    queueing = info.rtt_s >= info.min_rtt_s + max(QUEUE_RTT_SHARE * info.min_rtt_s, QUEUE_MIN_S)
-    return queueing or not info.slow_start
-
-
 def after_slow_start(start: TcpInfo, readings: list[Reading]) -> tuple[TcpInfo, list[Reading]]:
-    """The reading before the kernel's first one that ``reads_path`` (``start`` if that came first)
-    and the readings from that one on."""
-    for i, (info, _) in enumerate(readings):
-        if reads_path(info):
-            return (readings[i - 1][0] if i else start), readings[i:]
-    return start, []
+    """The reading the kernel last doubled its window at (``start`` if it never did) and the
+    readings since."""
+    ramping = [i for i, (info, _) in enumerate(readings) if info.slow_start]
+    if not ramping:
+        return start, readings
+    return readings[ramping[-1]][0], readings[ramping[-1] + 1 :]
 
 
 def past_slow_start(
     start: TcpInfo, readings: list[Reading], *, min_bytes: int, settled: int
 ) -> bool:
-    """Whether ``settled`` samples were counted since the kernel's rate began to read the
-    path (``reads_path``): on a far link a 1 MiB probe ends inside slow start (h1 -> h5 on
-    topology C, 5 MB/s at 80 ms: samples 1.1 -> 3.9 MB/s, still climbing when it ended)."""
+    """Whether ``settled`` samples were counted since the kernel last doubled its window: on a
+    far link a 1 MiB probe ends inside slow start (h1 -> h5 on topology C, 5 MB/s at 80 ms:
+    samples 1.1 -> 3.9 MB/s, still climbing when it ended)."""
     base, after = after_slow_start(start, readings)
     return len(counted_samples(base, after, min_bytes=min_bytes)) >= settled
 
