@@ -24,7 +24,7 @@ from fusionllm.node.p2p.framing import (
 )
 from fusionllm.node.p2p.inbound import Inbound
 from fusionllm.node.p2p.lane.bulk import BulkConfig, run_bulk
-from fusionllm.node.p2p.lane.bulk_figure import bulk_figure
+from fusionllm.node.p2p.lane.bulk_figure import bulk_figure, past_slow_start
 from fusionllm.node.p2p.lane.hold import LaneHold
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
@@ -84,6 +84,17 @@ def test_samples_past_slow_start_set_the_figure_where_there_are_two():
     assert bulk_figure(start, readings, min_bytes=100).bandwidth == 118e6
     # One sample past slow start is not enough to go by: every counted sample sets it.
     assert bulk_figure(start, readings[:4], min_bytes=100).bandwidth == 160e6
+
+
+def test_a_probe_whose_samples_stopped_climbing_in_slow_start_need_not_go_on():
+    # No loss, so the kernel never left slow start, but the rate is flat: the path's.
+    start = replace(BUSY, bytes_acked=0)
+    ramp = {"snd_ssthresh": INFINITE_SSTHRESH}
+    rates = [1.5e6, 6e6, 11.8e6, 11.9e6, 12.0e6, 12.06e6]
+    readings = [reading(100 * (k + 1), rate, **ramp) for k, rate in enumerate(rates)]
+    assert past_slow_start(start, readings, min_bytes=100, settled=2)
+    assert not past_slow_start(start, readings[:5], min_bytes=100, settled=2)  # 6 -> 12 climbs
+    assert bulk_figure(start, readings, min_bytes=100).bandwidth == 12.0e6
 
 
 def test_the_config_is_checked():

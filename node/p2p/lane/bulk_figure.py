@@ -20,6 +20,9 @@ from fusionllm.node.p2p.lane.tcp_info import TcpInfo
 from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
 
 Reading = tuple[TcpInfo, float]  # the kernel's view and the wall clock it was read at
+# A probe whose last this-many samples lie within this spread has stopped climbing.
+PLATEAU = 4
+PLATEAU_SPREAD = 1.05
 
 
 def counted_samples(
@@ -50,11 +53,17 @@ def after_slow_start(start: TcpInfo, readings: list[Reading]) -> tuple[TcpInfo, 
 def past_slow_start(
     start: TcpInfo, readings: list[Reading], *, min_bytes: int, settled: int
 ) -> bool:
-    """Whether ``settled`` samples were counted since the kernel last doubled its window: on a
-    far link a 1 MiB probe ends inside slow start (h1 -> h5 on topology C, 5 MB/s at 80 ms:
-    samples 1.1 -> 3.9 MB/s, still climbing when it ended)."""
+    """Whether ``settled`` samples were counted since the kernel last doubled its window (on
+    a far link a 1 MiB probe ends inside slow start: h1 -> h5 on topology C, 5 MB/s at 80 ms,
+    samples 1.1 -> 3.9 MB/s, still climbing when it ended), or the last ``PLATEAU`` samples
+    no longer climb: without a loss the kernel never leaves slow start, and h1 -> h3 (12.5
+    MB/s at 40 ms) went on to 4 MiB at 11.8-12.06 MB/s (session 15)."""
     base, after = after_slow_start(start, readings)
-    return len(counted_samples(base, after, min_bytes=min_bytes)) >= settled
+    if len(counted_samples(base, after, min_bytes=min_bytes)) >= settled:
+        return True
+    counted = counted_samples(start, readings, min_bytes=min_bytes)
+    last = [info.delivery_rate for info, _ in counted[-PLATEAU:]]
+    return len(last) == PLATEAU and max(last) <= PLATEAU_SPREAD * min(last)
 
 
 def bulk_figure(

@@ -17,7 +17,7 @@ from fusionllm.node.p2p.lane.stream import LaneWriter
 # A lane carrying a frame now is waited for this long at most, then left to it (that probe
 # then shares the link, as before).
 HOLD_WAIT_S = 0.02
-HOLD_MAX_S = 2.0
+HOLD_MAX_S = 1.0
 
 
 class LaneHold:
