@@ -40,6 +40,7 @@ from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.control.pace import Timing
 from fusionllm.node.control.pacing import StepPacing
 from fusionllm.node.control.port_mapper import PortMapper
+from fusionllm.node.control.probe_slots import slot_seconds
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.relay_use import RelayUse, dht_client_mode
@@ -248,6 +249,7 @@ class NodeDaemon:
             quiet=lambda: self.agreement.quiet.cadence.stride,
             wire=lambda: self.wire_samples(),
             lane_probe=lambda peer, nbytes: self.lane_probe(peer, nbytes),
+            probe_slot_s=slot_seconds(cfg.probe_bytes),
         )
 
     def _reach_check(self) -> ReachCheck:

@@ -10,7 +10,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
@@ -23,6 +23,7 @@ from fusionllm.node.control.bandwidth import (
     choose_probe_targets,
 )
 from fusionllm.node.control.probe_budget import ProbeBudget, ProbeBudgetConfig
+from fusionllm.node.control.probe_slots import next_slot
 from fusionllm.node.control.quiet import MAX_PROBE_STRETCH, ConnectionWatch, HeldAge
 from fusionllm.node.errors import TransportClosedError, TransportError
 from fusionllm.node.p2p.control_host import ControlHost
@@ -78,6 +79,7 @@ class LinkMonitor:
         wire: Callable[[], dict[str, WireSample]] = dict,
         lane_probe: Callable[[str, int], WireSample | None] = lambda peer, nbytes: None,
         probe_budget: ProbeBudgetConfig | None = None,
+        probe_slot_s: float = 0.0,
     ) -> None:
         self.control = control
         self.book = book
@@ -103,6 +105,8 @@ class LinkMonitor:
         self._probes_failed = 0
         self._backoff = ProbeBackoff(max_factor_for(probe_interval_s, book.max_age_s))
         self._budget = ProbeBudget(probe_budget, now=time.monotonic())
+        # One sender at a time into each member (probe_slots.py); 0: probe at once.
+        self.probe_slot_s = probe_slot_s
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None
         self._bulk_at: dict[str, float] = {}  # our last bulk probe of each peer (monotonic)
@@ -255,12 +259,11 @@ class LinkMonitor:
             priority=priority,
             rng=self._rng,
         )
-        for peer in targets:
-            if self._stop.is_set():
+        for peer in self._in_slots(targets, members):
+            if peer is None:
                 return
             if not self._budget.allows(time.monotonic()):
-                logger.debug("probe budget spent: %d target(s) wait for a later round",
-                             len(targets) - targets.index(peer))  # fmt: skip
+                logger.debug("probe budget spent: targets wait for a later round")
                 return
             # Links the plan uses get full-size stream probes (a better estimate where it
             # matters); the rest a quarter, enough to rank them. A lane probe is always full
@@ -274,6 +277,25 @@ class LinkMonitor:
                 self._budget.spend(sent / max(sample.bandwidth, 1.0), time.monotonic())
                 now = time.time()
                 self.book.record(self.peer_id, peer, sample, now=now, window=self.PROBE_WINDOW)
+
+    def _in_slots(self, targets: list[str], members: dict[str, NodeInfo]) -> Iterator[str | None]:
+        """``targets``, each once its slot into it has come (probe_slots.py), soonest first;
+        None where we stop meanwhile (then the round ends)."""
+        pending, everyone = list(targets), {*members, self.peer_id}
+        while pending:
+            if self.probe_slot_s <= 0:
+                peer, wait = pending[0], 0.0
+            else:
+                now = time.time()
+                starts = {p: next_slot(now, self.peer_id, p, everyone, self.probe_slot_s)[0]
+                          for p in pending}  # fmt: skip
+                peer = min(pending, key=starts.__getitem__)
+                wait = starts[peer] - now
+            pending.remove(peer)
+            if self._stop.wait(max(0.0, wait)) or self._stop.is_set():
+                yield None
+                return
+            yield peer
 
     def _measured_by_lanes(self) -> set[str]:
         """Peers whose links our lanes' own frames measure (file_wire), so a probe would only

@@ -25,7 +25,6 @@ from fusionllm.node.p2p.framing import (
 from fusionllm.node.p2p.inbound import Inbound
 from fusionllm.node.p2p.lane.bulk import BulkConfig, run_bulk
 from fusionllm.node.p2p.lane.bulk_figure import bulk_figure, past_slow_start
-from fusionllm.node.p2p.lane.hold import LaneHold
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
@@ -242,7 +241,7 @@ class FakeLane:
     """A lane's writer side as run_bulk uses it: frames 'drain' at once, the kernel's
     readings come from a counter; ``fail_at`` makes that frame's write break the lane; the
     readings after the first ``ramp_frames`` frames are in slow start, their samples climbing
-    to 60 MB/s (None: it never ends); ``others`` are lanes whose locks each write notes."""
+    to 60 MB/s (None: it never ends)."""
 
     def __init__(self, *, fail_at: int | None = None, ramp_frames: int | None = 0) -> None:
         self.lock = threading.Lock()
@@ -253,8 +252,6 @@ class FakeLane:
         self.fail_at = fail_at
         self.ramp_frames = ramp_frames
         self.last_reading: tuple[TcpInfo, float] | None = None
-        self.others: list[FakeLane] = []
-        self.others_held: list[bool] = []
 
     def kernel_info(self) -> TcpInfo:
         if self.ramp_frames is None or self.frames <= self.ramp_frames:
@@ -266,7 +263,6 @@ class FakeLane:
     def write_locked(self, parts, deadline: float) -> int:
         if self.frames == self.fail_at:
             raise TransportError("writing to the lane failed: reset by peer")
-        self.others_held.extend(other.lock.locked() for other in self.others)
         sealed = sum(len(p) for p in parts) + 32
         self.sizes.append(len(parts[1]))
         self.acked += sealed
@@ -275,12 +271,10 @@ class FakeLane:
         return sealed
 
 
-def _senders(lane: FakeLane, **others: FakeLane) -> tuple[LaneSenders, PeerCounters]:
+def _senders(lane: FakeLane) -> tuple[LaneSenders, PeerCounters]:
     counters = PeerCounters()
     senders = LaneSenders(counters)
     senders.add("b", lane)
-    for peer, other in others.items():
-        senders.add(peer, other)
     return senders, counters
 
 
@@ -333,33 +327,6 @@ def test_a_probe_that_never_leaves_slow_start_stops_at_extend_times_its_bytes():
     assert sample.bandwidth == 60e6 * 13 / 16  # the ramp's best but one (after frame 12 of 13)
 
 
-def test_our_other_lanes_wait_out_a_probe_and_are_free_after_it():
-    lane, other, busy = FakeLane(), FakeLane(), FakeLane()
-    lane.others = [other, busy]
-    busy.lock.acquire()  # a frame on it: the hold waits a moment, then leaves it be
-    try:
-        senders, _ = _senders(lane, c=other, d=busy)
-        assert senders.bulk_probe("b", 2 << 20) is not None
-    finally:
-        busy.lock.release()
-    assert lane.others_held == [True, True, True, True]  # busy's held by its frame
-    assert not other.lock.locked()
-    assert not lane.lock.locked()
-
-
-def test_a_hold_lets_go_by_itself_after_its_longest():
-    lanes = [FakeLane(), FakeLane()]
-    hold = LaneHold(lanes, max_s=0.05)
-    assert hold.held == 2
-    assert all(lane.lock.locked() for lane in lanes)
-    deadline = time.monotonic() + 5
-    while any(lane.lock.locked() for lane in lanes) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(lane.lock.locked() for lane in lanes)
-    hold.release()  # a second release, after the timer's: harmless
-    assert hold.held == 0
-
-
 def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
     lane = FakeLane()
     senders, counters = _senders(lane)
@@ -373,11 +340,9 @@ def test_a_bulk_probe_on_a_busy_lane_counts_nothing_sent():
 
 
 def test_a_bulk_probe_cut_short_counts_only_whole_frames_and_drops_the_lane():
-    other = FakeLane()
     lane = FakeLane(fail_at=1)  # the second frame's write breaks
-    senders, counters = _senders(lane, c=other)
+    senders, counters = _senders(lane)
     assert senders.bulk_probe("b", 3 << 20) is None
     assert counters.snapshot()["b"].bytes_out == (1 << 20) + HEAD  # the first frame only
-    assert not other.lock.locked()  # the hold ended with the probe
     assert senders.bulk_probe("b", 1 << 20) is None  # dropped: no lane to probe on
     assert lane.frames == 1

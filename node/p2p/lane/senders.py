@@ -16,7 +16,6 @@ from dataclasses import replace
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.p2p.lane.bulk import BULK_TIMEOUT_S, run_bulk
-from fusionllm.node.p2p.lane.hold import LaneHold
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
@@ -69,8 +68,6 @@ class LaneSenders:
             written += size
             self._counters.sent(peer, size)
 
-        # Our frames to others wait out the probe (hold.py) rather than share the uplink.
-        hold = LaneHold(other for other in list(self._by_peer.values()) if other is not lane)
         try:
             # Counted frame by frame: a busy lane sends nothing, a broken one part of it.
             sample = run_bulk(lane, nbytes, timeout, on_frame=on_frame)
@@ -78,8 +75,6 @@ class LaneSenders:
             logger.debug("a bulk probe to %s broke its lane", peer, exc_info=True)
             self.drop(peer, lane)
             return None
-        finally:
-            hold.release()
         if sample is None:
             return None
         return replace(sample, punched=lane.punched or sample.punched, probe_bytes=written)

@@ -1,0 +1,109 @@
+"""Probe slots (control/probe_slots.py): one sender at a time into each member."""
+
+import pytest
+
+from fusionllm.node.control.probe_slots import MIN_SLOT_S, next_slot, slot_seconds
+
+MEMBERS = ["a", "b", "c", "d", "e"]
+
+
+def owners(dst: str, now: float, slot_s: float) -> dict[str, tuple[float, float]]:
+    return {src: next_slot(now, src, dst, MEMBERS, slot_s) for src in MEMBERS if src != dst}
+
+
+def test_every_other_member_gets_its_own_slot_into_a_receiver_each_cycle():
+    for dst in MEMBERS:
+        slots = owners(dst, 1000.0, 2.5)
+        starts = sorted(start for start, _ in slots.values())
+        assert len(set(starts)) == 4  # nobody shares a slot into dst
+        assert starts[-1] - starts[0] == 3 * 2.5  # the four fill one cycle
+        assert all(end - start == 2.5 for start, end in slots.values())
+        assert all(start >= 1000.0 - 1.25 for start in starts)
+
+
+def test_a_slot_half_gone_is_passed_up_for_the_next_cycle():
+    start, end = next_slot(1000.0, "a", "e", MEMBERS, 2.5)
+    assert next_slot(start + 1.0, "a", "e", MEMBERS, 2.5) == (start, end)  # a second in
+    assert next_slot(start + 1.5, "a", "e", MEMBERS, 2.5) == (start + 10.0, end + 10.0)
+
+
+def test_the_same_view_gives_the_same_slots_whatever_the_order():
+    shuffled = ["d", "b", "e", "a", "c"]
+    assert next_slot(77.0, "b", "d", shuffled, 1.0) == next_slot(77.0, "b", "d", MEMBERS, 1.0)
+
+
+def test_a_sender_owns_different_slots_into_different_receivers():
+    starts = {dst: next_slot(500.0, "a", dst, MEMBERS, 1.0)[0] for dst in "bcde"}
+    assert len(set(starts.values())) > 1
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="not among the members"):
+        next_slot(1.0, "z", "a", MEMBERS, 1.0)
+    with pytest.raises(ValueError, match="not among the members"):
+        next_slot(1.0, "a", "a", MEMBERS, 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        next_slot(float("nan"), "a", "b", MEMBERS, 1.0)
+    with pytest.raises(ValueError, match="probe_bytes"):
+        slot_seconds(0)
+
+
+def test_slots_scale_with_the_probe():
+    assert slot_seconds(1 << 20) == 2.5
+    assert slot_seconds(64 << 10) == MIN_SLOT_S
+
+
+def test_a_probe_round_probes_each_target_inside_its_slot():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from fusionllm.node.control.bandwidth import BandwidthBook
+    from fusionllm.node.control.links import LinkMonitor
+    from fusionllm.node.p2p.lane.wire_meter import WireSample
+
+    started: list[tuple[str, float]] = []
+
+    def lane_probe(peer: str, nbytes: int) -> WireSample:
+        started.append((peer, time.time()))
+        return WireSample(1e6, 0.01, time.time())
+
+    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
+    control = SimpleNamespace(connected_peers=lambda: [p for p in MEMBERS if p != "a"])
+    monitor = LinkMonitor(
+        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
+        topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
+        max_connections=8, members=lambda: members, neighbours=lambda: [],
+        stop=threading.Event(), lane_probe=lane_probe, probe_slot_s=0.1,
+    )  # fmt: skip
+    monitor._probe_round(members)
+    assert sorted(p for p, _ in started) == ["b", "c", "d", "e"]
+    for peer, at in started:
+        start, _ = next_slot(at, "a", peer, MEMBERS, 0.1)
+        assert start <= at <= start + 0.05 + 0.03, (peer, at, start)  # a little lateness
+
+
+def test_a_probe_round_waiting_for_a_slot_ends_when_the_node_stops():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from fusionllm.node.control.bandwidth import BandwidthBook
+    from fusionllm.node.control.links import LinkMonitor
+    from fusionllm.node.p2p.lane.wire_meter import WireSample
+
+    stop, probed = threading.Event(), []
+    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
+    control = SimpleNamespace(connected_peers=lambda: [p for p in MEMBERS if p != "a"])
+    monitor = LinkMonitor(
+        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
+        topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
+        max_connections=8, members=lambda: members, neighbours=lambda: [], stop=stop,
+        lane_probe=lambda peer, nbytes: probed.append(peer) or WireSample(1e6, 0.01, time.time()),
+        probe_slot_s=3600.0,
+    )  # fmt: skip
+    threading.Timer(0.2, stop.set).start()
+    began = time.monotonic()
+    monitor._probe_round(members)
+    assert time.monotonic() - began < 5.0
+    assert len(probed) <= 1  # at most one whose slot was already open
