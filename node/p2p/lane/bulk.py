@@ -17,7 +17,9 @@ with two the best but one is the slower (h4 -> h5 on topology C read 0.48 of 1.2
 samples of 0.48 and 1.21). Frames of an eighth gave more readings but, in a prober starved of
 CPU (four busy loops in a 0.45-core share), left the socket dry between writes: a 1 Gbit/s
 LAN read 1.8-40 MB/s of 125. So the frames stay 1 MiB and a poller reads ``TCP_INFO`` every
-``poll_s`` while they drain (``getsockopt`` beside a blocked ``sendall``).
+half a sample's bytes at the rate it last read (``poll_s`` to ``max_poll_s``) while they
+drain (``getsockopt`` beside a blocked ``sendall``). Every 1 ms, the poller cost a 0.4-core
+host that trained 30 ms of CPU a step, 0.147 -> 0.204 s steps (topology C, session 15).
 
 Why a probe may go on: a far link's probe ended in slow start (h1 -> h5, 5 MB/s at 80 ms:
 1.1 -> 3.9 MB/s), so while the kernel still doubles its window the probe writes on, up to
@@ -50,7 +52,8 @@ _FILLER_HEAD = FrameHeader(step=0, micro_batch=0, kind=FrameKind.FILLER, stage=0
 class BulkConfig:
     frame_bytes: int = 1 << 20
     lock_wait_s: float = 0.05  # a lane busy with training frames longer than this: skipped
-    poll_s: float = 0.001  # how often TCP_INFO is read while the frames drain
+    poll_s: float = 0.001  # how often TCP_INFO is read while the frames drain, at most
+    max_poll_s: float = 0.02  # ... and at least
     samples: int = 8  # a rate sample counts after nbytes // samples more bytes were acked
     # A probe whose kernel still doubles its window after nbytes goes on, in frames of
     # nbytes // extend, up to extend times nbytes, until it counted ``settled`` samples past
@@ -65,7 +68,7 @@ class BulkConfig:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         if self.frame_bytes > MAX_FILLER_BYTES:
             raise ConfigError(f"frame_bytes {self.frame_bytes} is over {MAX_FILLER_BYTES}")
-        for name in ("lock_wait_s", "poll_s"):
+        for name in ("lock_wait_s", "poll_s", "max_poll_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 <= value <= 10):
                 raise ConfigError(f"{name} must be in [0, 10] s, got {value!r}")
@@ -93,7 +96,7 @@ def run_bulk(
     poller: _Poller | None = None
     try:
         start = lane.kernel_info()
-        poller = _Poller(lane, config.poll_s)
+        poller = _Poller(lane, config, min_bytes)
         sent = _write_filler(lane, start, nbytes, min_bytes, deadline, config, on_frame, poller)
     except TcpInfoError:
         return None  # not Linux, or the lane closed under us: the stream probe measures
@@ -142,13 +145,14 @@ def _write_filler(
 
 
 class _Poller:
-    """Reads the lane's ``TCP_INFO`` every ``poll_s`` from a thread of its own, from creation
-    until stopped (or the lane cannot be read), each reading timed before its call."""
+    """Reads the lane's ``TCP_INFO`` from a thread of its own, from creation until stopped
+    (or the lane cannot be read), each reading timed before its call: every half of
+    ``min_bytes`` at the rate the kernel last read, within the config's bounds."""
 
     MAX_READINGS = 20_000  # 20 s at 1 ms: past any probe's deadline
 
-    def __init__(self, lane: LaneWriter, poll_s: float) -> None:
-        self._lane, self._poll_s = lane, poll_s
+    def __init__(self, lane: LaneWriter, config: BulkConfig, min_bytes: int) -> None:
+        self._lane, self._config, self._min_bytes = lane, config, min_bytes
         self._readings: list[Reading] = []
         self._stop = threading.Event()
         self.waiting = False  # the writes are done: drained() stops it
@@ -156,6 +160,7 @@ class _Poller:
         self._thread.start()
 
     def _run(self) -> None:
+        low, high = self._config.poll_s, max(self._config.poll_s, self._config.max_poll_s)
         while not self._stop.is_set() and len(self._readings) < self.MAX_READINGS:
             at = time.time()
             try:
@@ -163,7 +168,8 @@ class _Poller:
             except TcpInfoError:
                 return
             self._readings.append((info, at))
-            self._stop.wait(self._poll_s)
+            rate = max(info.delivery_rate, 1.0)
+            self._stop.wait(min(high, max(low, self._min_bytes / rate / 2)))
 
     def add(self, reading: Reading) -> None:
         self._readings.append(reading)
@@ -183,7 +189,7 @@ class _Poller:
             last = self._readings[-1][0] if self._readings else None
             if last is not None and last.bytes_acked >= acked_by:
                 break
-            time.sleep(max(self._poll_s, 0.001))
+            time.sleep(max(self._config.max_poll_s, 0.001))  # the poller's readings decide
         return self.stop()
 
 
