@@ -6,8 +6,7 @@ server's tail (docs/results.md, session 8), because a throttled reader holds yam
 and the sender waits. The kernel times every ACK itself: a delivery-rate sample taken while
 the prober had data queued (not app-limited) is what the path carried, whoever had the CPU,
 as the lanes' bulk probe reads it (lane/bulk_figure.py: the same figure, the best but one of
-the trusted samples each after an eighth of the probe more was acknowledged, those past slow
-start where there are enough). The prober reads
+the trusted samples each after an eighth of the probe more was acknowledged). The prober reads
 ``TCP_INFO`` after each 256 KiB write and once the ack is in; where no sample is trusted (a prober
 too slow to keep the socket busy: a CPU-bound LAN) there is no figure, never a guess.
 """

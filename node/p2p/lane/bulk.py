@@ -105,7 +105,7 @@ def run_bulk(
         if poller is not None and not poller.waiting:
             poller.stop()
     readings = poller.drained(start.bytes_acked + sent, deadline)
-    return bulk_figure(start, readings, min_bytes=min_bytes, settled=config.settled)
+    return bulk_figure(start, readings, min_bytes=min_bytes)
 
 
 def _write_filler(

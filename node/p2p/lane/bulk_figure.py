@@ -8,10 +8,12 @@ samples down. The median of a 1 MiB probe read 0.58-0.82 of a 2.5-12.5 MB/s cap 
 first probe of far or small links where the probe's best samples read 0.90-0.96 of it; one
 bunched sample cannot set the figure.
 
-Why samples past slow start are preferred (session 14, topology C): while the window still
-doubles the sender bursts, and ACKs of the emulator's whole GSO segments come bunched: h1 ->
-h4 read 8.7-9.0 MB/s of 6.25 in slow start. A far link's probe is written on until it has
-samples past it (bulk.py), and where it has ``settled`` of them only those count.
+Why not only the samples past slow start (tried in sessions 14-15, topology C): they came
+after a loss, in its recovery, and read 0.33-0.5 of the cap where the same probe's samples
+in slow start had read 0.96 of it (h1 -> h5: 4.83 then 1.63-1.91 MB/s of 5; h2 -> h3: 4.8
+then 1.65-3.24). Slow start can over-read (bunched ACKs of the emulator's whole GSO segments:
+h1 -> h4 read 8.7-9.0 MB/s of 6.25 in session 14, h1 -> h5 6.21 of 5 in session 15), which
+the best but one only partly guards against.
 """
 
 from collections.abc import Iterable
@@ -21,7 +23,7 @@ from fusionllm.node.p2p.lane.wire_meter import WireSample, trusted
 
 Reading = tuple[TcpInfo, float]  # the kernel's view and the wall clock it was read at
 # A probe whose last this-many samples lie within this spread has stopped climbing.
-PLATEAU = 4
+PLATEAU = 6
 PLATEAU_SPREAD = 1.05
 
 
@@ -67,20 +69,15 @@ def past_slow_start(
 
 
 def bulk_figure(
-    start: TcpInfo, readings: Iterable[Reading], *, min_bytes: int, settled: int = 2
+    start: TcpInfo, readings: Iterable[Reading], *, min_bytes: int
 ) -> WireSample | None:
     """The link's figure from the kernel's readings during a bulk probe that began at
     ``start``: the best but one of the counted samples (``counted_samples``; the only one,
-    where one was), those past slow start only where there were ``settled`` of them, with
-    the least minimum RTT of all; None where none counted."""
-    readings = list(readings)
+    where one was), with the least minimum RTT; None where none counted."""
     counted = counted_samples(start, readings, min_bytes=min_bytes)
     if not counted:
         return None
-    base, after = after_slow_start(start, readings)
-    settled_samples = counted_samples(base, after, min_bytes=min_bytes)
-    chosen = settled_samples if len(settled_samples) >= settled else counted
-    rates = sorted(info.delivery_rate for info, _ in chosen)
+    rates = sorted(info.delivery_rate for info, _ in counted)
     figure = rates[-2] if len(rates) > 1 else rates[0]
     min_rtt = min(info.min_rtt_s for info, _ in counted)
     return WireSample(figure, min_rtt, counted[-1][1])
