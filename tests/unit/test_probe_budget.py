@@ -150,3 +150,14 @@ def test_without_lane_figures_every_link_is_probed():
     link_monitor, members = _monitor(["b", "c", "d"], probed, {}, None)
     link_monitor._probe_round(members)
     assert sorted(probed) == ["b", "c", "d"]
+
+
+def test_a_round_probes_every_link_never_measured_whatever_the_fanout():
+    probed = []
+    link_monitor, members = _monitor(["b", "c", "d"], probed, {}, None)
+    link_monitor.probe_fanout = 1
+    link_monitor._probe_round(members)
+    assert sorted(probed) == ["b", "c", "d"]
+    probed.clear()
+    link_monitor._probe_round(members)
+    assert len(probed) == 1  # all measured now: the fanout again
