@@ -57,6 +57,7 @@ class LinkMonitor:
     # probe on a busy CPU no longer prices the link; a link that really slowed shows once its
     # fast samples leave the window, after this many rounds or the book's max age.
     PROBE_WINDOW = 8
+    LANE_PATIENCE = 1  # rounds a link waits for a lane before the stream probe measures it
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class LinkMonitor:
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None
         self._bulk_at: dict[str, float] = {}  # our last bulk probe of each peer (monotonic)
+        self._lane_misses: dict[str, int] = {}  # lane probes in a row that found no lane
         self._filed_at: dict[str, float] = {}  # the last lane figure we filed, by peer (wall)
 
     @property
@@ -340,8 +342,15 @@ class LinkMonitor:
             sample = LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
             with self._lock:
                 self._bulk_at[peer] = time.monotonic()
+            self._lane_misses.pop(peer, None)
             # A probe of a far link goes on past slow start (lane/bulk.py): up to 4x the bytes.
             return sample, max(wire.probe_bytes, lane_bytes)
+        # A member that has not built its trainer yet refuses lanes; its link waits a round for
+        # one rather than take the stream probe's figure (Python-paced: h1 -> h5 read 0.77 of 5
+        # MB/s so at start, topology C, session 15). Lanes off or relayed: the stream's, later.
+        self._lane_misses[peer] = misses = self._lane_misses.get(peer, 0) + 1
+        if misses <= self.LANE_PATIENCE:
+            return None, 0
         try:
             result = self.control.probe(peer, nbytes=nbytes)
         except (TransportError, FusionError) as exc:
