@@ -106,7 +106,7 @@ class LinkMonitor:
         self._probes_failed = 0
         self._backoff = ProbeBackoff(max_factor_for(probe_interval_s, book.max_age_s))
         self._budget = ProbeBudget(probe_budget, now=time.monotonic())
-        # One sender at a time into each member (probe_slots.py); 0: probe at once.
+        # Slots in which each member is in one probe at most (probe_slots.py); 0: none.
         self.probe_slot_s = probe_slot_s
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None

@@ -24,7 +24,7 @@ host that trained 30 ms of CPU a step, 0.147 -> 0.204 s steps (topology C, sessi
 Why a probe may go on: a far link's probe ended in slow start (h1 -> h5, 5 MB/s at 80 ms:
 1.1 -> 3.9 MB/s), so while the kernel still doubles its window the probe writes on, up to
 ``extend`` times its bytes and half its time, until ``settled`` samples past slow start are
-counted (bulk_figure.py).
+counted or its last samples stop climbing (bulk_figure.past_slow_start).
 
 The lane is taken only if free within ``lock_wait_s`` (a training frame has the lane first);
 the receiver reads filler frames within the same budgets as tensors and drops them
