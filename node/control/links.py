@@ -110,9 +110,11 @@ class LinkMonitor:
         self.probe_slot_s = probe_slot_s
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None
-        self._bulk_at: dict[str, float] = {}  # our last bulk probe of each peer (monotonic)
-        self._lane_misses: dict[str, int] = {}  # lane probes in a row that found no lane
-        self._filed_at: dict[str, float] = {}  # the last lane figure we filed, by peer (wall)
+        # The probe thread's own (no lock): our last bulk probe of each peer (monotonic), lane
+        # probes in a row that found no lane, the last lane figure we filed (wall clock).
+        self._bulk_at: dict[str, float] = {}
+        self._lane_misses: dict[str, int] = {}
+        self._filed_at: dict[str, float] = {}
 
     @property
     def probes_failed(self) -> int:
@@ -300,7 +302,7 @@ class LinkMonitor:
                 peer = min(pending, key=starts.__getitem__)
                 wait = starts[peer] - now
             pending.remove(peer)
-            if self._stop.wait(max(0.0, wait)) or self._stop.is_set():
+            if self._stop.wait(max(0.0, wait)):
                 yield None
                 return
             yield peer
@@ -314,16 +316,15 @@ class LinkMonitor:
         probe of it is older than half the book's max age: frames of 128 KiB on a 1 Gbit/s LAN
         end before the kernel's window opens, and alone they read it at 0.42-0.70 of its cap
         (topology B, session 14)."""
-        now, fresh_s = time.time(), self.book.max_age_s / 2
-        mono = time.monotonic()
-        with self._lock:
-            bulk_at = dict(self._bulk_at)
-        probed_s = {peer: mono - at for peer, at in bulk_at.items()}
+        now, mono, fresh_s = time.time(), time.monotonic(), self.book.max_age_s / 2
         return {
             peer
             for peer, wire in self._wire().items()
             if wire.punched
-            or (now - wire.measured_at <= fresh_s and probed_s.get(peer, math.inf) <= fresh_s)
+            or (
+                now - wire.measured_at <= fresh_s
+                and mono - self._bulk_at.get(peer, -math.inf) <= fresh_s
+            )
         }
 
     def _probe(self, peer: str, nbytes: int) -> tuple[LinkSample | None, int]:
@@ -340,8 +341,7 @@ class LinkMonitor:
             logger.debug("lane probe of %s: %.3g MB/s, rtt %.3g ms, %d bytes",
                          peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, lane_bytes)  # fmt: skip
             sample = LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
-            with self._lock:
-                self._bulk_at[peer] = time.monotonic()
+            self._bulk_at[peer] = time.monotonic()
             self._lane_misses.pop(peer, None)
             # A probe of a far link goes on past slow start (lane/bulk.py): up to 4x the bytes.
             return sample, max(wire.probe_bytes, lane_bytes)

@@ -94,6 +94,7 @@ def run_bulk(
         return None
     min_bytes = max(1, nbytes // config.samples)
     poller: _Poller | None = None
+    sent: int | None = None
     try:
         start = lane.kernel_info()
         poller = _Poller(lane, config, min_bytes)
@@ -102,7 +103,7 @@ def run_bulk(
         return None  # not Linux, or the lane closed under us: the stream probe measures
     finally:
         lane.lock.release()
-        if poller is not None and not poller.waiting:
+        if poller is not None and sent is None:  # a write failed: no figure to wait for
             poller.stop()
     readings = poller.drained(start.bytes_acked + sent, deadline)
     return bulk_figure(start, readings, min_bytes=min_bytes)
@@ -140,7 +141,6 @@ def _write_filler(
         if lane.last_reading is None:
             raise TcpInfoError("TCP_INFO was not readable after a filler frame")
         poller.add(lane.last_reading)
-    poller.waiting = True
     return sent
 
 
@@ -155,7 +155,6 @@ class _Poller:
         self._lane, self._config, self._min_bytes = lane, config, min_bytes
         self._readings: list[Reading] = []
         self._stop = threading.Event()
-        self.waiting = False  # the writes are done: drained() stops it
         self._thread = threading.Thread(target=self._run, name="bulk-poll", daemon=True)
         self._thread.start()
 

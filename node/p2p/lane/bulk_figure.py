@@ -43,15 +43,6 @@ def counted_samples(
     return counted
 
 
-def after_slow_start(start: TcpInfo, readings: list[Reading]) -> tuple[TcpInfo, list[Reading]]:
-    """The reading the kernel last doubled its window at (``start`` if it never did) and the
-    readings since."""
-    ramping = [i for i, (info, _) in enumerate(readings) if info.slow_start]
-    if not ramping:
-        return start, readings
-    return readings[ramping[-1]][0], readings[ramping[-1] + 1 :]
-
-
 def past_slow_start(
     start: TcpInfo, readings: list[Reading], *, min_bytes: int, settled: int
 ) -> bool:
@@ -60,7 +51,10 @@ def past_slow_start(
     samples 1.1 -> 3.9 MB/s, still climbing when it ended), or the last ``PLATEAU`` samples
     no longer climb: without a loss the kernel never leaves slow start, and h1 -> h3 (12.5
     MB/s at 40 ms) went on to 4 MiB at 11.8-12.06 MB/s (session 15)."""
-    base, after = after_slow_start(start, readings)
+    ramping = [i for i, (info, _) in enumerate(readings) if info.slow_start]
+    base, after = (
+        (readings[ramping[-1]][0], readings[ramping[-1] + 1 :]) if ramping else (start, readings)
+    )
     if len(counted_samples(base, after, min_bytes=min_bytes)) >= settled:
         return True
     counted = counted_samples(start, readings, min_bytes=min_bytes)
