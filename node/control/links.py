@@ -57,7 +57,6 @@ class LinkMonitor:
     # probe on a busy CPU no longer prices the link; a link that really slowed shows once its
     # fast samples leave the window, after this many rounds or the book's max age.
     PROBE_WINDOW = 8
-    LANE_PATIENCE = 1  # rounds a link waits for a lane before the stream probe measures it
 
     def __init__(
         self,
@@ -108,12 +107,16 @@ class LinkMonitor:
         self._budget = ProbeBudget(probe_budget, now=time.monotonic())
         # Slots in which each member is in one probe at most (probe_slots.py); 0: none.
         self.probe_slot_s = probe_slot_s
+        # How long a link waits for a lane before the stream probe measures it (_probe).
+        self.lane_patience_s = probe_interval_s
         # The members connected as the last round chose its targets (None before the first).
         self._probeable: frozenset[str] | None = None
         # The probe thread's own (no lock): our last bulk probe of each peer (monotonic), lane
-        # probes in a row that found no lane, the last lane figure we filed (wall clock).
+        # when a lane probe first found no lane (monotonic; until one is found), the peers
+        # whose probe waits for a lane this round, the last lane figure we filed (wall clock).
         self._bulk_at: dict[str, float] = {}
-        self._lane_misses: dict[str, int] = {}
+        self._lane_missed_at: dict[str, float] = {}
+        self._lane_deferred: set[str] = set()
         self._filed_at: dict[str, float] = {}
 
     @property
@@ -189,14 +192,24 @@ class LinkMonitor:
         return self._stop.is_set()
 
     def _newly_probeable(self, connected: list[str], members: dict[str, NodeInfo]) -> bool:
-        """A member we connected to since the last round and never measured: its link waits
-        for our next round, which a stable swarm backs off for minutes (CI met it: a home behind
-        NAT reached over its relay only after the round, its link unmeasured 3 minutes on)."""
+        """A member we connected to since the last round and never measured, or one whose
+        probe waited for a lane last round and may take the stream probe now: its link waits
+        for our next round, which a stable swarm backs off for minutes (CI met it: a home
+        behind NAT reached over its relay only after the round, its link unmeasured 3 minutes
+        on; and two homes' relayed link, deferred once, unmeasured 3 minutes on)."""
         if self._probeable is None:
             return False
         measured = self.book.last_measured(self.peer_id, time.time())
+        mono = time.monotonic()
+        due = {
+            p for p in self._lane_deferred
+            if mono - self._lane_missed_at.get(p, mono) >= self.lane_patience_s
+        }  # fmt: skip
         return any(
-            p in members and p != self.peer_id and p not in self._probeable and p not in measured
+            p in members
+            and p != self.peer_id
+            and (p not in self._probeable or p in due)
+            and p not in measured
             for p in connected
         )
 
@@ -254,6 +267,7 @@ class LinkMonitor:
         priority = self._neighbours()
         connected = set(self.control.connected_peers())
         self._probeable = frozenset(connected)
+        self._lane_deferred = set()
         by_lanes = self._measured_by_lanes()
         candidates = [p for p in members if p in connected and p not in by_lanes]
         measured = self.book.last_measured(self.peer_id, time.time())
@@ -342,14 +356,16 @@ class LinkMonitor:
                          peer[:16], wire.bandwidth / 1e6, wire.rtt * 1e3, lane_bytes)  # fmt: skip
             sample = LinkSample(wire.bandwidth, wire.rtt, time.time(), punched=wire.punched)
             self._bulk_at[peer] = time.monotonic()
-            self._lane_misses.pop(peer, None)
+            self._lane_missed_at.pop(peer, None)
             # A probe of a far link goes on past slow start (lane/bulk.py): up to 4x the bytes.
             return sample, max(wire.probe_bytes, lane_bytes)
-        # A member that has not built its trainer yet refuses lanes; its link waits a round for
-        # one rather than take the stream probe's figure (Python-paced: h1 -> h5 read 0.77 of 5
-        # MB/s so at start, topology C, session 15). Lanes off or relayed: the stream's, later.
-        self._lane_misses[peer] = misses = self._lane_misses.get(peer, 0) + 1
-        if misses <= self.LANE_PATIENCE:
+        # A member that has not built its trainer yet refuses lanes; its link waits a probe
+        # interval for one rather than take the stream probe's figure (Python-paced: h1 -> h5
+        # read 0.77 of 5 MB/s so at start, topology C, session 15). Lanes off or relayed: the
+        # stream's, once the wait is over; the round's own wait ends then (_newly_probeable).
+        mono = time.monotonic()
+        if mono - self._lane_missed_at.setdefault(peer, mono) < self.lane_patience_s:
+            self._lane_deferred.add(peer)
             return None, 0
         try:
             result = self.control.probe(peer, nbytes=nbytes)

@@ -128,6 +128,7 @@ def test_a_lane_probe_is_full_size_where_a_stream_probe_would_be_a_quarter():
     )  # fmt: skip
     monitor._probe_round(members)  # neither is a plan neighbour: a quarter by stream
     assert sorted(lane_asked) == [("b", 1 << 20), ("c", 1 << 20)]
-    assert control.asked == []  # no lane to b yet: it waits a round for one
+    assert control.asked == []  # no lane to b yet: it waits a probe interval for one
+    monitor._lane_missed_at["b"] -= 8.0
     monitor._probe_round(members)
     assert control.asked == [("b", 1 << 18)]  # still none: its stream probe follows

@@ -141,3 +141,36 @@ def test_a_member_connected_since_the_round_but_measured_waits_the_whole_time():
     started = time.monotonic()
     assert not link_monitor._wait(0.3, frozenset("abc"))
     assert time.monotonic() - started >= 0.3
+
+
+class NoLaneControl(FakeControl):
+    """Connected to b over a relay: no lane ever opens; the stream probe works."""
+
+    def __init__(self) -> None:
+        super().__init__("b")
+        self.probed: list[str] = []
+
+    def probe(self, peer: str, *, nbytes: int):
+        self.probed.append(peer)
+        return SimpleNamespace(bandwidth=2e6, rtt=0.05, bytes=nbytes, seconds=0.1, relayed=True)
+
+
+def test_a_link_that_waited_for_a_lane_ends_the_wait_once_its_patience_is_over():
+    seen = {p: rec(p) for p in "ab"}
+    control = NoLaneControl()
+    link_monitor = monitor(lambda: dict(seen), threading.Event(), control)
+    link_monitor.lane_patience_s = 0.3
+    link_monitor._probe_round(seen)
+    assert control.probed == []  # it waits for a lane first (a member not training yet)
+    # A backed-off round would come minutes on (CI: two homes' relayed link unmeasured 3
+    # minutes into a run); the wait ends once the patience is over, not before.
+    started = time.monotonic()
+    assert not link_monitor._wait(30.0, frozenset(seen))
+    assert 0.3 <= time.monotonic() - started < 5.0
+    link_monitor._probe_round(seen)
+    assert control.probed == ["b"]
+    assert link_monitor.book.last_measured("a", time.time()).keys() == {"b"}
+    # Measured now, and its patience spent: the next wait is the whole wait.
+    started = time.monotonic()
+    assert not link_monitor._wait(0.3, frozenset(seen))
+    assert time.monotonic() - started >= 0.3

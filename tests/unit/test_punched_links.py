@@ -67,7 +67,8 @@ def test_a_punched_link_is_priced_by_its_lane_and_shown_direct_punched():
         members=dict, neighbours=list, stop=threading.Event(), wire=lambda: dict(wire),
     )  # fmt: skip
     members = {p: record(p, state=NodeState.SERVING) for p in ("a", "b", "c")}
-    links._probe_round(members)  # no lane to c: it waits a round for one
+    links._probe_round(members)  # no lane to c: it waits a probe interval for one
+    links._lane_missed_at["c"] -= 8.0
     links._probe_round(members)
     assert control.probed == ["c"]  # b's traffic takes its punched lane, not the relay
     assert links.file_wire(members) == 1
