@@ -179,6 +179,7 @@ class NodeDaemon:
             tell_swarm=self._tell_swarm,
             # Probes reach every member within a few intervals (fanout 3, both ends probe).
             link_wait_s=3 * self.config.probe_interval_s,
+            probe_slot_s=slot_seconds(self.config.probe_bytes),
         )
 
     def _start_loops(self) -> None:

@@ -49,6 +49,7 @@ from fusionllm.node.control.judging import judge
 from fusionllm.node.control.link_wait import LinkWait
 from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.planners import planners
+from fusionllm.node.control.probe_slots import cycle_seconds
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import excluded, seatable
 from fusionllm.node.control.stretch import as_planned
@@ -76,6 +77,7 @@ class PlanAgreement:
         tell_swarm: Callable[[], None] = lambda: None,
         switch_policy: SwitchPolicy | None = None,
         link_wait_s: float = 0.0,
+        probe_slot_s: float = 0.0,
     ) -> None:
         self.settings, self.costs, self.node_ids = settings, costs, node_ids
         self.plan_config = settings.plan_config()
@@ -86,7 +88,10 @@ class PlanAgreement:
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
         self.streak = SwitchStreak()  # a fresh plan that wins on figures alone wins twice
-        self.link_wait = LinkWait(link_wait_s)  # no plan over links nobody measured, a while
+        # No plan over links nobody measured, for a while: longer where probes wait for slots.
+        self.link_wait = LinkWait(
+            link_wait_s, sweep_s=lambda members: cycle_seconds(members, probe_slot_s)
+        )
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
@@ -250,7 +255,7 @@ class PlanAgreement:
         measured = self.book.linked(members, now=self.clock())
         seat = self._seatable(members)
         pairs = self.book.measured_pairs(seat, now=self.clock())
-        if self.link_wait.waiting(seat, pairs, now=self.clock()):  # link_wait.py
+        if self.link_wait.waiting(seat, pairs, now=self.clock(), members=len(members)):
             self.counters["waited_for_links"] += 1
             if incumbent is not None:
                 self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)

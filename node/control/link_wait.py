@@ -8,9 +8,15 @@ not plan while a candidate has measured links (either way) to fewer than ``need`
 others (all of them in a swarm that small), for at most ``wait_s`` after that candidate
 arrived; after that it plans with what is measured (a peer that cannot be probed must not
 stall the swarm). Not every pair: a large swarm only ever measures a sample of its links.
+
+Where probes wait for their slots (probe_slots.py), a link's first probe may come a whole
+cycle of slots after its ends met, and a cycle grows with the swarm (12 s on four members at
+1 MiB probes, 20 s on five): the wait is ``wait_s`` plus that (``sweep_s``). With 6 s in all,
+B's first plan was made with the two sites' own links unmeasured, priced from the records,
+and it seated a stage on each side of the 20 Mbit/s link for 43 steps (issue 25, session 16).
 """
 
-from collections.abc import Collection, Set
+from collections.abc import Callable, Collection, Set
 
 from fusionllm.common.errors import ConfigError
 
@@ -30,25 +36,38 @@ def measured_neighbours(
 class LinkWait:
     """When each candidate was first seen, and which ones planning still waits for."""
 
-    def __init__(self, wait_s: float, *, need: int = 3) -> None:
+    def __init__(
+        self,
+        wait_s: float,
+        *,
+        need: int = 3,
+        sweep_s: Callable[[int], float] = lambda peers: 0.0,
+    ) -> None:
         if not 0 <= wait_s < 3600:
             raise ConfigError(f"link wait must be in [0, 3600) s, got {wait_s}")
         if need < 1:
             raise ConfigError(f"need must be >= 1 measured link, got {need}")
-        self.wait_s, self.need = wait_s, need
+        self.wait_s, self.need, self.sweep_s = wait_s, need, sweep_s
         self._first_seen: dict[str, float] = {}
 
     def waiting(
-        self, peers: Collection[str], measured: Set[tuple[str, str]], *, now: float
+        self,
+        peers: Collection[str],
+        measured: Set[tuple[str, str]],
+        *,
+        now: float,
+        members: int | None = None,
     ) -> set[str]:
         """Those of ``peers`` with too few measured links whose wait has not run out;
-        members that went are forgotten (one that comes back waits again)."""
+        members that went are forgotten (one that comes back waits again). ``members``: how
+        many the probe slots pair off (observers too), if more than ``peers``."""
         self._first_seen = {p: self._first_seen.get(p, now) for p in peers}
         if self.wait_s == 0:
             return set()
         need = min(self.need, len(self._first_seen) - 1)
+        wait_s = self.wait_s + self.sweep_s(max(members or 0, len(self._first_seen)))
         return {
             p
             for p, linked in measured_neighbours(peers, measured).items()
-            if len(linked) < need and now < self._first_seen[p] + self.wait_s
+            if len(linked) < need and now < self._first_seen[p] + wait_s
         }

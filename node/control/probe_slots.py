@@ -32,6 +32,15 @@ def slot_seconds(probe_bytes: int) -> float:
     return max(MIN_SLOT_S, SLOT_S_PER_MIB * probe_bytes / (1 << 20))
 
 
+def cycle_seconds(members: int, slot_s: float) -> float:
+    """How long a cycle of slots lasts among ``members``: each ordered pair's slot comes once
+    in it (0 without slots, or with one member)."""
+    if members < 0 or slot_s < 0:
+        raise ValueError(f"members and slot_s must be >= 0, got {members}, {slot_s}")
+    even = members + members % 2
+    return 2 * max(0, even - 1) * slot_s if members > 1 else 0.0
+
+
 def _pair_slot(order: list[str | None], src: str, dst: str) -> int:
     """The slot of a cycle in which ``src`` probes ``dst``: the circle method's round that
     pairs them, in the first half of the cycle where ``src`` comes first in that round's
@@ -59,7 +68,7 @@ def next_slot(
         raise ValueError(f"{src!r} and {dst!r} must be two of the members")
     if len(order) % 2:
         order.append(None)  # who meets None sits the round out
-    cycle = 2 * (len(order) - 1)
+    cycle = round(cycle_seconds(len(order), 1.0))
     ours = _pair_slot(order, src, dst)
     current = math.floor(now / slot_s)
     k = current + (ours - current) % cycle

@@ -4,6 +4,7 @@ import pytest
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.control.link_wait import LinkWait, measured_neighbours
+from fusionllm.node.control.probe_slots import cycle_seconds
 
 
 def test_a_link_counts_for_both_ends_either_way():
@@ -41,6 +42,17 @@ def test_a_member_that_left_and_came_back_waits_again():
     assert wait.waiting(["a", "b"], set(), now=100.0) == {"a", "b"}
     assert wait.waiting(["a"], set(), now=107.0) == set()
     assert wait.waiting(["a", "b"], set(), now=108.0) == {"b"}
+
+
+def test_where_probes_wait_for_slots_the_wait_covers_a_cycle_of_the_whole_swarm():
+    wait = LinkWait(6.0, sweep_s=lambda members: cycle_seconds(members, 2.0))
+    peers = ["a", "b", "c", "d"]
+    assert wait.waiting(peers, set(), now=100.0) == set(peers)
+    assert wait.waiting(peers, set(), now=117.9) == set(peers)  # 6 s and a 12 s cycle
+    assert wait.waiting(peers, set(), now=118.0) == set()
+    # An observer the slots pair off too makes the cycle one of six: 20 s.
+    assert wait.waiting(peers, set(), now=125.9, members=5) == set(peers)
+    assert wait.waiting(peers, set(), now=126.0, members=5) == set()
 
 
 def test_no_wait_means_plan_at_once():

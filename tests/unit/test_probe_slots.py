@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusionllm.node.control.probe_slots import MIN_SLOT_S, next_slot, slot_seconds
+from fusionllm.node.control.probe_slots import MIN_SLOT_S, cycle_seconds, next_slot, slot_seconds
 
 MEMBERS = ["a", "b", "c", "d", "e"]
 
@@ -45,6 +45,18 @@ def test_bad_inputs_are_refused():
         next_slot(float("nan"), "a", "b", MEMBERS, 1.0)
     with pytest.raises(ValueError, match="probe_bytes"):
         slot_seconds(0)
+
+
+def test_a_cycle_gives_every_ordered_pair_its_slot_once():
+    for members in (2, 3, 4, 5, 6):
+        peers = [f"p{i}" for i in range(members)]
+        cycle = cycle_seconds(members, 1.0)
+        starts = {next_slot(0.0, a, b, peers, 1.0)[0] for a in peers for b in peers if a != b}
+        assert len(starts) == members * (members - 1) // (members // 2)  # pairs a slot
+        assert max(starts) < cycle
+    assert (cycle_seconds(1, 2.0), cycle_seconds(4, 2.0), cycle_seconds(5, 2.0)) == (0, 12, 20)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cycle_seconds(-1, 1.0)
 
 
 def test_slots_scale_with_the_probe():
