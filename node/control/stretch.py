@@ -21,20 +21,20 @@ new stretch four epochs running, its estimate 0.13 -> 0.30 s for steps of ~0.19)
 ``bandwidth.peer_of`` multiplies a member's device times by the stretch it is planned at, the
 same on every node.
 
-Every planner plans every member at the median (high) of the stretches the members measured
-(``as_planned``), not each at its own. What a node measures is partly its host (its share,
-what else runs on it) and partly the cost model's error for the stage it holds: on topology B
-two equal hosts measured 1.2-1.7 on the first stage and 1.7-2.4 on the last, and planned each
-at its own, the swarm swapped their stages for it (a state transfer for nothing; on a WAN, one
-of minutes) and would swap them back. A node that has not trained has no measurement of its
-own either: planned at 1.0 beside members at 2, every unseated node would look faster than
-every seated one. The median moves every member's compute alike: the estimate's level and the
-trade of compute against links follow what was measured, the ranking of members does not
-(a member far slower than its device says is pace's to catch, pace.py). A stretch can only
-make the swarm look slower: a liar among many moves the median by one place. The high median,
-as a step runs at its slowest stage's pace: on B's two-stage plan the stage-0 host measured 1.0
-and waited 54 ms a step for the stage-1 host, which measured 1.68. Pure: fed
-numbers, no clock (tests/unit/test_stretch.py).
+Every planner plans every member at the median (high) of the slowdowns (pace times stretch) the
+members measured (``as_planned``), not each at its own (one whose pace alone is slower, at its
+pace). What a node measures is partly its host (its share, what else runs on it) and partly the
+cost model's error for the stage it holds: on topology B two equal hosts measured 1.2-1.7 on
+the first stage and 1.7-2.4 on the last, and planned each at its own, the swarm swapped their
+stages for it (a state transfer for nothing; on a WAN, one of minutes) and would swap them
+back. A node that has not trained has no measurement of its own either: planned at 1.0 beside
+members at 2, every unseated node would look faster than every seated one. The median moves
+every member's compute alike: the estimate's level and the trade of compute against links
+follow what was measured, the ranking of members does not (a member far slower than the swarm
+is pace's to catch, pace.py). A stretch can only make the swarm look slower: a liar among many
+moves the median by one place. The high median, as a step runs at its slowest stage's pace: on
+B's two-stage plan the stage-0 host measured 1.0 and waited 54 ms a step for the stage-1 host,
+which measured 1.68. Pure: fed numbers, no clock (tests/unit/test_stretch.py).
 """
 
 import dataclasses
@@ -102,19 +102,27 @@ class StretchMeter:
         self._skipped = 0
 
 
-def swarm_stretch(members: Mapping[str, NodeInfo]) -> float:
-    """The stretch every member is planned at: the median (high) of those the members that
-    train measured, 1.0 if none has."""
-    seen = sorted(i.stretch for i in members.values() if i.stretch and not i.observer)
+def swarm_slowdown(members: Mapping[str, NodeInfo]) -> float:
+    """How many times its device's model every member is planned at, at least: the median
+    (high) of what the members that train measured of their own work, pace and stretch
+    together, 1.0 if none has. Together, as each stretch is measured against its node's own
+    pace (pacing.py): on C, h1 published pace 2 and stretch 1.41, h2 pace 1 and stretch 2.83,
+    both running at 2.83 times their device's model; h2's stretch on top of h1's pace planned
+    h1 at 5.66, and the plan at 0.259 s for steps of 0.200 (issue 25, session 16)."""
+    seen = sorted(i.pace * i.stretch for i in members.values() if i.stretch and not i.observer)
     return statistics.median_high(seen) if seen else 1.0
 
 
 def as_planned(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
     """``members`` as every planner plans them: each pace raised to what its witnesses saw
-    (pace.py), each stretch the swarm's (``swarm_stretch``)."""
+    (pace.py), and each stretch what brings pace and stretch up to the swarm's slowdown
+    (``swarm_slowdown``): a member slower than that by its pace alone is planned at its pace."""
     out = with_witnessed_paces(members)
-    typical = swarm_stretch(members)
-    return {
-        peer: info if info.stretch == typical else dataclasses.replace(info, stretch=typical)
-        for peer, info in out.items()
-    }
+    typical = swarm_slowdown(members)
+    planned = {}
+    for peer, info in out.items():
+        stretch = max(1.0, typical / info.pace)
+        planned[peer] = info if info.stretch == stretch else dataclasses.replace(
+            info, stretch=stretch
+        )  # fmt: skip
+    return planned

@@ -15,7 +15,7 @@ from fusionllm.node.control.stretch import (
     StretchMeter,
     as_planned,
     predicted_own_s,
-    swarm_stretch,
+    swarm_slowdown,
 )
 from fusionllm.node.pipeline.steps import StepReport
 from tests.unit.test_epochs import GRAPH, SETTINGS, FakeClock, epoch_round, record, swarm_of
@@ -137,7 +137,7 @@ def test_a_bad_stretch_is_refused(value):
         NodeInfo.from_wire({**node().to_wire(), "str": value})
 
 
-def test_every_member_is_planned_at_the_median_of_the_measured_stretches():
+def test_every_member_is_planned_at_the_median_of_the_measured_slowdowns():
     members = {
         "a": record("a", stretch=2.0),
         "b": record("b", stretch=4.0),
@@ -147,10 +147,12 @@ def test_every_member_is_planned_at_the_median_of_the_measured_stretches():
         "slow": record("slow", witnessed=(Witnessed("new", 4.0),)),
     }
     planned = as_planned(members)
-    assert swarm_stretch(members) == pytest.approx(2**1.25)
+    assert swarm_slowdown(members) == pytest.approx(2**1.25)
     planned_at = {p: i.stretch for p, i in planned.items()}
-    assert planned_at == pytest.approx(dict.fromkeys(members, 2**1.25))
-    assert planned["new"].pace == 4.0  # what its witness saw still counts
+    # What its witness saw still counts: new computes 4x slower than its device, slower than
+    # the swarm's 2.38 by its pace alone, so it is planned at its pace.
+    assert planned["new"].pace == 4.0
+    assert planned_at == pytest.approx({**dict.fromkeys(members, 2**1.25), "new": 1.0})
     assert as_planned({"x": record("x")})["x"].stretch == 1.0  # nobody measured: as modelled
 
 
@@ -158,4 +160,20 @@ def test_of_two_measured_stretches_the_swarm_is_planned_at_the_larger():
     """A step runs at its slowest stage: B's stage-0 host measured 1.0 while it waited for the
     stage-1 host, which measured 1.68."""
     members = {"w1": record("w1", stretch=1.0), "w2": record("w2", stretch=2**0.75)}
-    assert swarm_stretch(members) == pytest.approx(2**0.75)
+    assert swarm_slowdown(members) == pytest.approx(2**0.75)
+
+
+def test_a_stretch_measured_on_top_of_a_pace_is_not_counted_twice():
+    """C, session 16: h1 published pace 2 and stretch 1.41, h2 pace 1 and stretch 2.83: both
+    ran at 2.83 times their device's model. h2's stretch on h1's pace planned h1 at 5.66."""
+    members = {
+        "h1": record("h1", pace=2.0, stretch=2**0.5),
+        "h2": record("h2", stretch=2**1.5),
+        "h3": record("h3"),  # never trained
+        "h4": record("h4", pace=4.0),  # slower than the swarm by its pace alone
+    }
+    assert swarm_slowdown(members) == pytest.approx(2**1.5)
+    slowdown = {p: i.pace * i.stretch for p, i in as_planned(members).items()}
+    assert slowdown == pytest.approx({"h1": 2**1.5, "h2": 2**1.5, "h3": 2**1.5, "h4": 4.0})
+    fast, h1 = peer_of(record("h1")), peer_of(as_planned(members)["h1"])
+    assert h1.device.flops == pytest.approx(fast.device.flops / 2**1.5, rel=0.1)
