@@ -151,16 +151,20 @@ class LinkMonitor:
             except TransportClosedError:
                 return  # the daemon closes the control host on its way out
             self.file_wire(members)
-            report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
-            if report.links:
-                with contextlib.suppress(FusionError, ValueError):
-                    self.control.publish(self.topic, report.to_bytes())
+            self._publish()
             # A swarm that looks as it did last round is probed less often (backoff.py), a
             # quiet one less often still; a wake ends the wait (_wait).
             view = (frozenset(members), tuple(sorted(self._neighbours())))
             factor = self._backoff.next_factor(view) * self._stretch()
             if self._wait(self.probe_interval_s * factor * self._rng.uniform(0.8, 1.2), view[0]):
                 return
+
+    def _publish(self) -> None:
+        """Gossip our links' figures (what every planner prices our links by)."""
+        report = self.book.own_report(self.peer_id, self.swarm, now=time.time())
+        if report.links:
+            with contextlib.suppress(FusionError, ValueError):
+                self.control.publish(self.topic, report.to_bytes())
 
     def _stretch(self) -> int:
         """How many times further apart probe rounds are now (quiet.py), with the book's
@@ -268,6 +272,7 @@ class LinkMonitor:
         connected = set(self.control.connected_peers())
         self._probeable = frozenset(connected)
         self._lane_deferred = set()
+        self._lane_missed_at = {p: t for p, t in self._lane_missed_at.items() if p in members}
         by_lanes = self._measured_by_lanes()
         candidates = [p for p in members if p in connected and p not in by_lanes]
         measured = self.book.last_measured(self.peer_id, time.time())
@@ -301,6 +306,10 @@ class LinkMonitor:
                 self._budget.spend(sent / max(sample.bandwidth, 1.0), time.monotonic())
                 now = time.time()
                 self.book.record(self.peer_id, peer, sample, now=now, window=self.PROBE_WINDOW)
+                if peer not in measured:
+                    # At once, not as the round ends: a round waits for its slots, a cycle
+                    # of them on C, and the others' planners wait for this link meanwhile.
+                    self._publish()
 
     def _in_slots(self, targets: list[str], members: dict[str, NodeInfo]) -> Iterator[str | None]:
         """``targets``, each once its slot into it has come (probe_slots.py), soonest first;

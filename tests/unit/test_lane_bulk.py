@@ -194,6 +194,9 @@ class ProbeOnlyControl:
     def __init__(self) -> None:
         self.probed: list[str] = []
 
+    def publish(self, topic: str, data: bytes) -> None:
+        pass  # our links\' gossip: nobody listens here
+
     def connected_peers(self) -> list[str]:
         return ["b", "c"]
 

@@ -80,7 +80,9 @@ def test_a_probe_round_probes_each_target_inside_its_slot():
         return WireSample(1e6, 0.01, time.time())
 
     members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
-    control = SimpleNamespace(connected_peers=lambda: [p for p in MEMBERS if p != "a"])
+    control = SimpleNamespace(
+        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=lambda topic, data: None
+    )
     monitor = LinkMonitor(
         control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
         topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
@@ -105,7 +107,9 @@ def test_a_probe_round_waiting_for_a_slot_ends_when_the_node_stops():
 
     stop, probed = threading.Event(), []
     members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
-    control = SimpleNamespace(connected_peers=lambda: [p for p in MEMBERS if p != "a"])
+    control = SimpleNamespace(
+        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=lambda topic, data: None
+    )
     monitor = LinkMonitor(
         control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
         topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
@@ -118,3 +122,45 @@ def test_a_probe_round_waiting_for_a_slot_ends_when_the_node_stops():
     monitor._probe_round(members)
     assert time.monotonic() - began < 5.0
     assert len(probed) <= 1  # at most one whose slot was already open
+
+
+def test_a_link_measured_for_the_first_time_is_gossiped_at_once_not_as_the_round_ends():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
+    from fusionllm.node.control.links import LinkMonitor
+    from fusionllm.node.p2p.lane.wire_meter import WireSample
+
+    events: list[tuple[str, object]] = []
+
+    def lane_probe(peer: str, nbytes: int) -> WireSample:
+        events.append(("probe", peer))
+        return WireSample(1e6, 0.01, time.time())
+
+    def publish(topic: str, data: bytes) -> None:
+        events.append(("gossip", sorted(x.peer for x in BandwidthReport.from_bytes(data).links)))
+
+    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
+    control = SimpleNamespace(
+        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=publish
+    )
+    monitor = LinkMonitor(
+        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
+        topic="t", probe_interval_s=2.0, probe_fanout=1, probe_bytes=1 << 20,
+        max_connections=8, members=lambda: members, neighbours=lambda: [],
+        stop=threading.Event(), lane_probe=lane_probe, probe_slot_s=0.05,
+    )  # fmt: skip
+    monitor._probe_round(members)
+    # Each new figure goes out before the next slot's probe, with those measured before it.
+    probes = [peer for kind, peer in events if kind == "probe"]
+    assert sorted(probes) == ["b", "c", "d", "e"]
+    assert events == [
+        item
+        for k, peer in enumerate(probes)
+        for item in (("probe", peer), ("gossip", sorted(probes[: k + 1])))
+    ]
+    events.clear()
+    monitor._probe_round(members)  # every link measured: the round's end gossips them
+    assert [kind for kind, _ in events] == ["probe"]

@@ -17,6 +17,9 @@ class FakeControl:
         self.peers = list(peers)
         self.alive = alive
 
+    def publish(self, topic: str, data: bytes) -> None:
+        pass  # our links\' gossip: nobody listens here
+
     def connected_peers(self) -> list[str]:
         return list(self.peers)
 

@@ -49,6 +49,9 @@ class ProbingControl:
     def __init__(self) -> None:
         self.probed: list[str] = []
 
+    def publish(self, topic: str, data: bytes) -> None:
+        pass  # our links\' gossip: nobody listens here
+
     def connected_peers(self) -> list[str]:
         return ["b", "c"]
 
