@@ -90,7 +90,7 @@ class PlanAgreement:
         self.streak = SwitchStreak()  # a fresh plan that wins on figures alone wins twice
         # No plan over links nobody measured, for a while: longer where probes wait for slots.
         self.link_wait = LinkWait(
-            link_wait_s, sweep_s=lambda members: cycle_seconds(members, probe_slot_s)
+            link_wait_s, sweep_s=lambda members: 2 * cycle_seconds(members, probe_slot_s)
         )
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.

@@ -4,7 +4,7 @@ A link nobody measured is estimated from its ends' records (dag/swarm.py), and t
 showed what a plan over such links is worth: every first plan on every topology claimed the
 same 0.1122 s, seated stages across a 20 Mbit/s link it took for a fast one, and trained at a
 quarter of the rate the swarm reached once it had measured (docs/testbed.md). So a node does
-not plan while a candidate has measured links (either way) to fewer than ``need`` of the
+not plan while a candidate has links measured both ways to fewer than ``need`` of the
 others (all of them in a swarm that small), for at most ``wait_s`` after that candidate
 arrived; after that it plans with what is measured (a peer that cannot be probed must not
 stall the swarm). Not every pair: a large swarm only ever measures a sample of its links.
@@ -14,6 +14,13 @@ cycle of slots after its ends met, and a cycle grows with the swarm (12 s on fou
 1 MiB probes, 20 s on five): the wait is ``wait_s`` plus that (``sweep_s``). With 6 s in all,
 B's first plan was made with the two sites' own links unmeasured, priced from the records,
 and it seated a stage on each side of the 20 Mbit/s link for 43 steps (issue 25, session 16).
+Both ways, as a plan sends both ways (activations on, gradients back), and the way not
+measured is priced from its ends' records, whose uplink and downlink are the best links each
+had measured when it last wrote. With either way enough, the three OP-Fence runs of one full
+B run planned first across the sites and trained there 40-48 steps: e2 -> e1 unmeasured, at
+e2's 20 Mbit/s (it had measured only its links to the other site), made e1 / e2 look no
+faster than a cross-site pair; w2 -> e2 unmeasured, at w2's 1 Gbit/s to w1, made w2 / e2 look
+fast. Hence two cycles: a link whose lane was refused waits a probe interval, then its slot.
 """
 
 from collections.abc import Callable, Collection, Set
@@ -24,10 +31,10 @@ from fusionllm.common.errors import ConfigError
 def measured_neighbours(
     peers: Collection[str], measured: Set[tuple[str, str]]
 ) -> dict[str, set[str]]:
-    """peer -> the other ``peers`` it has a measured link with, either way."""
+    """peer -> the other ``peers`` it has a link with measured both ways."""
     out: dict[str, set[str]] = {p: set() for p in peers}
     for a, b in measured:
-        if a in out and b in out and a != b:
+        if a in out and b in out and a != b and (b, a) in measured:
             out[a].add(b)
             out[b].add(a)
     return out

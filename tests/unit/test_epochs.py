@@ -731,7 +731,10 @@ def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out(
     nodes[0].agreement.book.record("peer0", "peer1", sample, now=clock.now)
     clock.now = T0 + 2.1
     epoch_round(nodes, e + 1)
-    assert set(directory.plans[e + 1]) == {"peer0"}  # peer1 has not heard of the link yet
+    assert e + 1 not in directory.plans  # one way measured: the other is priced from records
+    nodes[0].agreement.book.record("peer1", "peer0", sample, now=clock.now)
+    epoch_round(nodes, e + 2)
+    assert set(directory.plans[e + 2]) == {"peer0"}  # peer1 has not heard of the link yet
     # Nobody measures peer1's side for peer1: past the wait it plans with what it has.
     clock.now = T0 + 6.1
     nodes[1].agreement.propose(e + 3)

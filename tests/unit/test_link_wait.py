@@ -7,30 +7,39 @@ from fusionllm.node.control.link_wait import LinkWait, measured_neighbours
 from fusionllm.node.control.probe_slots import cycle_seconds
 
 
-def test_a_link_counts_for_both_ends_either_way():
-    linked = measured_neighbours(["a", "b", "c"], {("a", "b"), ("c", "a"), ("a", "x")})
+def both(*pairs: tuple[str, str]) -> set[tuple[str, str]]:
+    return {*pairs, *((b, a) for a, b in pairs)}
+
+
+def test_a_link_counts_for_both_ends_once_measured_both_ways():
+    linked = measured_neighbours(["a", "b", "c"], {*both(("a", "b"), ("c", "a")), ("a", "x")})
     assert linked == {"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}
+    # One way only: the other is priced from the records (B: a 1 Gbit/s link at 20 Mbit/s).
+    half = measured_neighbours(["a", "b", "c"], {*both(("a", "b")), ("c", "a")})
+    assert half == {"a": {"b"}, "b": {"a"}, "c": set()}
 
 
 def test_in_a_small_swarm_every_candidate_waits_for_links_to_all_the_others():
     wait = LinkWait(6.0)
     assert wait.waiting(["a", "b", "c"], set(), now=100.0) == {"a", "b", "c"}
     # a-b and a-c measured; b-c not yet: b and c still wait, a does not.
-    assert wait.waiting(["a", "b", "c"], {("a", "b"), ("c", "a")}, now=103.0) == {"b", "c"}
-    assert wait.waiting(["a", "b", "c"], {("a", "b"), ("c", "a"), ("b", "c")}, now=103.0) == set()
-    assert wait.waiting(["a", "b", "c"], {("a", "b"), ("c", "a")}, now=106.0) == set()
+    assert wait.waiting(["a", "b", "c"], both(("a", "b"), ("c", "a")), now=103.0) == {"b", "c"}
+    assert (
+        wait.waiting(["a", "b", "c"], both(("a", "b"), ("c", "a"), ("b", "c")), now=103.0) == set()
+    )
+    assert wait.waiting(["a", "b", "c"], both(("a", "b"), ("c", "a")), now=106.0) == set()
 
 
 def test_in_a_larger_swarm_need_links_are_enough():
     peers = [f"p{i}" for i in range(6)]
-    ring = {(peers[i], peers[(i + 1) % 6]) for i in range(6)}  # two neighbours each
+    ring = both(*((peers[i], peers[(i + 1) % 6]) for i in range(6)))  # two neighbours each
     assert LinkWait(6.0, need=2).waiting(peers, ring, now=1.0) == set()
     assert LinkWait(6.0, need=3).waiting(peers, ring, now=1.0) == set(peers)
 
 
 def test_a_late_arrival_waits_from_its_own_arrival_and_the_others_do_not():
     wait = LinkWait(6.0, need=1)
-    measured = {("a", "b")}
+    measured = both(("a", "b"))
     assert wait.waiting(["a", "b"], measured, now=100.0) == set()
     assert wait.waiting(["a", "b", "d"], measured, now=110.0) == {"d"}
     assert wait.waiting(["a", "b", "d"], measured, now=115.9) == {"d"}
