@@ -269,8 +269,9 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(share
                  "a plan seating it after its pace")  # fmt: skip
         event, plan = _plan_followed(nodes[0], reader, 60.0)
         # Any member may propose the plan, each from the paces in its own view: the swarm's.
-        # Every member is also planned at the swarm's measured stretch (control/stretch.py:
-        # its own work a step against the model's, one factor for all).
+        # Every member is planned at the larger of its pace and the swarm's measured slowdown
+        # (control/stretch.py: pace x own work a step against the model's, one factor for
+        # all), which the epoch event gives as the stretch of a member at pace 1.
         held = {e["paced"][boaster.peer_id] for n in nodes for e in _paced(n, boaster.peer_id)}
         stretches = {e.get("stretch", 1.0) for n in nodes for e in _paced(n, boaster.peer_id)}
         run = RunSpec(seq_len=64, micro_batch_size=2, micro_batches=4)
@@ -285,7 +286,7 @@ def test_a_member_slower_than_it_claims_is_planned_with_its_measured_speed(share
               f"stretches {sorted(stretches)}")  # fmt: skip
         assert min(held) >= 2.0, held
         assert any(
-            0.7 * p * s <= planned / claimed <= 1.4 * p * s for p in held for s in stretches
+            0.7 * max(p, s) <= planned / claimed <= 1.4 * max(p, s) for p in held for s in stretches
         ), (planned / claimed, held, stretches)
         steps = len(_step_times(everyone))
         wait_for(lambda: len(_step_times(everyone)) > steps + 10, 120, "training to go on")
