@@ -64,13 +64,31 @@ def test_slots_scale_with_the_probe():
     assert slot_seconds(64 << 10) == MIN_SLOT_S
 
 
-def test_a_probe_round_probes_each_target_inside_its_slot():
+def _slotted_monitor(lane_probe, *, slot_s: float, fanout: int = 4, stop=None, publish=None):
+    """A LinkMonitor of member "a" among MEMBERS, connected to all, its rounds in slots."""
     import threading
-    import time
     from types import SimpleNamespace
 
     from fusionllm.node.control.bandwidth import BandwidthBook
     from fusionllm.node.control.links import LinkMonitor
+
+    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
+    control = SimpleNamespace(
+        connected_peers=lambda: [p for p in MEMBERS if p != "a"],
+        publish=publish or (lambda topic, data: None),
+    )
+    monitor = LinkMonitor(
+        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
+        topic="t", probe_interval_s=2.0, probe_fanout=fanout, probe_bytes=1 << 20,
+        max_connections=8, members=lambda: members, neighbours=lambda: [],
+        stop=stop or threading.Event(), lane_probe=lane_probe, probe_slot_s=slot_s,
+    )  # fmt: skip
+    return monitor, members
+
+
+def test_a_probe_round_probes_each_target_inside_its_slot():
+    import time
+
     from fusionllm.node.p2p.lane.wire_meter import WireSample
 
     started: list[tuple[str, float]] = []
@@ -79,16 +97,7 @@ def test_a_probe_round_probes_each_target_inside_its_slot():
         started.append((peer, time.time()))
         return WireSample(1e6, 0.01, time.time())
 
-    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
-    control = SimpleNamespace(
-        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=lambda topic, data: None
-    )
-    monitor = LinkMonitor(
-        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
-        topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
-        max_connections=8, members=lambda: members, neighbours=lambda: [],
-        stop=threading.Event(), lane_probe=lane_probe, probe_slot_s=0.1,
-    )  # fmt: skip
+    monitor, members = _slotted_monitor(lane_probe, slot_s=0.1)
     monitor._probe_round(members)
     assert sorted(p for p, _ in started) == ["b", "c", "d", "e"]
     for peer, at in started:
@@ -99,24 +108,15 @@ def test_a_probe_round_probes_each_target_inside_its_slot():
 def test_a_probe_round_waiting_for_a_slot_ends_when_the_node_stops():
     import threading
     import time
-    from types import SimpleNamespace
 
-    from fusionllm.node.control.bandwidth import BandwidthBook
-    from fusionllm.node.control.links import LinkMonitor
     from fusionllm.node.p2p.lane.wire_meter import WireSample
 
     stop, probed = threading.Event(), []
-    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
-    control = SimpleNamespace(
-        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=lambda topic, data: None
+    monitor, members = _slotted_monitor(
+        lambda peer, nbytes: probed.append(peer) or WireSample(1e6, 0.01, time.time()),
+        slot_s=3600.0,
+        stop=stop,
     )
-    monitor = LinkMonitor(
-        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
-        topic="t", probe_interval_s=2.0, probe_fanout=4, probe_bytes=1 << 20,
-        max_connections=8, members=lambda: members, neighbours=lambda: [], stop=stop,
-        lane_probe=lambda peer, nbytes: probed.append(peer) or WireSample(1e6, 0.01, time.time()),
-        probe_slot_s=3600.0,
-    )  # fmt: skip
     threading.Timer(0.2, stop.set).start()
     began = time.monotonic()
     monitor._probe_round(members)
@@ -125,12 +125,9 @@ def test_a_probe_round_waiting_for_a_slot_ends_when_the_node_stops():
 
 
 def test_a_link_measured_for_the_first_time_is_gossiped_at_once_not_as_the_round_ends():
-    import threading
     import time
-    from types import SimpleNamespace
 
-    from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
-    from fusionllm.node.control.links import LinkMonitor
+    from fusionllm.node.control.bandwidth import BandwidthReport
     from fusionllm.node.p2p.lane.wire_meter import WireSample
 
     events: list[tuple[str, object]] = []
@@ -142,16 +139,7 @@ def test_a_link_measured_for_the_first_time_is_gossiped_at_once_not_as_the_round
     def publish(topic: str, data: bytes) -> None:
         events.append(("gossip", sorted(x.peer for x in BandwidthReport.from_bytes(data).links)))
 
-    members = {p: SimpleNamespace(peer_id=p, addrs=()) for p in MEMBERS}
-    control = SimpleNamespace(
-        connected_peers=lambda: [p for p in MEMBERS if p != "a"], publish=publish
-    )
-    monitor = LinkMonitor(
-        control=control, book=BandwidthBook(max_age_s=60.0), peer_id="a", swarm="demo",
-        topic="t", probe_interval_s=2.0, probe_fanout=1, probe_bytes=1 << 20,
-        max_connections=8, members=lambda: members, neighbours=lambda: [],
-        stop=threading.Event(), lane_probe=lane_probe, probe_slot_s=0.05,
-    )  # fmt: skip
+    monitor, members = _slotted_monitor(lane_probe, slot_s=0.05, fanout=1, publish=publish)
     monitor._probe_round(members)
     # Each new figure goes out before the next slot's probe, with those measured before it.
     probes = [peer for kind, peer in events if kind == "probe"]
