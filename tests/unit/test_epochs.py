@@ -19,7 +19,7 @@ from fusionllm.dht.records import (
     PlanProposal,
     TrainingProgress,
 )
-from fusionllm.node.control.agreement import epoch_at, next_step
+from fusionllm.node.control.agreement import epoch_at, next_step, serving_peers
 from fusionllm.node.control.backoff import BackoffConfig
 from fusionllm.node.control.bandwidth import BandwidthBook, LinkSample
 from fusionllm.node.control.epochs import PlanAgreement
@@ -739,6 +739,39 @@ def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out(
     clock.now = T0 + 6.1
     nodes[1].agreement.propose(e + 3)
     assert "peer1" in directory.plans[e + 3]
+
+
+def test_a_plan_that_broke_is_replaced_without_waiting_for_a_newcomers_links():
+    """CI, session 16: eight nodes re-planned 10.2 s after a crash (bound 10 s), waiting for
+    links that a swarm of eight had not all measured both ways."""
+    clock = FakeClock(T0 + 0.1)
+    directory = FakeDirectory()
+    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=600.0) for i in range(3)]
+    sample = LinkSample(bandwidth=1e8, rtt=0.01, measured_at=clock.now)
+    for node in nodes:
+        for a in nodes:
+            for b in nodes:
+                if a is not b:
+                    node.agreement.book.record(a.peer, b.peer, sample, now=clock.now)
+        node.heartbeat()
+    e = epoch_at(T0, 2.0)
+    epoch_round(nodes, e)
+    serving = [n for n in nodes if n.agreement.adopted is not None
+               and n.peer in serving_peers(n.agreement.adopted.plan)]  # fmt: skip
+    assert serving, "the three measured nodes plan at once"
+    newcomer = Node("peer3", directory, clock, link_wait_s=600.0)  # no link of it measured
+    newcomer.heartbeat()
+    clock.now = T0 + 2.1
+    epoch_round([*nodes, newcomer], e + 1)
+    assert nodes[0].agreement.counters["waited_for_links"] == 1  # the plan stands meanwhile
+    victim = serving[-1]
+    del directory.records[victim.peer]
+    survivors = [n for n in nodes if n is not victim]
+    clock.now = T0 + 4.1
+    epoch_round([*survivors, newcomer], e + 2)
+    plans = [plan_from_json(p.plan) for p in directory.proposals(e + 2)]
+    assert plans, "the survivors of a crash plan without waiting for the newcomer's links"
+    assert all(victim.peer not in serving_peers(p) for p in plans)
 
 
 def test_a_slow_read_does_not_age_the_records_it_returns():
