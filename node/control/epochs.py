@@ -255,9 +255,7 @@ class PlanAgreement:
         measured = self.book.linked(members, now=self.clock())
         seat = self._seatable(members)
         pairs = self.book.measured_pairs(seat, now=self.clock())
-        # A plan that broke (a crash) is replaced with what is measured: the wait is for a
-        # first plan, or a better one, not for the survivors of a crash.
-        broken = incumbent is None and self.adopted is not None
+        broken = incumbent is None and self.adopted is not None  # a crash: plan at once
         waiting = self.link_wait.waiting(seat, pairs, now=self.clock(), members=len(members))
         if waiting and not broken:
             self.counters["waited_for_links"] += 1
