@@ -22,7 +22,6 @@ from fusionllm.dag.plan_wire import plan_to_json
 from fusionllm.dag.swarm import Swarm
 from fusionllm.dag.switch_cost import SwitchPolicy
 from fusionllm.dht.records import (
-    MAX_CLOCK_SKEW_S,
     NodeInfo,
     NodeState,
     PlanProposal,
@@ -36,7 +35,6 @@ from fusionllm.node.control.agreement import (
     choose,
     epoch_at,
     epoch_start,
-    fresh_members,
     next_step,
     serving_peers,
 )
@@ -47,12 +45,12 @@ from fusionllm.node.control.convergence import Outvoted, converge, most_followed
 from fusionllm.node.control.directory_view import Directory
 from fusionllm.node.control.judging import judge
 from fusionllm.node.control.link_wait import LinkWait
+from fusionllm.node.control.member_snapshot import MemberSnapshot
 from fusionllm.node.control.plan_memo import PlanMemo
 from fusionllm.node.control.planners import planners
 from fusionllm.node.control.probe_slots import cycle_seconds
 from fusionllm.node.control.quiet import QuietNode
-from fusionllm.node.control.seating import excluded, seatable
-from fusionllm.node.control.stretch import as_planned
+from fusionllm.node.control.seating import seatable
 from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.control.switching import SwitchStreak, after_a_loss, judge_switch
 
@@ -83,7 +81,7 @@ class PlanAgreement:
         self.plan_config = settings.plan_config()
         self.peer_id = peer_id
         self.directory, self.book = directory, book
-        self._own_info, self._emit, self.clock = own_info, emit, clock
+        self._emit, self.clock = emit, clock
         self.limits = limits or AuditLimits()
         self.backoff = ReplanBackoff(backoff)  # when a stable swarm plans afresh
         self.switch_policy = switch_policy or SwitchPolicy()  # what moving state costs
@@ -95,20 +93,21 @@ class PlanAgreement:
         self._turn = 0  # epochs we proposed in (the replan gap counts these)
         # Which epochs we act in; other threads wake us and suspect members through it.
         self.quiet = QuietNode(settings.quiet_max_stride, own=peer_id, tell_swarm=tell_swarm)
-        self._lock = threading.Lock()
-        self.members: dict[str, NodeInfo] = {}
-        self.excluded: dict[str, list] = {}  # members kept out of plans now (seating.py)
-        self._read: tuple[int, dict[str, NodeInfo], float] | None = None  # (epoch, records, when)
+        self.roster = MemberSnapshot(
+            settings=settings, peer_id=peer_id, directory=directory, own_info=own_info,
+            quiet=self.quiet, min_peers=self.plan_config.min_peers, clock=clock,
+        )  # fmt: skip
         self.adopted: Candidate | None = None
         self.adopted_epoch: int | None = None
         self.state = NodeState.JOINING
-        self.run_finished = False  # some member's record says the run reached its end
         self.outvoted = Outvoted()
         self._plan = PlanMemo(costs, self.plan_config)  # the planner, memoized
         self._last_plan_failure = ""
         # Our last adopt found no plan we believe: plan ourselves, planner or not (planners.py).
         self._unanswered = False
         self._deferred: int | None = None  # the turn we first left a change to the planners
+        # Our last propose held planning back for unmeasured links: we must not go quiet then.
+        self.waiting_for_links = False
         self.counters = {
             "invalid_proposals": 0,
             "proposals_not_members": 0,  # of which: from keys that are not fresh members
@@ -175,51 +174,25 @@ class PlanAgreement:
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> dict[str, NodeInfo]:
-        """Fresh members that run our settings (and ourselves, even before our record shows)."""
-        read_at, everyone = self.clock(), self.directory.members(include_leaving=True)
-        self._read = (epoch_at(self.clock(), self.settings.epoch_s), everyone, read_at)
-        return self._members_of(everyone, read_at)
+        return self.roster.read()
 
-    def _recent_snapshot(self, epoch: int) -> tuple[dict[str, NodeInfo], bool]:
-        """(members, whether they come from records read earlier in ``epoch``): adopt reuses
-        the records propose read at the epoch's start, judged as then (a DHT get costs ~20 ms
-        of CPU; a stable swarm's records do not change within an epoch). Its caller reads
-        afresh when a proposal is refused."""
-        if self._read is not None and self._read[0] == epoch:
-            return self._members_of(self._read[1], self._read[2]), True
-        return self.snapshot(), False
+    @property
+    def members(self) -> dict[str, NodeInfo]:
+        return self.roster.members
 
-    def _members_of(self, everyone: dict[str, NodeInfo], read_at: float) -> dict[str, NodeInfo]:
-        """Fresh members, judged at ``read_at`` (when our read began): a slow read is no news of
-        a member (topology C, session 7: 5.4 s DHT reads on every node dropped a member)."""
-        digest = self.settings.digest()
-        members = fresh_members(everyone, digest=digest, now=read_at, max_skew_s=MAX_CLOCK_SKEW_S,
-                                suspect_after_s=self.settings.suspect_after_s)  # fmt: skip
-        if len(members) < len(everyone):
-            logger.debug("%d records are stale, leaving or on other settings",
-                         len(everyone) - len(members))  # fmt: skip
-        self.quiet.drop_suspects(members)
-        members[self.peer_id] = self._own_info()
-        members = as_planned(members)  # paces as their plans saw them, stretches measured
-        self.excluded = excluded(members, now=self.clock(), min_peers=self.plan_config.min_peers)
-        # Members that finished the run leave: their last records tell a backup it is over.
-        if any(
-            i.training and i.training.finished
-            for i in everyone.values()
-            if i.config_digest == digest
-        ):
-            self.run_finished = True
-        with self._lock:
-            self.members = members
-        return members
+    @property
+    def excluded(self) -> dict[str, list]:
+        return self.roster.excluded
+
+    @property
+    def run_finished(self) -> bool:
+        return self.roster.run_finished
 
     def members_now(self) -> dict[str, NodeInfo]:
-        with self._lock:
-            return dict(self.members)
+        return self.roster.members_now()
 
     def is_member(self, peer: str) -> bool:
-        with self._lock:
-            return peer in self.members
+        return self.roster.is_member(peer)
 
     def _view(self, epoch: int, members: Mapping[str, NodeInfo], swarm: Swarm) -> EpochView:
         return EpochView(
@@ -254,13 +227,7 @@ class PlanAgreement:
         # waits out the doubled gap (up to max_gap epochs) before it is seated.
         measured = self.book.linked(members, now=self.clock())
         seat = self._seatable(members)
-        pairs = self.book.measured_pairs(seat, now=self.clock())
-        broken = incumbent is None and self.adopted is not None  # a crash: plan at once
-        waiting = self.link_wait.waiting(seat, pairs, now=self.clock(), members=len(members))
-        if waiting and not broken:
-            self.counters["waited_for_links"] += 1
-            if incumbent is not None:
-                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+        if self._waits_for_links(epoch, seat, len(members), incumbent):
             return
         ids = frozenset((peer, peer in measured, peer in seat) for peer in members)
         # The gap counts the epochs we act in: a quiet node re-checks as seldom as it acts.
@@ -303,6 +270,20 @@ class PlanAgreement:
         # switch margin of the one we follow is as good as no plan at all).
         self.backoff.planned(self._turn, ids, hashlib.sha256(plan_bytes).hexdigest())
         self._publish(epoch, plan_bytes, estimate)
+
+    def _waits_for_links(
+        self, epoch: int, seat: frozenset[str], members: int, incumbent: Candidate | None
+    ) -> bool:
+        """Whether to hold planning back for links not yet measured (link_wait.py), re-proposing
+        the plan we follow meanwhile. A plan that broke is replaced at once (a crash)."""
+        pairs = self.book.measured_pairs(seat, now=self.clock())
+        waiting = self.link_wait.waiting(seat, pairs, now=self.clock(), members=members)
+        self.waiting_for_links = waiting and not (incumbent is None and self.adopted is not None)
+        if self.waiting_for_links:
+            self.counters["waited_for_links"] += 1
+            if incumbent is not None:
+                self._publish(epoch, incumbent.proposal.plan, incumbent.estimate)
+        return self.waiting_for_links
 
     def _survivors_plan(self, fresh, members: Mapping[str, NodeInfo], seated: Swarm):
         """``after_a_loss`` among the members we may seat: a suspect or an observer that still
@@ -395,7 +376,7 @@ class PlanAgreement:
     def adopt(self, epoch: int) -> None:
         if epoch < 0:
             return
-        members, reused = self._recent_snapshot(epoch)
+        members, reused = self.roster.recent(epoch)
         proposals = self.directory.proposals(epoch)
         believed, refused = self._believed(epoch, members, proposals)
         # A proposal refused for its peers may name a member we have not seen yet (or one that
@@ -411,7 +392,8 @@ class PlanAgreement:
         self._unanswered = best is None
         if best is not None:
             self._follow(best, epoch, members, proposals=len(proposals), valid=len(believed))
-        self.quiet.observe(members, self.adopted.digest if self.adopted is not None else None)
+        followed = self.adopted.digest if self.adopted is not None else None
+        self.quiet.observe(members, followed, busy=self.waiting_for_links)
 
     def _believed(
         self, epoch: int, members: Mapping[str, NodeInfo], proposals: list[PlanProposal]

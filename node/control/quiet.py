@@ -187,10 +187,17 @@ class QuietNode:
             self.cadence.wake(alert=wake)
         return not self.cadence.acts(epoch)
 
-    def observe(self, members: Mapping[str, NodeInfo], followed: str | None) -> None:
-        """What an epoch we acted in saw; tells the swarm when it woke us for a change."""
+    def observe(
+        self, members: Mapping[str, NodeInfo], followed: str | None, *, busy: bool = False
+    ) -> None:
+        """What an epoch we acted in saw; tells the swarm when it woke us for a change.
+        ``busy``: we are about to plan, waiting only for links to be measured (link_wait.py),
+        which wakes nobody: quiet, we would act once in up to ``max_stride`` epochs and the
+        first plan would come that much later (topology B: 51 s after the last member was
+        ready, 28-34 s in the runs that did not go quiet; session 16)."""
         before = self.cadence.stride
-        if self.cadence.observed(quiet_view(members, followed, own=self._own)):
+        view = None if busy else quiet_view(members, followed, own=self._own)
+        if self.cadence.observed(view):
             logger.info("woke from quiet (acting every %d epochs): the swarm changed", before)
             self._tell_swarm()
         elif self.cadence.stride != before:

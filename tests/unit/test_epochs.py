@@ -741,6 +741,35 @@ def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out(
     assert "peer1" in directory.plans[e + 3]
 
 
+def test_a_swarm_waiting_for_its_links_does_not_go_quiet():
+    """Topology B, session 16: nodes waiting for links saw nothing change in membership, went
+    quiet, and acted once in 8 epochs; a link's figure wakes nobody, so the first plan came
+    51 s after the last member was ready. Waiting, a node acts every epoch."""
+    clock = FakeClock(T0 + 0.1)
+    directory = FakeDirectory()
+    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=600.0) for i in range(2)]
+    for node in nodes:
+        node.heartbeat()
+    e = epoch_at(T0, 2.0)
+    for k in range(6):
+        clock.now = T0 + 2.0 * k + 0.1
+        epoch_round(nodes, e + k)
+    assert not directory.plans
+    assert all(n.agreement.counters["waited_for_links"] == 6 for n in nodes)
+    assert all(n.agreement.quiet.cadence.stride == 1 for n in nodes)
+    sample = LinkSample(bandwidth=1e8, rtt=0.01, measured_at=clock.now)
+    for node in nodes:
+        node.agreement.book.record("peer0", "peer1", sample, now=clock.now)
+        node.agreement.book.record("peer1", "peer0", sample, now=clock.now)
+    clock.now = T0 + 12.1
+    epoch_round(nodes, e + 6)
+    assert all(n.agreement.adopted is not None for n in nodes)
+    for k in range(7, 13):  # planned and idle: quiet as before
+        clock.now = T0 + 2.0 * k + 0.1
+        epoch_round(nodes, e + k)
+    assert all(n.agreement.quiet.cadence.stride == 8 for n in nodes)
+
+
 def test_a_plan_that_broke_is_replaced_without_waiting_for_a_newcomers_links():
     """CI, session 16: eight nodes re-planned 10.2 s after a crash (bound 10 s), waiting for
     links that a swarm of eight had not all measured both ways."""
