@@ -13,11 +13,13 @@ activations and gradients, for the others' summaries, for its own sends and the 
 (network time the simulator models apart; ``StepReport.own_s``). ``StretchMeter`` keeps the
 median of that over what the planner's model predicts for the same work (its stage's compute
 and dense frames at its advertised device and pace), and the node's record carries it
-(``NodeInfo.stretch``), in half powers of two, moved only when the median leaves a band of
-1.68x around it: a new figure re-plans every node of the swarm, and planning costs a 0.4-core
-home of topology C a second of its CPU, which stalled the steps of the next epoch and moved
-the stretch again (with quarter powers and a 1.41x band, C's OP-Fence run re-planned on a
-new stretch four epochs running, its estimate 0.13 -> 0.30 s for steps of ~0.19).
+(``NodeInfo.stretch``), in quarter powers of two, moved only when the median leaves a band
+of 1.68x around it (the first figure once more, after a window: ``StretchMeter``). The band,
+not the step, is what holds the swarm still: a new figure re-plans every node of the swarm,
+and planning costs a 0.4-core home of topology C a second of its CPU, which stalled the steps
+of the next epoch and moved the stretch again (with a 1.41x band, C's OP-Fence run re-planned
+on a new stretch four epochs running, its estimate 0.13 -> 0.30 s for steps of ~0.19). The
+step only sets how far a figure, once published, may sit from the median it came from.
 ``bandwidth.peer_of`` multiplies a member's device times by the stretch it is planned at, the
 same on every node.
 
@@ -48,7 +50,9 @@ from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
 from fusionllm.node.control.pace import RatioWindow, with_witnessed_paces
 
-STEP = 2.0**0.5  # published values: half powers of two (a 41% step)
+# Published values: quarter powers of two (a 19% step). Half powers put a median of 1.18 at
+# 1.0: topology B's two-stage plan was estimated at 0.090 s for steps of 0.105 (session 16).
+STEP = 2.0**0.25
 # A published stretch holds while the median stays within this factor of it: a node moved to
 # a stage of another size measures another ratio (its fixed costs weigh differently), which
 # must not move its record, and the swarm's plan with it, back and forth.
@@ -76,7 +80,14 @@ class StretchMeter:
     """The median of a node's last ``window`` measured/modelled ratios of its own work, as a
     published stretch (0.0 until a window is full: not measured). The first ``skip`` steps
     of each plan are left out: a fresh swarm's first steps run beside its first probes and
-    plans (on C a 0.4-core home's own work took 3-5x its later steps in steps 4-10)."""
+    plans (on C a 0.4-core home's own work took 3-5x its later steps in steps 4-10).
+
+    The first figure is provisional: the next full window, of steps after it, publishes its
+    own median whatever the band, and only then does the band hold. A swarm's first window
+    still runs beside its first plans and probe rounds: on C the last stage's median fell by
+    13% from steps 8-24 to the rest of the run, and the figure published in that window,
+    2.83, held for the whole run (inside the band of a true ~2.2), the plan estimated at
+    0.243 s for steps of 0.175 (session 17)."""
 
     def __init__(self, *, window: int = 16, skip: int = 8) -> None:
         if not 0 <= skip <= 1024:
@@ -84,6 +95,7 @@ class StretchMeter:
         self.window, self.skip = RatioWindow(window), skip
         self._skipped = 0
         self.published = 0.0
+        self._confirmed = False  # a second window has had its say (see above)
 
     def add(self, own_s: float, predicted_s: float) -> float:
         """Note one step; the stretch to publish now."""
@@ -91,8 +103,13 @@ class StretchMeter:
             self._skipped += 1
             return self.published
         median, held = self.window.add(own_s, predicted_s), self.published
-        if median is None or (held and held / _HOLD <= max(1.0, median) <= held * _HOLD):
+        if median is None:
             return held
+        if self._confirmed and held / _HOLD <= max(1.0, median) <= held * _HOLD:
+            return held
+        if not held:
+            self.window.clear()  # the confirming window is of steps after this one
+        self._confirmed = bool(held)
         self.published = min(MAX_STRETCH, STEP ** round(math.log(max(1.0, median), STEP)))
         return self.published
 
