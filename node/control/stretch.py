@@ -44,8 +44,11 @@ import math
 import statistics
 from collections.abc import Mapping
 
+import numpy as np
+
 from fusionllm.common.errors import ConfigError
-from fusionllm.dag.cost import stage_frames
+from fusionllm.dag.cost import stage_frames, topk_charge
+from fusionllm.dag.plan_build import topk_frames
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
 from fusionllm.node.control.pace import RatioWindow, with_witnessed_paces
@@ -64,16 +67,30 @@ def predicted_own_s(
     pace: float,
 ) -> float | None:  # fmt: skip
     """What the planner's model gives ``peer``'s own work in one step of ``plan``: its
-    stage's compute (``compute_s``, pace.predicted_compute_s) and dense frames, every
+    stage's compute (``compute_s``, pace.predicted_compute_s), dense frames and the top-k
+    frames it codes beyond them (plan_build: as the plan's estimate charges them), every
     micro-batch's share, at its device and ``pace`` (without its stretch, which is what is
-    measured against it); None if it is not seated."""
+    measured against it); None if it is not seated.
+
+    Without the top-k frames, C's last stage measured 0.077 s of own work a step under
+    AdaTopK and 0.034 s once a plan sent its gradients dense: the coding was counted as
+    stretch, 2.83, which planned every member slower, which gave AdaTopK a larger budget
+    and less to compress (session 17)."""
     seat = next(((k, s) for k, s in enumerate(plan.stages) if peer in s.peers), None)
     if seat is None:
         return None
     k, stage = seat
     share = stage.shares[stage.peers.index(peer)]
     frames = stage_frames(k, len(plan.stages)) * 2 * device.frame_overhead  # forward and back
-    return (compute_s + config.micro_batches * share * frames) * pace
+    dense_s, coded = np.array(device.frame_overhead), topk_frames(plan.links, len(plan.stages))[k]
+    topk = sum(
+        float(topk_charge(work.frames, work.dense_bytes, dense_s=dense_s,
+                          per_frame=np.array(device.topk_frame_overhead),
+                          per_byte=np.array(device.topk_byte_cost),
+                          factor=config.topk_frame_factor))
+        for work in coded
+    )  # fmt: skip
+    return (compute_s + config.micro_batches * share * (frames + topk)) * pace
 
 
 class StretchMeter:

@@ -108,6 +108,29 @@ def test_the_model_of_own_work_is_the_stages_compute_and_frames_at_the_pace():
     assert predicted_own_s(plan, "stranger", framed, config, compute_s=compute, pace=1.0) is None
 
 
+def test_the_model_of_own_work_charges_the_top_k_frames_a_stage_codes():
+    """C, session 17: AdaTopK's coding counted as stretch (0.077 s of own work a step coded,
+    0.034 s dense) planned every member 2.83x slower, and AdaTopK then compressed less."""
+    adopted, device = _adopted()
+    config, plan = SETTINGS.plan_config(), adopted.plan
+    assert len(plan.stages) == 2
+    framed = dataclasses.replace(
+        device, frame_overhead=1e-3, topk_frame_overhead=2e-3, topk_byte_cost=1e-9
+    )
+    coded = dataclasses.replace(
+        plan, links=(dataclasses.replace(plan.links[0], backward_codec="topk"),)
+    )
+    dense_bytes = plan.links[0].dense_bytes
+    for peer in ("peer0", "peer1"):  # the gradient's encoder and its decoder pay alike
+        compute = predicted_compute_s(GRAPH, plan, peer, framed, config)
+        dense = predicted_own_s(plan, peer, framed, config, compute_s=compute, pace=1.0)
+        topk = predicted_own_s(coded, peer, framed, config, compute_s=compute, pace=1.0)
+        k = next(k for k, s in enumerate(plan.stages) if peer in s.peers)
+        share = plan.stages[k].shares[0]
+        beyond = (2e-3 - 1e-3) + 1e-9 * dense_bytes  # one frame, its constant and its bytes
+        assert topk - dense == pytest.approx(config.micro_batches * share * beyond)
+
+
 def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
     adopted, device = _adopted()
     config, peer = SETTINGS.plan_config(), sorted(serving_peers(adopted.plan))[0]
