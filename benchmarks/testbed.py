@@ -237,19 +237,23 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
     trains under a new digest when only its figures move (the members published their
     measured stretch: control/stretch.py); ``plans_trained`` counts digests,
     ``layouts_trained`` layouts. ``estimate_s`` is the planner's latest estimate of the
-    longest-trained layout, retimed on its view of the swarm then; ``adopted_estimate_s``
-    the one it was first proposed with."""
+    longest-trained layout, retimed on its view of the swarm then, in an epoch that began
+    before the run's last step (one after it re-timed a plan nobody trained any more: C,
+    session 17, 0.176 s where the last estimate the steps ran under was 0.215);
+    ``adopted_estimate_s`` the one it was first proposed with."""
+    merged = _merged_steps(nodes)
+    last_t = max((s["t"] for s in merged.values()), default=float("inf"))
     latest, adopted, stages, first = {}, {}, {}, []
     for node in nodes:
         for e in (e for e in node.snapshot() if e["event"] == "epoch"):
             first.append((e["epoch"], e["estimate"]))
             layout, now = _layout(e), (e["epoch"], e.get("retimed") or e["estimate"])
-            latest[layout] = max(latest.get(layout, now), now)
+            if e.get("t", 0.0) <= last_t:
+                latest[layout] = max(latest.get(layout, now), now)
             adopted[layout] = min(adopted.get(layout, now), (e["epoch"], e["estimate"]))
             stages[layout] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
     starts = sorted({(e["start_step"], e["digest"], _layout(e)) for n in nodes
                      for e in n.snapshot() if e["event"] == "train_plan"})  # fmt: skip
-    merged = _merged_steps(nodes)
     runs: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
     for (start, _, layout), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):

@@ -92,3 +92,17 @@ def test_a_plan_re_proposed_under_new_figures_is_one_layout_with_its_latest_esti
     assert got["plan_steps"] == 30
     assert (got["estimate_s"], got["adopted_estimate_s"]) == (0.10, 0.06)
     assert got["plan_step_s"] == pytest.approx(0.1)
+
+
+def test_an_epoch_after_the_last_step_does_not_set_the_estimate() -> None:
+    """C, session 17: the members re-timed the plan after the run ended (their stretches
+    moved once more), 0.176 s, where the steps had run under 0.215."""
+    ab, cuts = [["a"], ["b"]], [[0, 5], [5, 9]]
+    events = [
+        {**_epoch(1, "d1", 0.24, 0.215, ab, cuts), "t": 1.0},
+        {"event": "train_plan", "digest": "d1", "start_step": 0, "stages": ab, "ranges": cuts},
+        {**_epoch(2, "d1", 0.24, 0.176, ab, cuts), "t": 4.5},  # after step 39 (t = 3.9)
+    ]
+    steps = [{"event": "step", "step": s, "t": 0.1 * s, "loss": 1.0} for s in range(40)]
+    got = _plans([_Node(events + steps)], {"a": "A", "b": "B"})
+    assert got["estimate_s"] == 0.215
