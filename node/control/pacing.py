@@ -56,6 +56,7 @@ class StepPacing:
             logger.info("our own work in a step runs %.3g x the planner's model of it",
                         self.stretch.published)  # fmt: skip
         if self.meter.add(compute_s, predicted) != pace:
+            self.stretch.repaced(pace, self.meter.published)
             logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
                            self.meter.published)  # fmt: skip
         return (pace, stretch) != (self.meter.published, self.stretch.published)

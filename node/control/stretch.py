@@ -127,13 +127,30 @@ class StretchMeter:
         if not held:
             self.window.clear()  # the confirming window is of steps after this one
         self._confirmed = bool(held)
-        self.published = min(MAX_STRETCH, STEP ** round(math.log(max(1.0, median), STEP)))
+        self.published = _quantized(median)
         return self.published
+
+    def repaced(self, before: float, after: float) -> None:
+        """Our pace moved from ``before`` to ``after``: the stretch was measured against the
+        old one. Pace and stretch are planned as their product (``swarm_slowdown``), so the
+        figure keeps that product, and is provisional again: the window measured against
+        the old pace is dropped. On C a node published pace 2, and 2 s later a stretch of 2.0
+        from a window measured mostly at pace 1: the swarm was planned at 4.0 (estimate 0.276
+        s, steps 0.178) until a window at the new pace brought it back (session 17)."""
+        if self.published:
+            self.published = _quantized(self.published * before / after)
+        self.window.clear()
+        self._confirmed = False
 
     def reset(self) -> None:
         """A new plan: another stage, measured afresh (the published stretch stands)."""
         self.window.clear()
         self._skipped = 0
+
+
+def _quantized(ratio: float) -> float:
+    """A measured ratio as published: its nearest power of ``STEP``, in [1, MAX_STRETCH]."""
+    return min(MAX_STRETCH, STEP ** round(math.log(max(1.0, ratio), STEP)))
 
 
 def swarm_slowdown(members: Mapping[str, NodeInfo]) -> float:

@@ -155,6 +155,33 @@ def test_our_steps_publish_a_stretch_once_a_window_of_them_ran():
     assert pacing.meter.published == 1.0  # its compute ran as its device predicts
 
 
+def test_a_new_pace_keeps_pace_times_stretch_and_measures_the_stretch_afresh():
+    meter = _meter_after([2.0] * 8)
+    meter.add(1.5, 1.0)
+    meter.repaced(1.0, 2.0)
+    assert meter.published == pytest.approx(1.0)  # 2.0 at pace 1 is 1.0 at pace 2
+    assert list(meter.window.ratios) == []  # measured against the old pace
+    assert _meter_after([1.3] * 4, meter).published == pytest.approx(2**0.5)  # provisional
+
+
+def test_a_pace_published_while_the_stretch_is_measured_is_not_counted_twice():
+    """C, session 17: a node published pace 2, and 2 s later a stretch of 2.0 from a window
+    measured mostly at pace 1: planned at 4.0 for steps of about 2."""
+    adopted, device = _adopted()
+    config, peer = SETTINGS.plan_config(), sorted(serving_peers(adopted.plan))[0]
+    compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
+    model = predicted_own_s(adopted.plan, peer, device, config, compute_s=compute, pace=1.0)
+    pacing, planned = StepPacing(), []
+    for _ in range(48):  # everything it does runs 2.5x the model: compute and all
+        pacing.measured(adopted, adopted.digest, 2.5 * compute, 2.5 * model, costs=GRAPH,
+                        peer_id=peer, device=device, config=config)  # fmt: skip
+        planned.append(pacing.meter.published * (pacing.stretch.published or 1.0))
+    assert pacing.meter.published == 2.0
+    assert pacing.stretch.published  # measured, at the new pace
+    assert max(planned) <= 2.5 * 2**0.125  # never 2 x 2
+    assert planned[-1] >= 2.0
+
+
 def test_a_stretched_record_is_planned_slower_and_round_trips():
     info = record("p", stretch=2.0)
     assert NodeInfo.from_wire(info.to_wire()).stretch == 2.0
