@@ -271,7 +271,23 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
         "plan_steps": runs.get(longest, 0),
         "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted
+        "each_plan": _each_plan(nodes, starts, times, len(merged)),
     }
+
+
+def _each_plan(nodes, starts: list[tuple], times: dict[int, float], steps: int) -> list[dict]:
+    """Every plan (digest) trained, in order: its first step, how many steps it ran, the
+    estimate it was proposed with and its own step time. A run's first plan is estimated
+    before any member has measured its stretch; the layout's figures above are its latest."""
+    proposed = {e["digest"]: e["estimate"] for n in nodes for e in n.snapshot()
+                if e["event"] == "epoch"}  # fmt: skip
+    out = []
+    for (start, digest, _), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
+        end = nxt[0] if nxt[0] is not None else max(start, steps)
+        out.append({"start": start, "steps": max(0, end - start),
+                    "estimate_s": proposed.get(digest),
+                    "step_s": plan_step_s(times, [(start, end)])})  # fmt: skip
+    return out
 
 
 def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float | None:

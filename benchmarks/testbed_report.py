@@ -75,6 +75,16 @@ def _wire_rows(topology: dict) -> list[str]:
     return _per_run(topology, title, "wire", lambda nbytes: f"{nbytes / 1024:.0f}")
 
 
+def _each_plan_rows(topology: dict) -> list[str]:
+    """Per run, every plan it trained: first step +steps, estimate / own step time."""
+    rows = [f"each plan trained ({topology['topology']}; from step +steps: est s / step s):"]
+    for r in topology["runs"]:
+        plans = [f"{p['start']}+{p['steps']}: {p['estimate_s'] or 0:.3f} / {p['step_s'] or 0:.3f}"
+                 for p in r.get("each_plan", [])]  # fmt: skip
+        rows.append(f"  {r['method']:14} {'; '.join(plans) or '-'}")
+    return rows
+
+
 def _cpu_rows(topology: dict) -> list[str]:
     """Per run and host: the cores its processes used (of its share), their CPU per step and
     the training thread's (``step_cpu_s``, of it ``busy_cpu_s`` computing), and the share of
@@ -144,8 +154,8 @@ def _node_rows(topology: dict) -> list[str]:
 def tables(results: dict) -> str:
     lines: list[str] = []
     for topology in results["topologies"]:
-        lines += [*_method_rows(topology), *_node_rows(topology), *_wire_rows(topology),
-                  *_cpu_rows(topology), *_link_rows(topology), ""]  # fmt: skip
+        lines += [*_method_rows(topology), *_each_plan_rows(topology), *_node_rows(topology)]
+        lines += [*_wire_rows(topology), *_cpu_rows(topology), *_link_rows(topology), ""]
     return "\n".join(lines)
 
 

@@ -92,6 +92,9 @@ def test_a_plan_re_proposed_under_new_figures_is_one_layout_with_its_latest_esti
     assert got["plan_steps"] == 30
     assert (got["estimate_s"], got["adopted_estimate_s"]) == (0.10, 0.06)
     assert got["plan_step_s"] == pytest.approx(0.1)
+    each = [(p["start"], p["steps"], p["estimate_s"]) for p in got["each_plan"]]
+    assert each == [(0, 20, 0.06), (20, 10, 0.10), (30, 10, 0.11)]
+    assert all(p["step_s"] == pytest.approx(0.1) for p in got["each_plan"])
 
 
 def test_an_epoch_after_the_last_step_does_not_set_the_estimate() -> None:
