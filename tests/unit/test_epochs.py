@@ -715,14 +715,20 @@ def test_in_a_quiet_swarm_only_the_planners_store_the_plan_again():
 # ----------------------------------------------------------------------------- link wait
 
 
+def _unmeasured_pair(*, link_wait_s: float) -> tuple[FakeClock, FakeDirectory, list[Node]]:
+    """Two nodes that have measured no link between them, with a link wait."""
+    clock = FakeClock(T0 + 0.1)
+    directory = FakeDirectory()
+    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=link_wait_s) for i in range(2)]
+    for node in nodes:
+        node.heartbeat()
+    return clock, directory, nodes
+
+
 def test_no_plan_over_links_nobody_measured_until_they_are_or_the_wait_runs_out():
     """The testbed's first plans were all made on estimated links (0.1122 s everywhere): with
     a link wait, a node proposes nothing while a pair of candidates is unmeasured."""
-    clock = FakeClock(T0 + 0.1)
-    directory = FakeDirectory()
-    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=6.0) for i in range(2)]
-    for node in nodes:
-        node.heartbeat()
+    clock, directory, nodes = _unmeasured_pair(link_wait_s=6.0)
     e = epoch_at(T0, 2.0)
     epoch_round(nodes, e)
     assert e not in directory.plans
@@ -745,11 +751,7 @@ def test_a_swarm_waiting_for_its_links_does_not_go_quiet():
     """Topology B, session 16: nodes waiting for links saw nothing change in membership, went
     quiet, and acted once in 8 epochs; a link's figure wakes nobody, so the first plan came
     51 s after the last member was ready. Waiting, a node acts every epoch."""
-    clock = FakeClock(T0 + 0.1)
-    directory = FakeDirectory()
-    nodes = [Node(f"peer{i}", directory, clock, link_wait_s=600.0) for i in range(2)]
-    for node in nodes:
-        node.heartbeat()
+    clock, directory, nodes = _unmeasured_pair(link_wait_s=600.0)
     e = epoch_at(T0, 2.0)
     for k in range(6):
         clock.now = T0 + 2.0 * k + 0.1
