@@ -243,10 +243,11 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
     ``adopted_estimate_s`` the one it was first proposed with."""
     merged = _merged_steps(nodes)
     last_t = max((s["t"] for s in merged.values()), default=float("inf"))
-    latest, adopted, stages, first = {}, {}, {}, []
+    latest, adopted, stages, first, proposed = {}, {}, {}, [], {}
     for node in nodes:
         for e in (e for e in node.snapshot() if e["event"] == "epoch"):
             first.append((e["epoch"], e["estimate"]))
+            proposed[e["digest"]] = e["estimate"]
             layout, now = _layout(e), (e["epoch"], e.get("retimed") or e["estimate"])
             if e.get("t", 0.0) <= last_t:
                 latest[layout] = max(latest.get(layout, now), now)
@@ -254,14 +255,21 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
             stages[layout] = [[hosts.get(p, p[:8]) for p in s] for s in e["stages"]]
     starts = sorted({(e["start_step"], e["digest"], _layout(e)) for n in nodes
                      for e in n.snapshot() if e["event"] == "train_plan"})  # fmt: skip
+    segments = _segments(starts, len(merged))
     runs: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
-    for (start, _, layout), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
-        end = nxt[0] if nxt[0] is not None else max(start, len(merged))
+    for start, end, _, layout in segments:
         runs[layout] = runs.get(layout, 0) + max(0, end - start)
         spans.setdefault(layout, []).append((start, end))
     longest = max(runs, key=runs.get, default=None)
     times = {step: s["t"] for step, s in merged.items()}
+    # Every plan (digest) trained, in order, with the estimate it was proposed with and its
+    # own step time: a run's first plan is estimated before any member measured its stretch
+    # (the layout's figures below are its latest).
+    each_plan = [{"start": start, "steps": max(0, end - start),
+                  "estimate_s": proposed.get(digest),
+                  "step_s": plan_step_s(times, [(start, end)])}
+                 for start, end, digest, _ in segments]  # fmt: skip
     return {
         "plans_trained": len({digest for _, digest, _ in starts}),
         "layouts_trained": len(runs),
@@ -271,23 +279,16 @@ def _plans(nodes, hosts: dict[str, str]) -> dict:
         "plan_steps": runs.get(longest, 0),
         "plan_step_s": plan_step_s(times, spans.get(longest, [])),
         "first_estimate_s": min(first)[1] if first else None,  # the first plan adopted
-        "each_plan": _each_plan(nodes, starts, times, len(merged)),
+        "each_plan": each_plan,
     }
 
 
-def _each_plan(nodes, starts: list[tuple], times: dict[int, float], steps: int) -> list[dict]:
-    """Every plan (digest) trained, in order: its first step, how many steps it ran, the
-    estimate it was proposed with and its own step time. A run's first plan is estimated
-    before any member has measured its stretch; the layout's figures above are its latest."""
-    proposed = {e["digest"]: e["estimate"] for n in nodes for e in n.snapshot()
-                if e["event"] == "epoch"}  # fmt: skip
-    out = []
-    for (start, digest, _), nxt in zip(starts, [*starts[1:], (None,) * 3], strict=True):
-        end = nxt[0] if nxt[0] is not None else max(start, steps)
-        out.append({"start": start, "steps": max(0, end - start),
-                    "estimate_s": proposed.get(digest),
-                    "step_s": plan_step_s(times, [(start, end)])})  # fmt: skip
-    return out
+def _segments(starts: list[tuple[int, str, str]], steps: int) -> list[tuple[int, int, str, str]]:
+    """(first step, end, digest, layout) of each plan trained, from its train_plan starts:
+    a plan runs until the next one starts, the last until the run's last step."""
+    ends = [nxt for nxt, _, _ in starts[1:]] + [None]
+    return [(start, end if end is not None else max(start, steps), digest, layout)
+            for (start, digest, layout), end in zip(starts, ends, strict=True)]  # fmt: skip
 
 
 def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float | None:

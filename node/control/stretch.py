@@ -73,7 +73,7 @@ def predicted_own_s(
     measured against it); None if it is not seated.
 
     Without the top-k frames, C's last stage measured 0.077 s of own work a step under
-    AdaTopK and 0.034 s once a plan sent its gradients dense: the coding was counted as
+    AdaTopK and 0.034 s once a plan sent its gradients in f16: the coding was counted as
     stretch, 2.83, which planned every member slower, which gave AdaTopK a larger budget
     and less to compress (session 17)."""
     seat = next(((k, s) for k, s in enumerate(plan.stages) if peer in s.peers), None)
