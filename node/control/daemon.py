@@ -404,7 +404,6 @@ class NodeDaemon:
             costs=self.costs, peer_id=self.peer_id, device=self.device, config=config,
         ):  # fmt: skip
             self.heartbeat.wake()
-        self.pacing.keep(self._members_now())
 
     def witnessed(self, digest: str, ranks: list[tuple[str, int]], timings: list[Timing]) -> None:
         """One step's summaries of the plan we follow: every rank's (peer, stage) and timings;

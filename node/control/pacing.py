@@ -5,7 +5,7 @@ timings); this keeps the steps of the adopted plan only (the trainer runs the ol
 switch step, and a step of a three-stage plan read against a two-stage one is nonsense) and
 feeds ``PaceMeter``/``PaceWitness`` (pace.py) and ``StretchMeter`` (stretch.py). Each method
 says whether what our record carries changed, so the daemon can publish it at once. A stretch
-once confirmed, the swarm's slowdown is kept for the node's next start (stretch_memory.py).
+once confirmed is kept, as pace x stretch, for the node's next start (stretch_memory.py).
 """
 
 from collections.abc import Mapping
@@ -24,7 +24,7 @@ from fusionllm.node.control.pace import (
     predicted_compute_s,
     ranks_fit,
 )
-from fusionllm.node.control.stretch import StretchMeter, predicted_own_s, swarm_slowdown
+from fusionllm.node.control.stretch import StretchMeter, predicted_own_s
 from fusionllm.node.control.stretch_memory import StretchMemory
 
 logger = get_logger(__name__)
@@ -73,15 +73,9 @@ class StepPacing:
             self.stretch.repaced(pace, self.meter.published)
             logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
                            self.meter.published)  # fmt: skip
-        return (pace, stretch) != (self.meter.published, self.stretch.published)
-
-    def keep(self, members: Mapping[str, NodeInfo]) -> None:
-        """Once our own figure is confirmed, remember the slowdown the swarm is planned at
-        (stretch.swarm_slowdown): what every member would be planned at on the next start.
-        Not our own figure: it is the median of what the members measured on their stages,
-        and ours alone read 1.0 on B's first stage where the swarm's read 1.41-1.68."""
         if self._memory is not None and self.stretch.confirmed:
-            self._memory.keep(swarm_slowdown(members))
+            self._memory.keep(self.stretch.confirmed * self.meter.published)
+        return (pace, stretch) != (self.meter.published, self.stretch.published)
 
     def witnessed(
         self, adopted: Candidate | None, digest: str, ranks: list[tuple[str, int]],

@@ -17,7 +17,6 @@ from fusionllm.node.control.stretch_memory import (
 )
 from tests.unit.test_epochs import GRAPH, SETTINGS
 from tests.unit.test_records import device as a_device
-from tests.unit.test_records import node
 from tests.unit.test_stretch import _adopted, predicted_compute_s, predicted_own_s, serving_peers
 
 KEY = "a" * 32
@@ -83,24 +82,19 @@ def test_a_figure_out_of_range_is_not_kept(tmp_path):
     assert not memory_path(tmp_path / "node.key").exists()
 
 
-def test_a_restarted_node_starts_from_the_swarms_slowdown_once_its_own_was_confirmed(tmp_path):
-    """B, session 18: a first stage measured 1.0 where the swarm was planned at 1.68; kept,
-    a node's own figure planned the next run's first plan 0.64 of its steps."""
+def test_a_restarted_node_plans_from_what_it_confirmed_and_keeps_pace_times_stretch(tmp_path):
     adopted, device = _adopted()
     config, peer = SETTINGS.plan_config(), sorted(serving_peers(adopted.plan))[0]
     compute = predicted_compute_s(GRAPH, adopted.plan, peer, device, config)
     model = predicted_own_s(adopted.plan, peer, device, config, compute_s=compute, pace=1.0)
-    members = {"a": node(stretch=1.0), "b": node(stretch=2**0.75), "c": node(stretch=2**0.5)}
     first = StepPacing()
     assert first.remember(_memory(tmp_path)) == 0.0  # a first start: nothing kept
-    kept = []
-    for _ in range(40):  # its own work at the model's figure
-        first.measured(adopted, adopted.digest, compute, model, costs=GRAPH, peer_id=peer,
-                       device=device, config=config)  # fmt: skip
-        first.keep(members)
-        kept.append(_memory(tmp_path).recall())
-    assert kept[:39] == [0.0] * 39  # nothing before a second window confirmed our figure
-    assert kept[39] == pytest.approx(2**0.5)  # the median (high) of the three
+    for _ in range(64):  # compute 2.5x its device (pace 2), all its own work 3.4x
+        first.measured(adopted, adopted.digest, 2.5 * compute, 3.4 * model, costs=GRAPH,
+                       peer_id=peer, device=device, config=config)  # fmt: skip
+    assert first.meter.published == 2.0
+    kept = first.meter.published * first.stretch.confirmed
+    assert kept == pytest.approx(2**1.75)
     again = StepPacing()
-    assert again.remember(_memory(tmp_path)) == pytest.approx(2**0.5)
-    assert (again.meter.published, again.stretch.published) == (1.0, pytest.approx(2**0.5))
+    assert again.remember(_memory(tmp_path)) == pytest.approx(kept)
+    assert (again.meter.published, again.stretch.published) == (1.0, pytest.approx(kept))
