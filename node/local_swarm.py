@@ -113,8 +113,7 @@ class LocalSwarm:
         keys: Path | None = None,
     ) -> None:  # fmt: skip
         """``keys``: where the nodes' keys live (and what a node keeps beside its key:
-        control/stretch_memory.py), if not ``root``: the same nodes across swarms; their work
-        directories stay under ``root``."""
+        control/stretch_memory.py), if not ``root``: the same nodes across swarms."""
         self.root = root
         self.keys = keys or root
         self.options = {**FAST, **(extra or {})}
@@ -141,9 +140,6 @@ class LocalSwarm:
             device_path = self.root / f"{name}.device.json"
             device_path.write_text(json.dumps(device))
         args = ["--key", str(self.keys / f"{name}.key"), "--device-json", str(device_path)]
-        # Its work (checkpoints, custody) stays with this swarm: a node started with a key kept
-        # from another swarm would otherwise offer that swarm's steps to this one.
-        args += ["--work-dir", str(self.root / name)]
         args += ["--events"]
         for option, value in {**self.options, **(extra or {})}.items():
             if value is True:

@@ -43,13 +43,11 @@ def memory_path(key_path: Path) -> Path:
 
 
 def work_key(run: RunSpec, device: DeviceInfo) -> str:
-    """Which work on which device a figure was measured for. The device by what it is, not
-    by its timed figures: a probe run again reads a few percent apart (the testbed measures
-    its hosts' device at every start), and the stretch is what it is for."""
+    """Which work on which device a figure was measured for: the same key, the same figure."""
     work = {
         "model": run.model_key, "seq_len": run.seq_len, "precision": run.precision,
         "micro_batch_size": run.micro_batch_size, "micro_batches": run.micro_batches,
-        "device": [device.name, device.kind, device.memory_bytes, device.cpu_cores],
+        "device": device.to_wire(),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(work, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -39,9 +39,7 @@ def test_the_key_names_the_work_and_the_device():
     assert work_key(RunSpec(), device_info) == base
     assert work_key(dataclasses.replace(run, micro_batches=8), device_info) != base
     assert work_key(dataclasses.replace(run, seq_len=128), device_info) != base
-    assert work_key(run, dataclasses.replace(device_info, name="NVIDIA RTX 4090")) != base
-    # the same device timed again: its figures move a little, the key does not
-    assert work_key(run, dataclasses.replace(device_info, flops=device_info.flops * 1.03)) == base
+    assert work_key(run, dataclasses.replace(device_info, flops=device_info.flops * 2)) != base
 
 
 @pytest.mark.parametrize(
