@@ -128,12 +128,9 @@ class _Watch:
         self.status_start = self._status.reading(0)
 
 
-def run_method(
-    bed: Testbed, root: Path, method: str, steps: int, devices: dict, identities: Path
-) -> dict:
+def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
     """One swarm of the method on ``bed``, ``steps`` steps to the end (``KILLED``: OP-Fence +
-    AdaTopK with one member SIGKILLed halfway, the others finishing without it); the hosts'
-    keys, and what their nodes remember beside them, in ``identities``."""
+    AdaTopK with one member SIGKILLed halfway, the others finishing without it)."""
     (root / method).mkdir(parents=True, exist_ok=True)
     # Every run starts on the whole swarm: nobody trains alone while the others join; the
     # killed run's survivors must be allowed to plan without the one killed.
@@ -142,7 +139,7 @@ def run_method(
     flags = METHODS.get(method, {"checkpoint-every": KILL_CHECKPOINTS})
     peers = len(bed.hosts) - (method == KILLED)
     extra = {**TIMING, **RUN, **flags, "steps": steps, "min-peers": peers}
-    swarm = LocalSwarm(root / method, extra=extra, keys=identities)
+    swarm = LocalSwarm(root / method, extra=extra)
     warmup = max(3, steps // 5)
     launched, watch = time.time(), None
     try:
@@ -166,8 +163,6 @@ def run_method(
     hosts = {n.peer_id: n.name for n in nodes}
     return {
         "method": method, "steps": steps, "ready_s": ready_at - launched,
-        # the stretch each host started from: what it measured in an earlier run, or 0.0
-        "recalled": {n.name: n.last("ready").get("stretch", 0.0) for n in nodes},
         **_timing(_merged_steps(nodes), warmup, steps),
         **_plans(nodes, hosts),
         **_stage_seconds(nodes, warmup),
@@ -343,21 +338,16 @@ def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float
     return per_step
 
 
-def run_topology(
-    name: str, methods: list[str], steps: int, keep: Path | None = None,
-    identities: Path | None = None,
-) -> dict:  # fmt: skip
+def run_topology(name: str, methods: list[str], steps: int, keep: Path | None = None) -> dict:
     topology = load_topology(name)
     devices = host_devices(topology)
     results = []
     with tempfile.TemporaryDirectory() as tmp, Testbed(topology) as bed:
         root = keep / topology.name if keep else Path(tmp)
-        hosts = (identities or Path(tmp) / "identities") / topology.name
-        hosts.mkdir(parents=True, exist_ok=True)
         for method in methods:
             print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
             try:
-                results.append(run_method(bed, Path(root), method, steps, devices, hosts))
+                results.append(run_method(bed, Path(root), method, steps, devices))
             except (TimeoutError, AssertionError) as exc:  # one failed run, not the others
                 logs = "".join(p.read_text()[-1500:] for p in Path(root, method).glob("*.log"))
                 results.append({"method": method, "steps": steps, "error": f"{exc}"[:3000],
@@ -376,11 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     parser.add_argument("--keep", type=Path, help="keep every node's log under this folder")
-    parser.add_argument("--identities", type=Path,
-                        help="each host's key, and what its node remembers beside it (its last "
-                             "stretch), kept here across runs and invocations; by default a new "
-                             "folder per topology: its first run starts cold, later runs from "
-                             "what the earlier ones measured")  # fmt: skip
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
@@ -394,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
     for name in topologies:
-        results["topologies"].append(run_topology(name, methods, steps, args.keep, args.identities))
+        results["topologies"].append(run_topology(name, methods, steps, args.keep))
         results["seconds"] = time.time() - started
         if args.json:  # after each topology: a later failure keeps what was measured
             args.json.write_text(json.dumps(results, indent=2))

@@ -77,13 +77,11 @@ def _wire_rows(topology: dict) -> list[str]:
 
 def _each_plan_rows(topology: dict) -> list[str]:
     """Per run, every plan it trained: first step +steps, estimate / own step time."""
-    rows = [f"each plan trained ({topology['topology']}; from step +steps: est s / step s; "
-            "the stretch each host started from, remembered from an earlier run):"]  # fmt: skip
+    rows = [f"each plan trained ({topology['topology']}; from step +steps: est s / step s):"]
     for r in topology["runs"]:
         plans = [f"{p['start']}+{p['steps']}: {p['estimate_s'] or 0:.3f} / {p['step_s'] or 0:.3f}"
                  for p in r.get("each_plan", [])]  # fmt: skip
-        recalled = ", ".join(f"{h} {s:.3g}" for h, s in r.get("recalled", {}).items() if s)
-        rows.append(f"  {r['method']:14} {'; '.join(plans) or '-'} [{recalled or 'cold'}]")
+        rows.append(f"  {r['method']:14} {'; '.join(plans) or '-'}")
     return rows
 
 

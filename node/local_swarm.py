@@ -109,13 +109,9 @@ class LocalSwarm:
     """Node processes of one swarm, all with the same settings."""
 
     def __init__(
-        self, root: Path, *, extra: dict | None = None, device: dict | None = None,
-        keys: Path | None = None,
-    ) -> None:  # fmt: skip
-        """``keys``: where the nodes' keys live (and what a node keeps beside its key:
-        control/stretch_memory.py), if not ``root``: the same nodes across swarms."""
+        self, root: Path, *, extra: dict | None = None, device: dict | None = None
+    ) -> None:
         self.root = root
-        self.keys = keys or root
         self.options = {**FAST, **(extra or {})}
         self.device_path = root / "device.json"
         self.device_path.write_text(json.dumps(device or TEST_DEVICE))
@@ -139,7 +135,7 @@ class LocalSwarm:
         if device is not None:
             device_path = self.root / f"{name}.device.json"
             device_path.write_text(json.dumps(device))
-        args = ["--key", str(self.keys / f"{name}.key"), "--device-json", str(device_path)]
+        args = ["--key", str(self.root / f"{name}.key"), "--device-json", str(device_path)]
         args += ["--events"]
         for option, value in {**self.options, **(extra or {})}.items():
             if value is True:

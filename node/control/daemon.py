@@ -44,7 +44,6 @@ from fusionllm.node.control.probe_slots import slot_seconds
 from fusionllm.node.control.quiet import MAX_BEAT
 from fusionllm.node.control.reach_check import ReachCheck, ReachConfig
 from fusionllm.node.control.relay_use import RelayUse, dht_client_mode
-from fusionllm.node.control.stretch_memory import StretchMemory, memory_path, work_key
 from fusionllm.node.control.suspicion import SuspicionBook
 from fusionllm.node.control.timings import Timings
 from fusionllm.node.p2p.announce import warn_if_unreachable
@@ -143,8 +142,6 @@ class NodeDaemon:
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids
         self.costs = costs
-        self.pacing.remember(StretchMemory(memory_path(cfg.key_path),
-                                           work_key(settings.run, self.device)))  # fmt: skip
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
         self._start_network()
         if self.dht.peer_id != self.peer_id:
@@ -166,7 +163,6 @@ class NodeDaemon:
             addrs=self.host.addrs,
             dht_addrs=self.dht.maddrs,
             device=self.device.to_wire(),
-            stretch=self.pacing.stretch.published,  # recalled from an earlier run, or 0.0
         )
         return self
 

@@ -4,8 +4,7 @@ The trainer reports each step of the plan it runs (the plan's digest, our comput
 timings); this keeps the steps of the adopted plan only (the trainer runs the old plan to its
 switch step, and a step of a three-stage plan read against a two-stage one is nonsense) and
 feeds ``PaceMeter``/``PaceWitness`` (pace.py) and ``StretchMeter`` (stretch.py). Each method
-says whether what our record carries changed, so the daemon can publish it at once. A stretch
-once confirmed is kept, as pace x stretch, for the node's next start (stretch_memory.py).
+says whether what our record carries changed, so the daemon can publish it at once.
 """
 
 from collections.abc import Mapping
@@ -25,7 +24,6 @@ from fusionllm.node.control.pace import (
     ranks_fit,
 )
 from fusionllm.node.control.stretch import StretchMeter, predicted_own_s
-from fusionllm.node.control.stretch_memory import StretchMemory
 
 logger = get_logger(__name__)
 
@@ -36,18 +34,6 @@ class StepPacing:
         self.witness = PaceWitness()  # the other members' paces, from the step summaries
         self.stretch = StretchMeter()  # our own work in a step against the planner's model
         self._paced_plan: str | None = None  # the plan the meter's steps were measured in
-        self._memory: StretchMemory | None = None
-
-    def remember(self, memory: StretchMemory) -> float:
-        """Start from what ``memory`` kept of an earlier run (0.0: nothing), and keep what
-        this run confirms there."""
-        self._memory = memory
-        recalled = memory.recall()
-        self.stretch.recall(recalled)
-        if recalled:
-            logger.info("starting from the stretch we measured before: %.3g (provisional)",
-                        self.stretch.published)  # fmt: skip
-        return recalled
 
     def measured(
         self, adopted: Candidate | None, digest: str, compute_s: float, own_s: float, *,
@@ -73,8 +59,6 @@ class StepPacing:
             self.stretch.repaced(pace, self.meter.published)
             logger.warning("our compute runs %.3g x what our device predicts: planned so from now",
                            self.meter.published)  # fmt: skip
-        if self._memory is not None and self.stretch.confirmed:
-            self._memory.keep(self.stretch.confirmed * self.meter.published)
         return (pace, stretch) != (self.meter.published, self.stretch.published)
 
     def witnessed(

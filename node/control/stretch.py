@@ -112,7 +112,6 @@ class StretchMeter:
         self.window, self.skip = RatioWindow(window), skip
         self._skipped = 0
         self.published = 0.0
-        self._measured = False  # published is a window's median, not 0.0 or recalled
         self._confirmed = False  # a second window has had its say (see above)
 
     def add(self, own_s: float, predicted_s: float) -> float:
@@ -125,24 +124,11 @@ class StretchMeter:
             return held
         if self._confirmed and held / _HOLD <= max(1.0, median) <= held * _HOLD:
             return held
-        if not self._measured:
+        if not held:
             self.window.clear()  # the confirming window is of steps after this one
-        self._confirmed, self._measured = self._measured, True
+        self._confirmed = bool(held)
         self.published = _quantized(median)
         return self.published
-
-    def recall(self, slowdown: float) -> None:
-        """Start from what this node measured in an earlier run (stretch_memory.py), at pace
-        1: provisional, as a first figure is, so our first window replaces it whatever the
-        band. Nothing once a window has been measured here."""
-        if not self._measured and slowdown >= 1.0:
-            self.published = _quantized(slowdown)
-
-    @property
-    def confirmed(self) -> float:
-        """The published figure once a second window has confirmed it (what a restart may
-        start from); 0.0 before."""
-        return self.published if self._confirmed else 0.0
 
     def repaced(self, before: float, after: float) -> None:
         """Our pace moved from ``before`` to ``after``: the stretch was measured against the

@@ -59,20 +59,6 @@ def test_the_first_figure_is_published_again_by_the_next_window_of_steps():
     assert _meter_after([3.0] * 4, meter).published == pytest.approx(2**1.25)  # now it holds
 
 
-def test_a_recalled_figure_is_provisional_and_the_first_window_replaces_it():
-    """A restarted node starts from what it measured before; its own steps decide at once."""
-    meter = StretchMeter(window=4, skip=0)
-    meter.recall(1.5)
-    assert meter.published == pytest.approx(2**0.5)  # quantized as any published figure
-    assert meter.confirmed == 0.0  # not measured here: nothing to keep
-    assert _meter_after([1.6] * 4, meter).published == pytest.approx(2**0.75)  # in the band
-    assert meter.confirmed == 0.0  # a first measured figure, provisional itself
-    assert _meter_after([1.0] * 4, meter).published == pytest.approx(1.0)
-    assert meter.confirmed == pytest.approx(1.0)
-    meter.recall(4.0)  # a figure measured here stands
-    assert meter.published == pytest.approx(1.0)
-
-
 def test_bad_measurements_are_ignored_and_a_bad_window_refused():
     meter = _meter_after([2.0] * 8)
     for own, predicted in ((0.0, 1.0), (1.0, 0.0), (float("inf"), 1.0), (-1.0, 1.0)):
