@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from benchmarks.testbed_kill import Killer
@@ -104,6 +105,7 @@ class _Watch:
         self.killer = killer
         self.counters: dict[int, dict] = {}
         self.cpu: dict[int, dict[str, cgroups.CpuUsage]] = {}  # at the same marks, per host
+        self.main: dict[int, dict[str, float | None]] = {}  # ... each node's main thread
         self.status: dict = {}
         self.status_start: dict = {}
         # the bootstrap node: never killed
@@ -117,6 +119,7 @@ class _Watch:
             if last >= mark and mark not in self.counters:
                 self.counters[mark] = {"step": last, **self.bed.emulator_stats()["fifos"]}
                 self.cpu[mark] = {h: cgroups.usage(self.bed.cgroup(h)) for h in self.bed.hosts}
+                self.main[mark] = {n.name: main_thread_cpu_s(n.process.pid) for n in self.nodes}
         if self.killer is not None:
             self.killer.poll(last)
         return all(not n.alive() for n in self.nodes)
@@ -167,7 +170,7 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
         **_plans(nodes, hosts),
         **_stage_seconds(nodes, warmup),
         "wire": _wire(watch.counters, warmup, steps),
-        "host_cpu": _host_cpu(watch.cpu, watch.counters, warmup, steps),
+        "host_cpu": _host_cpu(watch.cpu, watch.counters, warmup, steps, watch.main),
         "links": _links(watch.status, hosts, bed.topology),
         "links_start": _links(watch.status_start, hosts, bed.topology),
         "links_start_step": watch.status_start.get("step"),
@@ -301,24 +304,43 @@ def plan_step_s(times: dict[int, float], spans: list[tuple[int, int]]) -> float 
     return statistics.median(gaps) if len(gaps) >= 3 else None
 
 
-def _host_cpu(cpu: dict, counters: dict, warmup: int, steps: int) -> dict[str, dict]:
+def main_thread_cpu_s(pid: int) -> float | None:
+    """CPU seconds of process ``pid``'s main thread so far, None if it is gone. A node's main
+    thread runs its daemon's epoch loop: planning (py-spy on a B host, session 18)."""
+    try:
+        for thread in psutil.Process(pid).threads():
+            if thread.id == pid:
+                return thread.user_time + thread.system_time
+    except psutil.Error:
+        return None
+    return None
+
+
+def _host_cpu(
+    cpu: dict, counters: dict, warmup: int, steps: int, main: dict | None = None
+) -> dict[str, dict]:
     """Per host, between the warm-up's end and the last step: the cores its processes used
-    (beside its share), their CPU seconds per step, and the share of the quota's periods
-    where it ran out (a host whose quota runs out every period is bound by its CPU). A host
-    whose processes' CPU fell meanwhile (the killed run's victim: its node died unreaped)
-    gets None for the first two."""
+    (beside its share), their CPU seconds per step, the share of the quota's periods where
+    it ran out (a host whose quota runs out every period is bound by its CPU), and its node's
+    main thread's CPU seconds per step (``main``: per mark, per host). A host whose
+    processes' CPU fell meanwhile (the killed run's victim: its node died unreaped) gets None
+    for the CPU figures."""
     if warmup not in cpu or steps - 1 not in cpu:
         return {}
     n = counters[steps - 1]["step"] - counters[warmup]["step"]
+    main = main or {}
     out = {}
     for host, b in cpu[steps - 1].items():
         a = cpu[warmup][host]
         used, periods = b.cpu_s - a.cpu_s, b.periods - a.periods
         known = used >= 0
+        m0, m1 = main.get(warmup, {}).get(host), main.get(steps - 1, {}).get(host)
+        planned = m1 - m0 if m0 is not None and m1 is not None and m1 >= m0 else None
         out[host] = {
             "cores": used / max(b.at - a.at, 1e-9) if known else None,
             "cpu_per_step_s": used / n if n > 0 and known else None,
             "throttled": (b.throttled - a.throttled) / periods if periods > 0 else 0.0,
+            "main_thread_per_step_s": planned / n if n > 0 and planned is not None else None,
         }
     return out
 

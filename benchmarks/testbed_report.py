@@ -86,12 +86,13 @@ def _each_plan_rows(topology: dict) -> list[str]:
 
 
 def _cpu_rows(topology: dict) -> list[str]:
-    """Per run and host: the cores its processes used (of its share), their CPU per step and
-    the training thread's (``step_cpu_s``, of it ``busy_cpu_s`` computing), and the share of
-    quota periods that ran out."""
+    """Per run and host: the cores its processes used (of its share), their CPU per step, the
+    training thread's (``step_cpu_s``, of it ``busy_cpu_s`` computing) and the node's main
+    thread's, and the share of quota periods that ran out."""
     rows = [
         f"host CPU after the warm-up ({topology['topology']}; cores used of the share, CPU "
-        "ms per step: all processes / the training thread / its compute, quota ran out in):"
+        "ms per step: all processes / the training thread / its compute / the node's main "
+        "thread (its epoch loop: planning), quota ran out in):"
     ]
     shares = {h: d["name"].removeprefix("cpu-x") for h, d in topology.get("devices", {}).items()}
     for r in topology["runs"]:
@@ -99,7 +100,9 @@ def _cpu_rows(topology: dict) -> list[str]:
             per = c["cpu_per_step_s"]
             step_cpu = r.get("step_cpu_s", {}).get(host)
             busy_cpu = r.get("busy_cpu_s", {}).get(host)
-            ms = [f"{1e3 * v:.0f}" if v is not None else "-" for v in (per, step_cpu, busy_cpu)]
+            main = c.get("main_thread_per_step_s")
+            ms = [f"{1e3 * v:.0f}" if v is not None else "-"
+                  for v in (per, step_cpu, busy_cpu, main)]  # fmt: skip
             cores = "-" if c["cores"] is None else f"{c['cores']:.2f}"
             rows.append(f"  {r['method']:14} {host:4} {cores:>4} of {shares.get(host, '?')}"
                         f"  {' / '.join(ms)}  {100 * c['throttled']:.0f}% of periods")  # fmt: skip

@@ -57,6 +57,8 @@ def test_the_quick_experiment_trains_both_methods_to_the_end(tmp_path):
             assert cpu["cores"] > 0, (host, cpu)
             assert cpu["cpu_per_step_s"] > 0, (host, cpu)
             assert 0 <= cpu["throttled"] <= 1, (host, cpu)
+            # its node's main thread (the epoch loop) runs beside the training: some CPU
+            assert 0 <= cpu["main_thread_per_step_s"] < cpu["cpu_per_step_s"], (host, cpu)
             assert 0 < run["busy_cpu_s"][host] <= run["step_cpu_s"][host], run
     assert "topology mini" in result.stdout
     assert "host CPU after the warm-up (mini" in result.stdout

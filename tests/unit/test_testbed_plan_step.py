@@ -48,14 +48,33 @@ def test_host_cpu_is_read_between_the_warm_ups_end_and_the_last_step() -> None:
         29: {"a": CpuUsage(12.0, 3.9, 120, 55), "b": CpuUsage(12.0, 1.1, 120, 0)},
     }
     counters = {5: {"step": 9}, 29: {"step": 29}}
-    out = _host_cpu(cpu, counters, 5, 30)
-    assert out["a"] == pytest.approx({"cores": 0.45, "cpu_per_step_s": 0.045, "throttled": 0.75})
-    assert out["b"] == pytest.approx({"cores": 0.05, "cpu_per_step_s": 0.005, "throttled": 0.0})
+    # a's node's main thread planned for 0.1 CPU-s of them; b's node is gone at the end
+    main = {5: {"a": 1.0, "b": 0.5}, 29: {"a": 1.1, "b": None}}
+    out = _host_cpu(cpu, counters, 5, 30, main)
+    assert out["a"] == pytest.approx({"cores": 0.45, "cpu_per_step_s": 0.045, "throttled": 0.75,
+                                      "main_thread_per_step_s": 0.005})  # fmt: skip
+    assert out["b"] == pytest.approx({"cores": 0.05, "cpu_per_step_s": 0.005, "throttled": 0.0,
+                                      "main_thread_per_step_s": None})  # fmt: skip
     assert _host_cpu({5: cpu[5]}, counters, 5, 30) == {}  # the run ended before its last mark
     cpu[29]["b"] = CpuUsage(12.0, 0.2, 120, 0)  # b's node was killed: its CPU is gone
     assert _host_cpu(cpu, counters, 5, 30)["b"] == {
-        "cores": None, "cpu_per_step_s": None, "throttled": 0.0
+        "cores": None, "cpu_per_step_s": None, "throttled": 0.0, "main_thread_per_step_s": None
     }  # fmt: skip
+
+
+def test_a_nodes_main_thread_cpu_is_read_and_a_gone_process_is_none() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.testbed import main_thread_cpu_s
+
+    ours = main_thread_cpu_s(os.getpid())
+    assert ours is not None
+    assert ours > 0  # this process's main thread imported pytest and torch: CPU seconds
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert main_thread_cpu_s(gone.pid) is None
 
 
 class _Node:
