@@ -335,12 +335,12 @@ def _host_cpu(
         used, periods = b.cpu_s - a.cpu_s, b.periods - a.periods
         known = used >= 0
         m0, m1 = main.get(warmup, {}).get(host), main.get(steps - 1, {}).get(host)
-        planned = m1 - m0 if m0 is not None and m1 is not None and m1 >= m0 else None
+        main_s = m1 - m0 if m0 is not None and m1 is not None and m1 >= m0 else None
         out[host] = {
             "cores": used / max(b.at - a.at, 1e-9) if known else None,
             "cpu_per_step_s": used / n if n > 0 and known else None,
             "throttled": (b.throttled - a.throttled) / periods if periods > 0 else 0.0,
-            "main_thread_per_step_s": planned / n if n > 0 and planned is not None else None,
+            "main_thread_per_step_s": main_s / n if n > 0 and main_s is not None else None,
         }
     return out
 
