@@ -10,6 +10,8 @@ measure runs ``--rounds`` times, alternating dense frames (what a node caches an
 and top-k frames (AdaTopK at the ratio C's plans used, ~0.6), one torch thread, and the
 table sets the medians against the 0.18 s: how much of it frames on a 2-stage, 4-micro-batch
 plan (8 frames a stage touches per step) explain at a 0.4-core host's pace (x2.5).
+A third row is what the node now advertises: a dense frame's CPU beside compute, over loopback
+TCP and a reader thread (``node/control/frame_beside.py``, session 19).
 """
 
 import argparse
@@ -19,6 +21,7 @@ import sys
 
 import torch
 
+from fusionllm.node.control.frame_beside import measure_frame_beside_compute
 from fusionllm.node.control.frame_cost import FrameProbeConfig, measure_frame_overhead
 
 GAP_S = 0.18  # per step, topology C (docs/results.md)
@@ -32,11 +35,15 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    kinds = {"dense": FrameProbeConfig(), "topk 0.6": FrameProbeConfig(topk_ratio=0.6)}
+    kinds = {
+        "dense": lambda: measure_frame_overhead(FrameProbeConfig()),
+        "topk 0.6": lambda: measure_frame_overhead(FrameProbeConfig(topk_ratio=0.6)),
+        "dense beside compute": measure_frame_beside_compute,
+    }
     figures: dict[str, list[float]] = {name: [] for name in kinds}
-    for _ in range(args.rounds):  # alternating, so the machine's load falls on both alike
-        for name, config in kinds.items():
-            figures[name].append(measure_frame_overhead(config))
+    for _ in range(args.rounds):  # alternating, so the machine's load falls on all alike
+        for name, measure in kinds.items():
+            figures[name].append(measure())
     print(
         "| frame | per side, ms (median; min-max) | per step at 0.4 core, s | of the 0.18 s gap |"
     )

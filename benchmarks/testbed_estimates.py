@@ -25,6 +25,7 @@ from fusionllm.testbed.topology import Topology, load_topology
 # The experiment's run (benchmarks/testbed.py RUN): 4 micro-batches of 8 x 64 tokens.
 CONFIG = PlanConfig(micro_batches=4, batch_size=32, graph_batch_size=1)
 RULES = {"naive": naive_plan, "balanced": compute_balanced_plan}
+_FRAME_FIELDS = ("frame_overhead", "topk_frame_overhead", "topk_byte_cost")
 
 
 def swarm_of(topology: Topology, devices: dict, groups: list[list[str]]) -> Swarm:
@@ -34,6 +35,8 @@ def swarm_of(topology: Topology, devices: dict, groups: list[list[str]]) -> Swar
     peers = []
     for h in hosts:
         fields = {k: devices[h][k] for k in ("flops", "memory_bandwidth", "memory_bytes")}
+        # Frames as the hosts advertised them (older results may carry none).
+        fields |= {k: devices[h][k] for k in _FRAME_FIELDS if k in devices[h]}
         device = DeviceProfile(name=h, op_overhead=devices[h]["op_overhead"], **fields)
         spec = topology.host(h)
         peers.append(Peer(peer_id=name[h], device=device, uplink=mbps(spec.uplink_mbps or 1e4),

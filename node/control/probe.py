@@ -20,6 +20,7 @@ from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.common.run_spec import PRECISIONS
 from fusionllm.dht.records import DeviceInfo
+from fusionllm.node.control.frame_beside import BesideConfig, measure_frame_beside_compute
 from fusionllm.node.control.frame_cost import (
     FrameProbeConfig,
     measure_frame_overhead,
@@ -30,8 +31,8 @@ from fusionllm.node.devices import resolve_device
 logger = get_logger(__name__)
 
 # 3: measured at the run's precision, on the device that trains; 4: the fastest repeat counts;
-# 5: with the per-frame cost
-_PROBE_VERSION = 6
+# 5: with the per-frame cost; 7: a frame's cost measured beside compute (frame_beside.py)
+_PROBE_VERSION = 7
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -152,14 +153,18 @@ def measure_device(
     else:
         memory_bytes = psutil.virtual_memory().total
     topk = measure_topk_cost(rounds=min(config.repeats, 3))
+    alone = measure_frame_overhead(FrameProbeConfig(repeats=config.repeats))
+    # A frame beside compute costs its path too (TCP, the reader thread, the cache it takes):
+    # the top-k frame pays that path beside its codec, so its constant carries the excess.
+    beside = max(measure_frame_beside_compute(BesideConfig(rounds=config.repeats)), alone)
     measurement = DeviceMeasurement(
         device_name=device_name(device),
         flops=2 * n**3 / matmul_s,
         memory_bandwidth=elementwise_traffic / elementwise_s,
         memory_bytes=int(memory_bytes),
         op_overhead=overhead_s / (2 * config.overhead_ops),
-        frame_overhead=measure_frame_overhead(FrameProbeConfig(repeats=config.repeats)),
-        topk_frame_overhead=topk.per_frame,
+        frame_overhead=beside,
+        topk_frame_overhead=topk.per_frame + beside - alone,
         topk_byte_cost=topk.per_byte,
     )
     logger.info(
