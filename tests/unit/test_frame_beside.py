@@ -2,12 +2,14 @@
 probe's config, and that the real probe (lane over loopback TCP, a reader thread) returns a
 figure and leaves nothing running. What it reads on this machine is benchmarks/frame_cost.py's."""
 
+import logging
 import math
 import threading
 
 import pytest
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.node.control import frame_beside
 from fusionllm.node.control.frame_beside import (
     BesideConfig,
     measure_frame_beside_compute,
@@ -53,3 +55,16 @@ def test_the_probe_reads_a_finite_cost_and_stops_its_reader():
     figure = measure_frame_beside_compute(BesideConfig(shape=(4, 16, 16), rounds=2, iterations=3))
     assert 0 <= figure < math.inf
     assert not [t for t in threading.enumerate() if t.name == "frame-beside"]
+
+
+def test_without_loopback_tcp_the_probe_falls_back_to_a_socket_pair_and_says_so(
+    monkeypatch, caplog
+):
+    def down() -> None:
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(frame_beside, "_loopback_pair", down)
+    with caplog.at_level(logging.WARNING):
+        figure = measure_frame_beside_compute(BesideConfig(shape=(4, 16), rounds=1, iterations=2))
+    assert 0 <= figure < math.inf
+    assert "no loopback TCP (Network is unreachable)" in caplog.text
