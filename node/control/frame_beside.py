@@ -7,8 +7,10 @@ CPU a frame side where that probe read 0.16 ms, and a cold swarm's first plan, m
 model alone, read 0.46-0.74 of its steps (docs/testbed.md, session 18). Measured on this
 machine's CPU (session 19): over loopback TCP with a reader thread handing the tensor over,
 a frame alone costs 0.37-0.49 ms a side; put between slices of compute as a stage's schedule
-puts it, compute and frames together take 0.53-0.91 ms a side more CPU than the compute alone.
-The frame's bytes and its threads take the compute's cache and wake-ups with them.
+puts it, compute and frames together take 0.53-0.91 ms a side more CPU than the compute alone,
+presumably as the frame's bytes, wake-ups and TCP's own work take the compute's cache (over a
+socket pair the same reads 0.28-0.33 ms, which is why the probe takes loopback TCP, as the
+runtime's lanes do).
 
 So ``measure_frame_beside_compute`` alternates rounds of a compute slice alone and rounds of
 the same slice followed by a frame sent on a lane over loopback TCP and taken from a reader
