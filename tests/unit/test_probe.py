@@ -22,7 +22,7 @@ def test_measurement_is_consistent():
         assert 0 < rate < math.inf
     assert measurement.memory_bytes == psutil.virtual_memory().total
     assert measurement.device_name.endswith("cpu")
-    # The frame figures are measured (test_frame_beside.py checks how), never left at 0.
+    # The dense frame's figure is measured, never left at 0 (how: test_frame_beside.py).
     assert 0 < measurement.frame_overhead < math.inf
     assert 0 <= measurement.topk_frame_overhead < math.inf
 
