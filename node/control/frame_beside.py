@@ -38,9 +38,8 @@ import trio
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
-from fusionllm.compression import decode_frame, pack_tensor, parse_frame
-from fusionllm.compression.limits import FrameLimits
-from fusionllm.node.p2p.blocking_framing import read_exactly_blocking, read_head_blocking
+from fusionllm.compression import pack_tensor
+from fusionllm.node.control.frame_cost import check_probe_shape, read_probe_frame
 from fusionllm.node.p2p.framing import FrameHeader, FrameKind, encode_head
 from fusionllm.node.p2p.lane.seal import LANE_KEY_BYTES
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader, LaneWriter
@@ -61,8 +60,7 @@ class BesideConfig:
     budget_s: float = 5.0  # no further pair starts after this long (the first always runs)
 
     def __post_init__(self) -> None:
-        if not self.shape or any(not 1 <= d <= 4096 for d in self.shape) or len(self.shape) > 4:
-            raise ConfigError(f"shape must be 1-4 dims in [1, 4096], got {self.shape}")
+        check_probe_shape(self.shape)
         if not 1 <= self.rounds <= 100 or not 1 <= self.iterations <= 10_000:
             raise ConfigError(
                 f"rounds and iterations must be >= 1, got {self.rounds}, {self.iterations}"
@@ -98,17 +96,8 @@ class _Reader:
 
     def _serve(self) -> None:
         with contextlib.suppress(OSError, ConfigError):
-            while True:
-                head = read_head_blocking(
-                    self._reader,
-                    max_body_bytes=64 << 20,
-                    stall_timeout_s=_TIMEOUT_S,
-                    idle_timeout_s=_TIMEOUT_S,
-                )
-                if head is None:
-                    return
-                body = read_exactly_blocking(self._reader, head[1], stall_timeout_s=_TIMEOUT_S)
-                self.frames.put(decode_frame(parse_frame(body, limits=FrameLimits())))
+            while (tensor := read_probe_frame(self._reader, max_body_bytes=64 << 20)) is not None:
+                self.frames.put(tensor)
 
     def close(self) -> None:
         self._reader.close()

@@ -57,10 +57,30 @@ class FrameProbeConfig:
             raise ConfigError(f"budget_s must be in (0, 600], got {self.budget_s}")
         if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
-        if not self.shape or any(not 1 <= d <= 4096 for d in self.shape) or len(self.shape) > 4:
-            raise ConfigError(f"shape must be 1-4 dims in [1, 4096], got {self.shape}")
+        check_probe_shape(self.shape)
         if not 1 <= self.frames <= 10_000 or not 1 <= self.repeats <= 100:
             raise ConfigError(f"frames and repeats must be >= 1, got {self.frames}, {self.repeats}")
+
+
+def check_probe_shape(shape: tuple[int, ...]) -> None:
+    """A probe's tensor: 1-4 dims, each in [1, 4096] (ConfigError otherwise)."""
+    if not shape or any(not 1 <= d <= 4096 for d in shape) or len(shape) > 4:
+        raise ConfigError(f"shape must be 1-4 dims in [1, 4096], got {shape}")
+
+
+def read_probe_frame(reader: BlockingLaneReader, *, max_body_bytes: int) -> torch.Tensor | None:
+    """One frame off a probe's lane: read, opened, checked and decoded; None where the lane
+    ended."""
+    head = read_head_blocking(
+        reader,
+        max_body_bytes=max_body_bytes,
+        stall_timeout_s=_TIMEOUT_S,
+        idle_timeout_s=_TIMEOUT_S,
+    )
+    if head is None:
+        return None
+    body = read_exactly_blocking(reader, head[1], stall_timeout_s=_TIMEOUT_S)
+    return decode_frame(parse_frame(body, limits=FrameLimits()))
 
 
 def per_side(round_s: float, frames: int) -> float:
@@ -176,10 +196,5 @@ def _frame_round(
     writer: LaneWriter, reader: BlockingLaneReader, body: bytes, header: FrameHeader
 ) -> None:
     writer.write_frame((encode_head(header, len(body)), body), timeout=_TIMEOUT_S)
-    head = read_head_blocking(
-        reader, max_body_bytes=len(body), stall_timeout_s=_TIMEOUT_S, idle_timeout_s=_TIMEOUT_S
-    )
-    if head is None:
+    if read_probe_frame(reader, max_body_bytes=len(body)) is None:
         raise ConfigError("the frame probe's lane ended early")
-    got = read_exactly_blocking(reader, head[1], stall_timeout_s=_TIMEOUT_S)
-    decode_frame(parse_frame(got, limits=FrameLimits()))
