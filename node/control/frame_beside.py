@@ -8,9 +8,10 @@ model alone, read 0.46-0.74 of its steps (docs/testbed.md, session 18). Measured
 machine's CPU (session 19): over loopback TCP with a reader thread handing the tensor over,
 a frame alone costs 0.37-0.49 ms a side; put between slices of compute as a stage's schedule
 puts it, compute and frames together take 0.53-0.91 ms a side more CPU than the compute alone,
-presumably as the frame's bytes, wake-ups and TCP's own work take the compute's cache (over a
-socket pair the same reads 0.28-0.33 ms, which is why the probe takes loopback TCP, as the
-runtime's lanes do).
+presumably as the frame's bytes and wake-ups take the compute's cache. Over a socket pair the
+same reads about the same (0.30-0.32 ms against TCP's 0.31-0.35, alternating, at a moment the
+machine read low); the probe takes loopback TCP as the runtime's lanes do, and a socket pair
+where loopback is down.
 
 So ``measure_frame_beside_compute`` alternates rounds of a compute slice alone and rounds of
 the same slice followed by a frame sent on a lane over loopback TCP and taken from a reader
@@ -129,7 +130,7 @@ def measure_frame_beside_compute(config: BesideConfig | None = None) -> float:
     try:
         left, right = _loopback_pair()
     except OSError as exc:  # a namespace whose loopback is down: time what can be timed
-        logger.warning("frame probe: no loopback TCP (%s); a socket pair reads about half", exc)
+        logger.warning("frame probe: no loopback TCP (%s); timing over a socket pair", exc)
         left, right = socket.socketpair()
     key = bytes(LANE_KEY_BYTES)
     writer = LaneWriter(trio.socket.from_stdlib_socket(left), key)
