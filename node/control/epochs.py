@@ -51,6 +51,7 @@ from fusionllm.node.control.planners import planners
 from fusionllm.node.control.probe_slots import cycle_seconds
 from fusionllm.node.control.quiet import QuietNode
 from fusionllm.node.control.seating import seatable
+from fusionllm.node.control.stretch import swarm_slowdown
 from fusionllm.node.control.swarm_settings import SwarmSettings
 from fusionllm.node.control.switching import SwitchStreak, after_a_loss, judge_switch
 
@@ -468,6 +469,7 @@ class PlanAgreement:
             excluded=sorted(self.excluded),
             paced={p: i.pace for p, i in members.items() if i.pace != 1.0},
             stretch=max((i.stretch for i in members.values()), default=1.0),  # the swarm's
+            slowdown=swarm_slowdown(members),  # what every member is planned at, at least
             state=str(self.state),
             stride=self.quiet.cadence.stride,
             **fields,
