@@ -24,7 +24,7 @@ from fusionllm.node.p2p.framing import (
 )
 from fusionllm.node.p2p.inbound import Inbound
 from fusionllm.node.p2p.lane.bulk import BulkConfig, run_bulk
-from fusionllm.node.p2p.lane.bulk_figure import bulk_figure, past_slow_start
+from fusionllm.node.p2p.lane.bulk_figure import bulk_figure, past_slow_start, samples_text
 from fusionllm.node.p2p.lane.senders import LaneSenders
 from fusionllm.node.p2p.lane.serve import LaneFrames
 from fusionllm.node.p2p.lane.stream import BlockingLaneReader
@@ -59,6 +59,23 @@ def test_the_figure_is_the_best_but_one_busy_sample_each_after_min_bytes_more_ac
     # The median of the four counted samples (40, 118, 60, 135) would read 89 MB/s.
     assert bulk_figure(start, readings, min_bytes=256) == WireSample(118e6, 4e-4, 4.0)
     assert bulk_figure(start, readings[:2], min_bytes=256) == WireSample(40e6, 5e-4, 1.0)
+
+
+def test_the_figure_keeps_its_counted_samples_in_order_marked_where_in_slow_start():
+    # What the log shows of a probe, so a figure over the cap can be told from its samples.
+    start = replace(BUSY, bytes_acked=0)
+    ramp = {"snd_cwnd": 10, "snd_ssthresh": INFINITE_SSTHRESH}
+    readings = [
+        reading(300, 2e6, **ramp),
+        reading(400, 9e6, **ramp),  # not min_bytes more: not counted, not shown
+        reading(700, 8.7e6, **ramp),  # bunched ACKs of whole segments: over a 6.25 cap
+        reading(1000, 6.1e6, app_limited=True),  # not trusted: not shown
+        reading(1100, 6.2e6),
+    ]
+    sample = bulk_figure(start, readings, min_bytes=256)
+    assert sample.samples == (-2e6, -8.7e6, 6.2e6)
+    assert sample.bandwidth == 6.2e6
+    assert samples_text(sample.samples) == "2* 8.7* 6.2"
 
 
 def test_no_trusted_sample_gives_no_figure():

@@ -74,4 +74,10 @@ def bulk_figure(
     rates = sorted(info.delivery_rate for info, _ in counted)
     figure = rates[-2] if len(rates) > 1 else rates[0]
     min_rtt = min(info.min_rtt_s for info, _ in counted)
-    return WireSample(figure, min_rtt, counted[-1][1])
+    trace = tuple(-i.delivery_rate if i.slow_start else i.delivery_rate for i, _ in counted)
+    return WireSample(figure, min_rtt, counted[-1][1], samples=trace)
+
+
+def samples_text(samples: tuple[float, ...]) -> str:
+    """A probe's samples as the log shows them: MB/s in order, ``*`` where slow start."""
+    return " ".join(f"{abs(r) / 1e6:.3g}{'*' if r < 0 else ''}" for r in samples)

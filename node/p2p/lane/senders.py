@@ -16,6 +16,7 @@ from dataclasses import replace
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
 from fusionllm.node.p2p.lane.bulk import BULK_TIMEOUT_S, run_bulk
+from fusionllm.node.p2p.lane.bulk_figure import samples_text
 from fusionllm.node.p2p.lane.stream import LaneWriter
 from fusionllm.node.p2p.lane.wire_meter import WireSample
 from fusionllm.node.p2p.transport_types import PeerCounters
@@ -77,6 +78,9 @@ class LaneSenders:
             return None
         if sample is None:
             return None
+        logger.info("bulk probe to %s: %.3g MB/s, rtt %.1f ms, from %d bytes; samples (MB/s, "
+                    "* in slow start) %s", peer, sample.bandwidth / 1e6, sample.rtt * 1e3,
+                    written, samples_text(sample.samples))  # fmt: skip
         return replace(sample, punched=lane.punched or sample.punched, probe_bytes=written)
 
     def try_write(

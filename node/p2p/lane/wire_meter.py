@@ -25,7 +25,7 @@ the links table. Which kernel figures count, and why:
 import math
 import statistics
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.node.p2p.lane.tcp_info import TcpInfo
@@ -46,6 +46,9 @@ class WireSample:
     measured_at: float  # wall clock
     punched: bool = False  # the lane's socket was punched through NATs (punch.py)
     probe_bytes: int = 0  # what a bulk probe wrote to take it (0: a frame's figure)
+    # A bulk probe's counted rate samples in order (bytes/s; negative: read in slow start),
+    # for the log: a figure over the link's cap is told from its samples (bulk_figure.py).
+    samples: tuple[float, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
