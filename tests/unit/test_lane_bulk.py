@@ -108,6 +108,56 @@ def test_a_probe_whose_samples_stopped_climbing_in_slow_start_need_not_go_on():
     assert bulk_figure(start, readings, min_bytes=100).bandwidth == 12.02e6
 
 
+def trace(rates: list[float], *, rtt: float, step: int = 1 << 17, **fields) -> list:
+    """Readings a probe's samples make: each ``step`` more acked, at its rate's pace; a rate
+    given negative was read in slow start (as the log shows them)."""
+    readings, acked, at = [], 0, 100.0
+    for rate in rates:
+        acked, at = acked + step, at + step / abs(rate)
+        ramp = {"snd_ssthresh": INFINITE_SSTHRESH} if rate < 0 else {"snd_ssthresh": 20}
+        readings.append(reading(acked, abs(rate), at=at, min_rtt_s=rtt, **ramp, **fields))
+    return readings
+
+
+# Two of 241 probes of a full C run (session 20), h1 -> h3, 12.5 MB/s at 40 ms: flat at 12.1
+# in slow start, then a climb into the emulator's queue, then a loss (MB/s; negative: slow
+# start).
+QUEUE_CLIMB = [-12.1] * 8 + [-12.2, -12.6, -12.8, -13.2, -13.5, -13.8, -14.5, -14.5, -14,
+                             -11.2, -2.97, -10.4, -10.7, 11]  # fmt: skip
+QUEUE_CLIMB_BACK = [-12.1] * 10 + [-13.4, -13.9, -11.9, -11.9, -12, -12, -12, -12, -12, -12.1,
+                                   -12, -12, -12, 7.45]  # fmt: skip
+
+
+@pytest.mark.parametrize("rates", [QUEUE_CLIMB, QUEUE_CLIMB_BACK])
+def test_slow_start_samples_climbing_past_a_plateau_into_a_queue_do_not_count(rates):
+    start = replace(BUSY, bytes_acked=0)
+    before = sorted(abs(r) for r in rates)[-2] / 12.5  # the best but one of them all
+    sample = bulk_figure(start, trace([r * 1e6 for r in rates], rtt=0.040), min_bytes=1 << 17)
+    print(f"figure {sample.bandwidth / 12.5e6:.3f} of the cap, {before:.3f} by every sample")
+    assert before > 1.07
+    assert 0.95 <= sample.bandwidth / 12.5e6 <= 1.05
+
+
+def test_a_climb_the_probe_settles_at_counts_and_so_does_one_within_a_round_trip():
+    start = replace(BUSY, bytes_acked=0)
+    # Flat at half the link while a training frame shared it, then the link's own rate.
+    shared = [-1, -2] + [-2.5] * 10 + [-4.8] * 8
+    figure = bulk_figure(start, trace([r * 1e6 for r in shared], rtt=0.040), min_bytes=1 << 17)
+    assert figure.bandwidth == 4.8e6
+    # A far, fast path (100 ms): a round's samples read alike in slow start (all it acks of a
+    # round at 12 MB/s is nine samples), then the rate doubles.
+    rounds = [-6] * 4 + [-12] * 9 + [-24] * 18
+    figure = bulk_figure(start, trace([r * 1e6 for r in rounds], rtt=0.100), min_bytes=1 << 17)
+    assert figure.bandwidth == 24e6
+    # Flat because the receiver's window held it, not the path: what follows counts.
+    held = trace([-5e6] * 10, rtt=0.040)
+    held = [(replace(info, rwnd_limited_s=0.01 * k), at) for k, (info, at) in enumerate(held)]
+    climb = trace([-8e6, -8e6], rtt=0.040, step=1 << 17)
+    climb = [(replace(info, bytes_acked=info.bytes_acked + 10 * (1 << 17)), at + 1.0)
+             for info, at in climb]  # fmt: skip
+    assert bulk_figure(start, held + climb, min_bytes=1 << 17).bandwidth == 8e6
+
+
 def test_the_config_is_checked():
     with pytest.raises(ConfigError, match="over"):
         BulkConfig(frame_bytes=MAX_FILLER_BYTES + 1)

@@ -14,6 +14,14 @@ in slow start had read 0.96 of it (h1 -> h5: 4.83 then 1.63-1.91 MB/s of 5; h2 -
 then 1.65-3.24). Slow start can over-read (bunched ACKs of the emulator's whole GSO segments:
 h1 -> h4 read 8.7-9.0 MB/s of 6.25 in session 14, h1 -> h5 6.21 of 5 in session 15), which
 the best but one only partly guards against.
+
+Why a slow-start sample above the probe's plateau does not count (session 20, topology C):
+the bulk probes' logged samples show the over-read. h1 -> h3 (12.5 MB/s at 40 ms) held 12.1
+for 8-10 samples, the kernel still in slow start (no loss yet), then climbed to 13.4-14.5 as
+the window grew into the emulator's queue, and its next samples fell to a loss (2.97) and
+its recovery: two such samples set the figure at 1.07 and 1.16 of the cap, 2 of 241 probes
+of a full C run. A window that held the rate flat without the receiver's window or our send
+buffer holding it back has met the path; more window after that buys queue, not rate.
 """
 
 from collections.abc import Iterable
@@ -62,16 +70,64 @@ def past_slow_start(
     return len(last) == PLATEAU and max(last) <= PLATEAU_SPREAD * min(last)
 
 
+def _limited(first: TcpInfo, last: TcpInfo) -> bool:
+    """Whether the receiver's window or our send buffer held the sender back in between."""
+    return (
+        last.rwnd_limited_s > first.rwnd_limited_s or last.sndbuf_limited_s > first.sndbuf_limited_s
+    )
+
+
+def _plateau(counted: list[Reading]) -> tuple[int, float] | None:
+    """Where the first plateau ends, and its highest rate: at least ``PLATEAU`` samples
+    within ``PLATEAU_SPREAD`` of each other over two round trips or more, neither window nor
+    buffer limited. Two round trips, as slow start doubles its rate each round trip yet the
+    samples of one round read alike (a 100 Mbit/s, 100 ms path acks ten of a 1 MiB probe's
+    samples in one round)."""
+    for end in range(PLATEAU, len(counted) + 1):
+        low = high = counted[end - 1][0].delivery_rate
+        for first in range(end - 1, -1, -1):
+            rate = counted[first][0].delivery_rate
+            low, high = min(low, rate), max(high, rate)
+            if high > PLATEAU_SPREAD * low:
+                break
+            run = counted[first:end]
+            rtt = min(info.min_rtt_s for info, _ in run)
+            if (len(run) >= PLATEAU and run[-1][1] - run[0][1] >= 2 * rtt
+                    and not _limited(run[0][0], run[-1][0])):  # fmt: skip
+                return end, high
+    return None
+
+
+def without_queue_climbs(counted: list[Reading]) -> list[Reading]:
+    """``counted`` less the slow-start samples after the first plateau (``_plateau``) above
+    its rates by more than the spread: the window grown into a queue past the path (module
+    doc). Unless the probe's last ``PLATEAU`` samples settled above it: a plateau the link
+    gave the probe while a training frame shared it, its rate once the frame was through."""
+    plateau = _plateau(counted)
+    if plateau is None:
+        return counted
+    end, high = plateau
+    ceiling = PLATEAU_SPREAD * high
+    last = [info.delivery_rate for info, _ in counted[max(end, len(counted) - PLATEAU) :]]
+    if len(last) == PLATEAU and min(last) > ceiling and max(last) <= PLATEAU_SPREAD * min(last):
+        return counted  # the rate settled higher: the plateau was shared (a frame went by)
+    return counted[:end] + [
+        (info, at) for info, at in counted[end:]
+        if not (info.slow_start and info.delivery_rate > ceiling)
+    ]  # fmt: skip
+
+
 def bulk_figure(
     start: TcpInfo, readings: Iterable[Reading], *, min_bytes: int
 ) -> WireSample | None:
     """The link's figure from the kernel's readings during a bulk probe that began at
     ``start``: the best but one of the counted samples (``counted_samples``; the only one,
-    where one was), with the least minimum RTT; None where none counted."""
+    where one was) that did not climb into a queue (``without_queue_climbs``), with the least
+    minimum RTT; None where none counted. The samples it keeps for the log are all counted."""
     counted = counted_samples(start, readings, min_bytes=min_bytes)
     if not counted:
         return None
-    rates = sorted(info.delivery_rate for info, _ in counted)
+    rates = sorted(info.delivery_rate for info, _ in without_queue_climbs(counted))
     figure = rates[-2] if len(rates) > 1 else rates[0]
     min_rtt = min(info.min_rtt_s for info, _ in counted)
     trace = tuple(-i.delivery_rate if i.slow_start else i.delivery_rate for i, _ in counted)
