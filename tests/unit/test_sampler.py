@@ -75,3 +75,15 @@ def test_too_little_data_is_refused_with_the_numbers() -> None:
         sampler.eval_batch(0)
     with pytest.raises(ValueError, match="micro_batch in"):
         sampler.micro_batch(0, 4)
+
+
+def test_a_micro_batch_is_its_positions_in_the_order_and_a_fresh_array() -> None:
+    sampler = Sampler(tokens=65 * 1000, seq_len=64, batch_size=3, micro_batches=4, seed=7)
+    for step in (0, 1, 81, 82, 500):  # 82 steps of 12 cross an epoch of 990 windows
+        for mb in range(4):
+            first = (step * 4 + mb) * 3
+            expected = sampler.order(np.arange(first, first + 3))
+            got = sampler.micro_batch(step, mb)
+            assert got.tolist() == expected.tolist()
+            got[:] = -1  # the caller's own array: the next call reads the order again
+            assert sampler.micro_batch(step, mb).tolist() == expected.tolist()
