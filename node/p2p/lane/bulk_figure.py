@@ -65,7 +65,11 @@ def past_slow_start(
     )
     if len(counted_samples(base, after, min_bytes=min_bytes)) >= settled:
         return True
-    counted = counted_samples(start, readings, min_bytes=min_bytes)
+    return _settled(counted_samples(start, readings, min_bytes=min_bytes))
+
+
+def _settled(counted: list[Reading]) -> bool:
+    """Whether the last ``PLATEAU`` samples lie within ``PLATEAU_SPREAD`` of each other."""
     last = [info.delivery_rate for info, _ in counted[-PLATEAU:]]
     return len(last) == PLATEAU and max(last) <= PLATEAU_SPREAD * min(last)
 
@@ -84,16 +88,16 @@ def _plateau(counted: list[Reading]) -> tuple[int, float] | None:
     samples of one round read alike (a 100 Mbit/s, 100 ms path acks ten of a 1 MiB probe's
     samples in one round)."""
     for end in range(PLATEAU, len(counted) + 1):
-        low = high = counted[end - 1][0].delivery_rate
+        last, until = counted[end - 1]
+        low = high = last.delivery_rate
+        rtt = last.min_rtt_s
         for first in range(end - 1, -1, -1):
-            rate = counted[first][0].delivery_rate
-            low, high = min(low, rate), max(high, rate)
+            info, at = counted[first]
+            low, high = min(low, info.delivery_rate), max(high, info.delivery_rate)
+            rtt = min(rtt, info.min_rtt_s)
             if high > PLATEAU_SPREAD * low:
                 break
-            run = counted[first:end]
-            rtt = min(info.min_rtt_s for info, _ in run)
-            if (len(run) >= PLATEAU and run[-1][1] - run[0][1] >= 2 * rtt
-                    and not _limited(run[0][0], run[-1][0])):  # fmt: skip
+            if end - first >= PLATEAU and until - at >= 2 * rtt and not _limited(info, last):
                 return end, high
     return None
 
@@ -108,8 +112,8 @@ def without_queue_climbs(counted: list[Reading]) -> list[Reading]:
         return counted
     end, high = plateau
     ceiling = PLATEAU_SPREAD * high
-    last = [info.delivery_rate for info, _ in counted[max(end, len(counted) - PLATEAU) :]]
-    if len(last) == PLATEAU and min(last) > ceiling and max(last) <= PLATEAU_SPREAD * min(last):
+    after = counted[end:]
+    if _settled(after) and min(info.delivery_rate for info, _ in after[-PLATEAU:]) > ceiling:
         return counted  # the rate settled higher: the plateau was shared (a frame went by)
     return counted[:end] + [
         (info, at) for info, at in counted[end:]
