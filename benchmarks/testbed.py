@@ -56,6 +56,7 @@ RUN = {"seq-len": 64, "micro-batch-size": 8, "micro-batches": 4, "lr": 3e-3, "se
        "threads": 1, "step-timeout": 120, "min-stages": 2}  # fmt: skip
 TOKENS_PER_STEP = 64 * 8 * 4
 TIMING = {**FAST, "heartbeat": 2.0, "ttl": 10.0, "epoch": 4.0, "probe-kib": 1024}
+REHEARSE_S = 1.5  # a node's own default (rehearsal.py): FAST turns it off for the tests' swarms
 QUICK = {"topologies": ["mini"], "methods": ["naive", "opfence"], "steps": 30}
 KILLED = "opfence-kill"  # OP-Fence + AdaTopK with a member SIGKILLed halfway
 KILL_CHECKPOINTS = 5  # steps between checkpoints in the killed run
@@ -131,7 +132,10 @@ class _Watch:
         self.status_start = self._status.reading(0)
 
 
-def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict) -> dict:
+def run_method(
+    bed: Testbed, root: Path, method: str, steps: int, devices: dict, *,
+    rehearse_s: float = REHEARSE_S,
+) -> dict:  # fmt: skip
     """One swarm of the method on ``bed``, ``steps`` steps to the end (``KILLED``: OP-Fence +
     AdaTopK with one member SIGKILLed halfway, the others finishing without it)."""
     (root / method).mkdir(parents=True, exist_ok=True)
@@ -141,7 +145,8 @@ def run_method(bed: Testbed, root: Path, method: str, steps: int, devices: dict)
     # the newest copy, and the other methods' figures carry no checkpoint cost.
     flags = METHODS.get(method, {"checkpoint-every": KILL_CHECKPOINTS})
     peers = len(bed.hosts) - (method == KILLED)
-    extra = {**TIMING, **RUN, **flags, "steps": steps, "min-peers": peers}
+    extra = {**TIMING, **RUN, **flags, "steps": steps, "min-peers": peers,
+             "rehearse-s": rehearse_s}  # fmt: skip
     swarm = LocalSwarm(root / method, extra=extra)
     warmup = max(3, steps // 5)
     launched, watch = time.time(), None
@@ -360,7 +365,10 @@ def _wire(counters: dict[int, dict], warmup: int, steps: int) -> dict[str, float
     return per_step
 
 
-def run_topology(name: str, methods: list[str], steps: int, keep: Path | None = None) -> dict:
+def run_topology(
+    name: str, methods: list[str], steps: int, keep: Path | None = None, *,
+    rehearse_s: float = REHEARSE_S,
+) -> dict:  # fmt: skip
     topology = load_topology(name)
     devices = host_devices(topology)
     results = []
@@ -369,7 +377,8 @@ def run_topology(name: str, methods: list[str], steps: int, keep: Path | None = 
         for method in methods:
             print(f"[{topology.name}] {method}: {steps} steps ...", file=sys.stderr, flush=True)
             try:
-                results.append(run_method(bed, Path(root), method, steps, devices))
+                results.append(run_method(bed, Path(root), method, steps, devices,
+                                          rehearse_s=rehearse_s))  # fmt: skip
             except (TimeoutError, AssertionError) as exc:  # one failed run, not the others
                 logs = "".join(p.read_text()[-1500:] for p in Path(root, method).glob("*.log"))
                 results.append({"method": method, "steps": steps, "error": f"{exc}"[:3000],
@@ -388,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this folder")
     parser.add_argument("--keep", type=Path, help="keep every node's log under this folder")
+    parser.add_argument("--rehearse-s", type=float, default=REHEARSE_S,
+                        help="each node's rehearsal, s (%(default)s; 0: none)")  # fmt: skip
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:
@@ -401,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results = {"command": " ".join(sys.argv), "started": started, "topologies": []}
     for name in topologies:
-        results["topologies"].append(run_topology(name, methods, steps, args.keep))
+        results["topologies"].append(run_topology(name, methods, steps, args.keep,
+                                                  rehearse_s=args.rehearse_s))  # fmt: skip
         results["seconds"] = time.time() - started
         if args.json:  # after each topology: a later failure keeps what was measured
             args.json.write_text(json.dumps(results, indent=2))

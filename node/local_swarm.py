@@ -27,6 +27,9 @@ FAST = {
     "probe-interval": 2.0,
     "probe-kib": 64,
     "probe-fanout": 2,
+    # No rehearsal (rehearsal.py): these swarms' nodes share one machine's cores and start
+    # together, and most advertise a made-up device (TEST_DEVICE) a rehearsal would belie.
+    "rehearse-s": 0,
 }
 
 # For a swarm that trains on one small machine: FAST's 2 s epochs and probes cost ~25% of

@@ -9,10 +9,10 @@ import sys
 import threading
 from pathlib import Path
 
-from fusionllm.common.errors import FusionError
 from fusionllm.node.cli.announce_options import add_announce_options, announce_fields
 from fusionllm.node.cli.config import add_config_option
 from fusionllm.node.cli.keygen_cmd import add_swarm_key_option, swarm_key_of
+from fusionllm.node.cli.measure_options import add_compute_options, add_probe_options, device_of
 from fusionllm.node.cli.options import (
     add_data_options,
     add_device_option,
@@ -54,8 +54,8 @@ def add_parser(commands) -> None:
     _add_plan_options(node)
     _add_timing_options(node)
     _add_test_hooks(node)
-    _add_probe_options(node)
-    _add_compute_options(node)
+    add_probe_options(node)
+    add_compute_options(node)
     _add_role_options(node)
     _add_serve_options(node)
     add_config_option(node)  # last: it names every option above
@@ -270,45 +270,7 @@ def _serve_limits(args: argparse.Namespace):
     )
 
 
-def _add_compute_options(node: argparse.ArgumentParser) -> None:
-    node.add_argument(
-        "--threads", type=int, help="torch threads for compute (default: torch's choice)"
-    )
-    node.add_argument(
-        "--pin-cores",
-        action="store_true",
-        help="while training, compute on cores picked by this node's place in the plan (the "
-        "k-th process takes the k-th block of --threads cores): for several nodes on one "
-        "machine, which then train on different cores (fusionllm swarm sets it)",
-    )
-
-
-def _add_probe_options(node: argparse.ArgumentParser) -> None:
-    group = node.add_argument_group("links and device")
-    group.add_argument(
-        "--probe-interval", type=float, default=10.0, help="s between probe rounds (%(default)s)"
-    )
-    group.add_argument(
-        "--probe-fanout",
-        type=int,
-        default=3,
-        help="peers probed per round at most (%(default)s); probes never take more than a "
-        "tenth of the uplink's time, and links that training frames keep busy are not probed",
-    )
-    group.add_argument(
-        "--probe-kib", type=float, default=1024, help="bytes per probe, KiB (%(default)s)"
-    )
-    group.add_argument("--uplink-mbps", type=float, help="advertise this uplink, not measured")
-    group.add_argument("--downlink-mbps", type=float, help="advertise this downlink")
-    group.add_argument(
-        "--device-json",
-        help="advertise this device (JSON of fusionllm.dht.records.DeviceInfo fields) instead "
-        "of measuring it",
-    )
-
-
 def _node_config(args: argparse.Namespace):
-    from fusionllm.dht.records import DeviceInfo
     from fusionllm.node.control.node_config import NodeConfig
     from fusionllm.node.control.swarm_settings import SwarmSettings
 
@@ -330,12 +292,6 @@ def _node_config(args: argparse.Namespace):
         quiet_max_stride=args.quiet_stride,
         task=_kind_of(args),
     )
-    device = None
-    if args.device_json:
-        try:
-            device = DeviceInfo(**json.loads(Path(args.device_json).read_text()))
-        except (OSError, ValueError, TypeError) as exc:
-            raise FusionError(f"--device-json {args.device_json}: {exc}") from exc
     return NodeConfig(
         settings=settings,
         key_path=Path(args.key).expanduser(),
@@ -350,8 +306,10 @@ def _node_config(args: argparse.Namespace):
         probe_interval_s=args.probe_interval,
         probe_fanout=args.probe_fanout,
         probe_bytes=int(args.probe_kib * 1024),
-        device=device,
+        device=device_of(args),
         compute_device=args.device,
+        rehearse_s=args.rehearse_s,
+        compute_threads=args.threads or 0,
         uplink=args.uplink_mbps * 125_000 if args.uplink_mbps else None,
         downlink=args.downlink_mbps * 125_000 if args.downlink_mbps else None,
         observer=args.no_train,

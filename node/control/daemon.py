@@ -35,7 +35,7 @@ from fusionllm.node.control.bandwidth import BandwidthBook, BandwidthReport
 from fusionllm.node.control.epochs import PlanAgreement
 from fusionllm.node.control.heartbeat import Heartbeat
 from fusionllm.node.control.links import LinkMonitor, gossip_validator
-from fusionllm.node.control.local_facts import learn_local_facts
+from fusionllm.node.control.local_facts import RehearsalAsk, learn_local_facts
 from fusionllm.node.control.node_config import NodeConfig, software_version
 from fusionllm.node.control.pace import Timing
 from fusionllm.node.control.pacing import StepPacing
@@ -138,10 +138,16 @@ class NodeDaemon:
             device=cfg.compute_device,
             precision=settings.run.precision,
             vocab_size=settings.run.vocab_size,
+            rehearse=RehearsalAsk.for_node(
+                cfg.observer, cfg.rehearse_s, cfg.compute_threads, settings.run
+            ),
         )
         self.device = cfg.device or facts.device
         costs, node_ids = facts.costs, facts.costs.node_ids
         self.costs = costs
+        rehearsed = self.pacing.rehearsed(
+            facts.rehearsal, costs, self.device, settings.plan_config()
+        )
         self.topic = f"fusionllm/{settings.swarm}/bandwidth"
         self._start_network()
         if self.dht.peer_id != self.peer_id:
@@ -163,6 +169,7 @@ class NodeDaemon:
             addrs=self.host.addrs,
             dht_addrs=self.dht.maddrs,
             device=self.device.to_wire(),
+            rehearsed=rehearsed,
         )
         return self
 

@@ -19,10 +19,11 @@ from typing import Any
 from fusionllm.common.atomic import write_atomic
 from fusionllm.common.errors import FusionError
 from fusionllm.common.logs import get_logger
-from fusionllm.common.run_spec import STDLIB_VOCAB
+from fusionllm.common.run_spec import STDLIB_VOCAB, RunSpec
 from fusionllm.dag.graph import GraphCosts, costs_from_json, costs_to_json
 from fusionllm.dht.records import DeviceInfo
 from fusionllm.node.children import JsonChild
+from fusionllm.node.control.stretch import Rehearsal
 
 logger = get_logger(__name__)
 
@@ -38,6 +39,28 @@ class FactsError(FusionError):
 class LocalFacts:
     device: DeviceInfo | None  # None when the caller knew it already
     costs: GraphCosts
+    rehearsal: Rehearsal | None = None  # asked for and timed (rehearsal.py), else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RehearsalAsk:
+    """A rehearsal to time in the child: ``seconds`` of steps at the run's micro-batch shape."""
+
+    seconds: float
+    batch: int
+    micro_batches: int
+    threads: int = 0  # torch's threads, as the node computes with (0: torch's choice)
+
+    @classmethod
+    def for_node(
+        cls, observer: bool, seconds: float, threads: int, run: RunSpec
+    ) -> "RehearsalAsk | None":
+        """A node's rehearsal of its run's first stage: none where it trains nothing or
+        ``seconds`` is 0."""
+        if observer or not seconds:
+            return None
+        return cls(seconds=seconds, batch=run.micro_batch_size, micro_batches=run.micro_batches,
+                   threads=threads)  # fmt: skip
 
 
 def learn_local_facts(
@@ -51,9 +74,12 @@ def learn_local_facts(
     device: str = "auto",
     precision: str = "fp32",
     vocab_size: int = STDLIB_VOCAB,
+    rehearse: RehearsalAsk | None = None,
 ) -> LocalFacts:
     """The model's costs (cached) and, if ``measure_device``, this machine's ``device`` (the
-    one our stages train on) at the run's ``precision``.
+    one our stages train on) at the run's ``precision``; with ``rehearse``, a rehearsal of
+    the run's first stage timed on that device (rehearsal.py: every start, as it times the
+    host as it is now).
 
     ``model`` names the cache (``RunSpec.model_key``: a folder's digest, not its path);
     ``model_dir`` is the Hugging Face folder whose config.json the child costs; a preset is
@@ -62,9 +88,14 @@ def learn_local_facts(
     cache_dir = device_cache.parent if device_cache else Path.home() / ".cache" / "fusionllm"
     costs_path = cache_dir / costs_file_name(model, seq_len, vocab_size)
     cached = _read_costs(costs_path)
-    if cached is not None and not measure_device:
+    if cached is not None and not measure_device and rehearse is None:
         return LocalFacts(device=None, costs=cached)
-    probe = ["--device", device, "--precision", precision] if measure_device else []
+    probe = ["--device", device, "--precision", precision] if measure_device else ["--no-device"]
+    if rehearse is not None:
+        probe += ["--device", device, "--precision", precision] if not measure_device else []
+        probe += ["--rehearse-s", str(rehearse.seconds), "--micro-batch-size",
+                  str(rehearse.batch), "--micro-batches", str(rehearse.micro_batches),
+                  "--threads", str(rehearse.threads)]  # fmt: skip
     sizes = ["--seq-len", str(seq_len), "--vocab-size", str(vocab_size)]
     facts = _ask_child(model, sizes, device_cache, probe, timeout_s, model_dir)
     if cached is None:
@@ -115,14 +146,14 @@ def _ask_child(
         argv += ["--model-dir", model_dir]
     if device_cache is not None:
         argv += ["--device-cache", str(device_cache)]
-    argv += probe if probe else ["--no-device"]
+    argv += probe
     with JsonChild(argv, name="facts") as child:
         try:
             reply = child.next_event(timeout_s)
         except (TimeoutError, EOFError) as exc:
             raise FactsError(f"the model/device probe gave no answer: {exc}") from exc
         child.wait(timeout=timeout_s)
-    return parse_facts(reply, measure_device=bool(probe))
+    return parse_facts(reply, measure_device="--no-device" not in probe)
 
 
 def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:
@@ -135,8 +166,10 @@ def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:
         costs = costs_from_json(reply["costs"])
         raw_device = reply["device"]
         device = DeviceInfo(**raw_device) if raw_device is not None else None
+        raw_rehearsal = reply.get("rehearsal")
+        rehearsal = Rehearsal.from_json(raw_rehearsal) if raw_rehearsal is not None else None
     except (KeyError, TypeError, ValueError) as exc:
         raise FactsError(f"the model/device probe's reply is malformed: {exc}") from exc
     if measure_device and device is None:
         raise FactsError("the model/device probe measured no device")
-    return LocalFacts(device=device, costs=costs)
+    return LocalFacts(device=device, costs=costs, rehearsal=rehearsal)

@@ -48,6 +48,8 @@ class NodeConfig:
     device: DeviceInfo | None = None  # None: measure this machine (cached, node/probe.py)
     device_cache: Path | None = None
     compute_device: str = "auto"  # what the probe measures: where our stages will train
+    compute_threads: int = 0  # torch's threads for compute (0: torch's choice)
+    rehearse_s: float = 0.0  # a rehearsal of the run's first stage at start (rehearsal.py)
     uplink: float | None = None  # bytes/s; None: our best measurement
     downlink: float | None = None
     dht_log_level: str = "WARNING"
@@ -73,6 +75,9 @@ class NodeConfig:
         # The host and the control plane check their own fields (address, port, probe sizes);
         # building their configs here makes a bad value a ConfigError now, not at start().
         self.control_config()
+        if not 0 <= self.rehearse_s <= 60:
+            raise ConfigError(f"rehearse_s must be in [0, 60] s, got {self.rehearse_s}")
+        int_in("compute_threads", self.compute_threads, 0, 4096)
         boolean("lanes", self.lanes)
         boolean("observer", self.observer)
         boolean("upnp", self.upnp)

@@ -57,17 +57,25 @@ def predicted_compute_s(
     for stage in plan.stages:
         if peer in stage.peers:
             share = stage.shares[stage.peers.index(peer)]
-            profile = DeviceProfile(
-                name=device.name,
-                flops=device.flops,
-                memory_bandwidth=device.memory_bandwidth,
-                memory_bytes=device.memory_bytes,
-                op_overhead=device.op_overhead,
-            )
-            nodes = costs.nodes[stage.start : stage.stop]
-            per_micro_batch = sum(node_time(n, profile, scale=config.scale).total for n in nodes)
-            return config.micro_batches * share * per_micro_batch
+            return share * nodes_compute_s(costs, stage.start, stage.stop, device, config)
     return None
+
+
+def nodes_compute_s(
+    costs: GraphCosts, start: int, stop: int, device: DeviceInfo, config: PlanConfig
+) -> float:
+    """The planner's compute for graph nodes [start, stop) over a step's micro-batches on
+    ``device``, forward and backward."""
+    profile = DeviceProfile(
+        name=device.name,
+        flops=device.flops,
+        memory_bandwidth=device.memory_bandwidth,
+        memory_bytes=device.memory_bytes,
+        op_overhead=device.op_overhead,
+    )
+    per_micro_batch = sum(node_time(n, profile, scale=config.scale).total
+                          for n in costs.nodes[start:stop])  # fmt: skip
+    return config.micro_batches * per_micro_batch
 
 
 class RatioWindow:

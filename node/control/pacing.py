@@ -9,6 +9,7 @@ says whether what our record carries changed, so the daemon can publish it at on
 
 from collections.abc import Mapping
 
+from fusionllm.common.errors import ConfigError
 from fusionllm.common.logs import get_logger
 from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.planner import PlanConfig
@@ -20,10 +21,16 @@ from fusionllm.node.control.pace import (
     PaceWitness,
     Timing,
     checked_compute,
+    nodes_compute_s,
     predicted_compute_s,
     ranks_fit,
 )
-from fusionllm.node.control.stretch import StretchMeter, predicted_own_s
+from fusionllm.node.control.stretch import (
+    Rehearsal,
+    StretchMeter,
+    predicted_own_s,
+    rehearsed_stretch,
+)
 
 logger = get_logger(__name__)
 
@@ -34,6 +41,26 @@ class StepPacing:
         self.witness = PaceWitness()  # the other members' paces, from the step summaries
         self.stretch = StretchMeter()  # our own work in a step against the planner's model
         self._paced_plan: str | None = None  # the plan the meter's steps were measured in
+
+    def rehearsed(
+        self, rehearsal: Rehearsal | None, costs: GraphCosts, device: DeviceInfo,
+        config: PlanConfig,
+    ) -> float | None:  # fmt: skip
+        """Start our stretch from a rehearsal of the run's first stage (rehearsal.py), if one
+        was timed; the figure, or None."""
+        if rehearsal is None:
+            return None
+        try:
+            figure = rehearsed_stretch(rehearsal, costs, device, config)
+        except ConfigError as exc:
+            logger.warning("ignoring the rehearsal: %s", exc)
+            return None
+        self.stretch.start_from(figure)
+        logger.info("a rehearsed step took %.3g s, %.3g x our device's model of it: our own "
+                    "work is planned at %.3g x until our steps measure it", rehearsal.step_s,
+                    rehearsal.step_s / nodes_compute_s(costs, 0, rehearsal.stop, device, config),
+                    figure)  # fmt: skip
+        return figure
 
     def measured(
         self, adopted: Candidate | None, digest: str, compute_s: float, own_s: float, *,

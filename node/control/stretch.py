@@ -43,15 +43,18 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from fusionllm.common.errors import ConfigError
 from fusionllm.dag.cost import stage_frames, topk_charge
+from fusionllm.dag.graph import GraphCosts
 from fusionllm.dag.plan_build import topk_frames
 from fusionllm.dag.planner import Plan, PlanConfig
 from fusionllm.dht.records import MAX_STRETCH, DeviceInfo, NodeInfo
-from fusionllm.node.control.pace import RatioWindow, with_witnessed_paces
+from fusionllm.node.control.pace import RatioWindow, nodes_compute_s, with_witnessed_paces
 
 # Published values: quarter powers of two (a 19% step). Half powers put a median of 1.18 at
 # 1.0: topology B's two-stage plan was estimated at 0.090 s for steps of 0.105 (session 16).
@@ -112,7 +115,14 @@ class StretchMeter:
         self.window, self.skip = RatioWindow(window), skip
         self._skipped = 0
         self.published = 0.0
-        self._confirmed = False  # a second window has had its say (see above)
+        self._windows = 0  # full windows that published, up to 2: then the band holds
+
+    def start_from(self, rehearsed: float) -> None:
+        """Publish a rehearsal's figure (``rehearsed_stretch``) until our steps measure one:
+        the first window after it publishes its own whatever the band, the next confirms."""
+        if not 1.0 <= rehearsed <= MAX_STRETCH:
+            raise ConfigError(f"a rehearsed stretch must be in [1, {MAX_STRETCH}], got {rehearsed}")
+        self.published, self._windows = rehearsed, 0
 
     def add(self, own_s: float, predicted_s: float) -> float:
         """Note one step; the stretch to publish now."""
@@ -122,11 +132,11 @@ class StretchMeter:
         median, held = self.window.add(own_s, predicted_s), self.published
         if median is None:
             return held
-        if self._confirmed and held / _HOLD <= max(1.0, median) <= held * _HOLD:
+        if self._windows >= 2 and held / _HOLD <= max(1.0, median) <= held * _HOLD:
             return held
-        if not held:
+        if not self._windows:
             self.window.clear()  # the confirming window is of steps after this one
-        self._confirmed = bool(held)
+        self._windows = min(2, self._windows + 1)
         self.published = _quantized(median)
         return self.published
 
@@ -140,7 +150,7 @@ class StretchMeter:
         if self.published:
             self.published = _quantized(self.published * before / after)
         self.window.clear()
-        self._confirmed = False
+        self._windows = min(self._windows, 1)
 
     def reset(self) -> None:
         """A new plan: another stage, measured afresh (the published stretch stands)."""
@@ -177,3 +187,55 @@ def as_planned(members: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
             info, stretch=stretch
         )  # fmt: skip
     return planned
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rehearsal:
+    """What a rehearsal timed: the first ``stop`` graph nodes (a stage starting at node 0),
+    ``batch`` sequences a micro-batch, ``micro_batches`` of them a step, ``steps`` steps of
+    ``step_s`` wall seconds each on average."""
+
+    stop: int
+    batch: int
+    micro_batches: int
+    steps: int
+    step_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("stop", "batch", "micro_batches", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+                raise ConfigError(f"rehearsal {name} must be an int in [1, 2**20], got {value!r}")
+        if not (isinstance(self.step_s, float) and math.isfinite(self.step_s) and self.step_s > 0):
+            raise ConfigError(f"rehearsal step_s must be a positive float, got {self.step_s!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("stop", "batch", "micro_batches", "steps", "step_s")}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Rehearsal":
+        if not isinstance(data, dict) or set(data) != {
+            "stop", "batch", "micro_batches", "steps", "step_s"
+        }:  # fmt: skip
+            raise ConfigError(f"a rehearsal is a dict of its five fields, got {data!r}")
+        return cls(**data)
+
+
+def rehearsed_stretch(
+    rehearsal: Rehearsal, costs: GraphCosts, device: DeviceInfo, config: PlanConfig
+) -> float:
+    """A rehearsal's step (rehearsal.py) against the planner's compute for the same nodes on
+    ``device``, as a published stretch would read it. Refuses a rehearsal of another shape
+    than ``config``'s micro-batches or of more nodes than the model has (ConfigError)."""
+    per_micro_batch = config.batch_size / config.micro_batches
+    if (rehearsal.micro_batches, rehearsal.batch) != (config.micro_batches, per_micro_batch):
+        raise ConfigError(
+            f"a rehearsal of {rehearsal.micro_batches} x {rehearsal.batch} sequences is not the "
+            f"run's {config.micro_batches} x {per_micro_batch:g}"
+        )
+    if rehearsal.stop > len(costs.nodes):
+        raise ConfigError(
+            f"a rehearsal of {rehearsal.stop} nodes; the model has {len(costs.nodes)}"
+        )
+    modelled = nodes_compute_s(costs, 0, rehearsal.stop, device, config)
+    return _quantized(rehearsal.step_s / modelled)
