@@ -185,6 +185,8 @@ def run_method(
         "exit_codes": {n.name: n.process.returncode for n in nodes},
         # every host's steps: one left in backup by a view difference shows as 0
         "node_steps": {n.name: len(trained_steps(n)) for n in nodes},
+        # the stretch each node started from (rehearsal.py; None: no rehearsal)
+        "rehearsed": {n.name: (n.last("ready") or {}).get("rehearsed") for n in nodes},
         **(killer.report() if killer else {}),
     }  # fmt: skip
 

@@ -82,6 +82,10 @@ def _each_plan_rows(topology: dict) -> list[str]:
         plans = [f"{p['start']}+{p['steps']}: {p['estimate_s'] or 0:.3f} / {p['step_s'] or 0:.3f}"
                  for p in r.get("each_plan", [])]  # fmt: skip
         rows.append(f"  {r['method']:14} {'; '.join(plans) or '-'}")
+        rehearsed = r.get("rehearsed") or {}
+        if any(v is not None for v in rehearsed.values()):
+            figures = ", ".join(f"{h} {v or 0:.3g}" for h, v in sorted(rehearsed.items()))
+            rows.append(f"  {'':14} rehearsed stretch: {figures}")
     return rows
 
 

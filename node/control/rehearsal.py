@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fusionllm.common.errors import ConfigError
+from fusionllm.dag.cuts import cut_problem
 from fusionllm.dag.models import registry
 from fusionllm.dag.models.materialise import SeededInit
 from fusionllm.dag.tracing import trace
@@ -61,7 +62,8 @@ def rehearse(architecture: Any, config: RehearsalConfig, compute: Compute) -> Re
     example = registry.example_input(config.batch, config.seq_len)  # (B, T)
     graph = trace(model, (example,), meta=True)
     parameter_bytes = sum(p.numel() for p in model.parameters()) * 4
-    stages = min(len(graph.node_ids), max(1, math.ceil(parameter_bytes / config.max_stage_bytes)))
+    cuts = sum(cut_problem(graph, c) is None for c in range(1, len(graph.node_ids)))
+    stages = min(cuts + 1, max(1, math.ceil(parameter_bytes / config.max_stage_bytes)))
     layout = PipelineLayout(graph, balanced_cuts(graph, stages) if stages > 1 else ())
     worker = StageWorker(
         layout, 0, optimizer=OptimizerConfig(), micro_batches=config.micro_batches,
