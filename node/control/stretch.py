@@ -36,7 +36,13 @@ follow what was measured, the ranking of members does not (a member far slower t
 is pace's to catch, pace.py). A stretch can only make the swarm look slower: a liar among many
 moves the median by one place. The high median, as a step runs at its slowest stage's pace: on
 B's two-stage plan the stage-0 host measured 1.0 and waited 54 ms a step for the stage-1 host,
-which measured 1.68. Pure: fed numbers, no clock (tests/unit/test_stretch.py).
+which measured 1.68.
+
+Before its first step a node starts from a rehearsal's figure (rehearsal.py: 1.5 s of real
+steps of the run's first stage at start, ``rehearsed_stretch``), so a fresh swarm's first
+plan is planned at something measured: on B the model alone read 0.46-0.90 of a first plan's
+steps, and hosts under a CPU quota rehearse at 1.1-1.5x their scaled device's model (session
+21). Pure: fed numbers, no clock (tests/unit/test_stretch.py, test_rehearsal.py).
 """
 
 import dataclasses
