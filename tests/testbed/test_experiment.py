@@ -2,8 +2,9 @@
 
 Three hosts of topology ``mini`` (two neighbours, a home user on 20 Mbit/s at 40 ms), naive
 and OP-Fence + AdaTopK, 20 steps each (--quick alone: 30), real daemons. Checked: both runs
-train every step to the end and exit cleanly, the loss falls, the planner's estimate and the
-emulated links' bytes are recorded, the tables and plots are written. The figures themselves
+train every step to the end and exit cleanly, every node rehearsed its first stage, the loss
+falls, the planner's estimate and the emulated links' bytes are recorded, the tables and plots
+are written. The figures themselves
 (which method is faster, by how much) are the benchmark's to report, not asserted here.
 """
 
@@ -50,6 +51,9 @@ def test_the_quick_experiment_trains_both_methods_to_the_end(tmp_path):
         seated = {host for stage in run["plan"] for host in stage}
         assert all(run["node_steps"][h] > 0 for h in seated), (run["plan"], run["node_steps"])
         assert run["status_s"]["call"] > 0  # the mid-run `fusionllm status`, timed
+        # every node rehearsed its first stage at start and began from that stretch
+        assert set(run["rehearsed"]) == {"n1", "n2", "home"}
+        assert all(1.0 <= v <= 64.0 for v in run["rehearsed"].values()), run["rehearsed"]
         # every host's CPU after the warm-up; the seated ones' training threads, per step
         assert set(run["host_cpu"]) == {"n1", "n2", "home"}
         for host in seated:
