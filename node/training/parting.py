@@ -1,9 +1,10 @@
 """A session's state leaving its members: periodic checkpoints and copies, hand-over on leave.
 
-``checkpoint``: every ``checkpoint_every`` steps each member writes its stage (parameters,
-AdamW state, error-feedback residuals, RNG, plan, node range; the data position is the step)
-and, when its stage has no other replica, first sends a copy to the next stage's first replica
-(``checkpoint_custodian``), which keeps it on disk. The copy is not waited for on the critical
+``checkpoint``: every ``checkpoint_every`` steps, and after the first step of a plan that
+began mid-run, each member writes its stage (parameters, AdamW state, error-feedback
+residuals, RNG, plan, node range; the data position is the step) and, when its stage has no
+other replica, first sends a copy to the next stage's first replica (``checkpoint_custodian``),
+which keeps it on disk. The copy is not waited for on the critical
 path: its frames must only have left this node by the end of the step after (the wait, if
 any, is the ``copy_sent`` event's); a failed one is logged.
 
@@ -28,13 +29,17 @@ class Parting:
     def __init__(self, session) -> None:
         self.session = session
         self._copies: list = []  # futures of the last checkpoint's copy
+        self._copied_at = -1  # ... the step it was taken at
 
-    def checkpoint(self, held) -> None:
+    def checkpoint(self, held, *, resumed: bool = False) -> None:
+        """``resumed``: the first step of a plan that began mid-run, whose state may sit on one
+        node only (a leaver's stage handed to a member that also holds the only copy of its
+        last checkpoint; a CI run lost 239 steps when that member crashed 5 steps later)."""
         s = self.session
         every = s.hooks.checkpoint_every
-        if every and held.next_step % every == 1:
-            self._copy_sent(held.next_step - 1)
-        if not every or held.next_step % every:
+        if held.next_step == self._copied_at + 1:
+            self._copy_sent(self._copied_at)
+        if not every or (held.next_step % every and not resumed):
             return
         started, begun = time.perf_counter(), time.time()
         role, assignment = held.assignment.role, held.assignment
@@ -49,6 +54,7 @@ class Parting:
             # The copy first: until it lands, a crash of this node costs the previous interval;
             # our own file only helps if this node comes back.
             self._copies = send_copy(s.transport, keeper, stage, s.board.names, s.timeout_s)
+            self._copied_at = held.next_step
         try:
             s.vault.checkpoint(stage)
         except (OSError, CheckpointError) as exc:

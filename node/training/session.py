@@ -403,7 +403,7 @@ class PlanSession:
             on_step(report)
             held = self._held(step + 1)
             self.vault.set_live(held)
-            self.parting.checkpoint(held)
+            self.parting.checkpoint(held, resumed=step == start > 0)
             ending = self._after_votes(report.votes, held)
             if ending is not None:
                 return ending

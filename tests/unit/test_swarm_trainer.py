@@ -515,6 +515,25 @@ def test_a_polite_leave_hands_the_stage_over_without_rollback(
     np.testing.assert_allclose([merged[s] for s in range(RUN.steps)], _reference(three), atol=1e-5)
 
 
+def test_a_plan_that_begins_mid_run_checkpoints_after_its_first_step(cluster_of):
+    """The stage a leaver hands over may sit on one node only, beside the only copy of its
+    last checkpoint: a CI run lost 239 steps when that node crashed before the next interval.
+    So every member of a plan begun mid-run checkpoints after its first step, and the copies
+    leave at once; a plan begun at step 0 waits for the interval."""
+    peers = ["peer-a", "peer-b", "peer-c", "peer-d"]
+    cluster = cluster_of(peers, checkpoint_every=50)  # no interval's checkpoint in the run
+    left_at, survivors = _b_leaves_politely(cluster, _plan(peers[:3], 3))
+    for peer in survivors:
+        events = list(cluster.events[peer])
+        taken = [e for e in events if e["event"] == "checkpoint"]
+        assert [e["step"] for e in taken] == [left_at + 1], (peer, taken)
+        assert taken[0]["keeper"] in survivors
+        sent = [e for e in events if e["event"] == "copy_sent"]
+        assert [(e["step"], e["delivered"]) for e in sent] == [(left_at + 1, True)], peer
+    kept = {e["step"] for p in survivors for e in cluster.events[p] if e["event"] == "kept"}
+    assert left_at + 1 in kept
+
+
 def test_a_hand_over_over_a_slow_link_waits_for_the_bytes_at_the_measured_rate(
     cluster_of, monkeypatch
 ):
