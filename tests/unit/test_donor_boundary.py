@@ -78,7 +78,7 @@ class Donor:
             vote=0.5,
             hooks=SimpleNamespace(fault_stall_after=0, fault_abandon_after=0),
         )
-        self.session.parting = SimpleNamespace(checkpoint=lambda held: None)
+        self.session.parting = SimpleNamespace(checkpoint=lambda held, resumed=False: None)
         self.trainer = Donations(
             run=RunSpec(),
             peer_id="peer-a",
