@@ -90,14 +90,16 @@ def learn_local_facts(
     cached = _read_costs(costs_path)
     if cached is not None and not measure_device and rehearse is None:
         return LocalFacts(device=None, costs=cached)
-    probe = ["--device", device, "--precision", precision] if measure_device else ["--no-device"]
+    # The device is the one measured, rehearsed on, or both (--no-device: not measured).
+    probe = ["--device", device, "--precision", precision]
+    if not measure_device:
+        probe.append("--no-device")
     if rehearse is not None:
-        probe += ["--device", device, "--precision", precision] if not measure_device else []
         probe += ["--rehearse-s", str(rehearse.seconds), "--micro-batch-size",
                   str(rehearse.batch), "--micro-batches", str(rehearse.micro_batches),
                   "--threads", str(rehearse.threads)]  # fmt: skip
     sizes = ["--seq-len", str(seq_len), "--vocab-size", str(vocab_size)]
-    facts = _ask_child(model, sizes, device_cache, probe, timeout_s, model_dir)
+    facts = _ask_child(model, sizes, device_cache, probe, timeout_s, model_dir, measure_device)
     if cached is None:
         try:
             write_atomic(costs_path, json.dumps(costs_to_json(facts.costs)).encode())
@@ -138,6 +140,7 @@ def _ask_child(
     probe: list[str],
     timeout_s: float,
     model_dir: str | None,
+    measure_device: bool,
 ) -> LocalFacts:
     """Run the facts child (node/control/facts_main.py) and check what it says."""
     argv = [sys.executable, "-m", "fusionllm.node.control.facts_main"]
@@ -153,7 +156,7 @@ def _ask_child(
         except (TimeoutError, EOFError) as exc:
             raise FactsError(f"the model/device probe gave no answer: {exc}") from exc
         child.wait(timeout=timeout_s)
-    return parse_facts(reply, measure_device="--no-device" not in probe)
+    return parse_facts(reply, measure_device=measure_device)
 
 
 def parse_facts(reply: Any, *, measure_device: bool) -> LocalFacts:
